@@ -1,0 +1,7 @@
+"""fsdpfast: merge sharded training checkpoints into Hugging Face safetensors folders, bit for bit."""
+
+__version__ = "0.1.0"
+
+from .api import MergeReport, merge, plan_merge  # noqa: E402
+
+__all__ = ["merge", "plan_merge", "MergeReport", "__version__"]

@@ -1,0 +1,106 @@
+"""The public functions: plan a merge, run it, report what was done."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from . import formats
+from .engine import select_engine
+from .engine.sources import SourceFiles
+from .errors import BadInput
+from .finish import StagingFolder, copy_config_files, write_json
+from .layout import DEFAULT_MAX_SHARD_SIZE, index_json, plan_files
+from .plan import MergePlan
+from .prepare import parse_dtype, prepare
+from .writer import write_file
+
+
+@dataclass
+class MergeReport:
+    out_dir: str
+    layout: str
+    world_size: int
+    engine: str
+    tensors: int
+    bytes_written: int  # tensor data, as in the index's total_size
+    files: list[str]
+    seconds: float
+    tied: dict[str, list[str]] = field(default_factory=dict)  # kept name -> names not written
+    copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [
+            f"merged {self.tensors} tensors ({self.bytes_written / 1e9:.3f} GB) from {self.world_size} ranks "
+            f"[{self.layout}] into {self.out_dir} in {self.seconds:.2f} s with the {self.engine} engine",
+            f"files: {', '.join(self.files)}",
+        ]
+        lines += [f"tied: {', '.join(names)} written once as {kept}" for kept, names in self.tied.items()]
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None) -> MergePlan:
+    """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes."""
+    plan = formats.read_plan(os.fspath(src), layout)
+    if config is not None:
+        if not os.path.isfile(os.path.join(config, "config.json")):
+            raise BadInput(f"{config}: --config folder has no config.json")
+        plan.config_dir = os.fspath(config)
+    return prepare(plan, dtype, plan.config_dir)
+
+
+def merge(
+    src: str,
+    dst: str,
+    *,
+    dtype: str | None = "keep",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    layout: str | None = None,
+    config: str | None = None,
+    overwrite: bool = False,
+    engine: str = "auto",
+) -> MergeReport:
+    """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
+
+    `dst` appears complete or not at all: everything is written to a hidden sibling folder
+    that is renamed into place at the end.
+    """
+    start = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    parse_dtype(dtype)
+    runner = select_engine(engine)
+    if _inside(os.path.abspath(src), os.path.abspath(dst)):
+        raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config)
+    files = plan_files(plan, max_shard_size)
+    staging = StagingFolder(dst, overwrite)
+    try:
+        with SourceFiles(plan.sources) as sources:
+            for planned in files:
+                write_file(staging.file(planned.name), planned, runner, sources)
+        if len(files) > 1:
+            write_json(staging.file("model.safetensors.index.json"), index_json(files))
+        copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
+        staging.publish()
+    finally:
+        staging.discard()
+    return MergeReport(
+        out_dir=dst,
+        layout=plan.layout,
+        world_size=plan.world_size,
+        engine=runner.name,
+        tensors=len(plan.tensors),
+        bytes_written=sum(p.nbytes for f in files for p in f.tensors),
+        files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else []),
+        seconds=time.perf_counter() - start,
+        tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+        copied=copied,
+        notes=list(plan.notes),
+    )
+
+
+def _inside(folder: str, path: str) -> bool:
+    """True if `path` is `folder` or an ancestor of it (so writing there would clobber it)."""
+    return folder == path or folder.startswith(path.rstrip(os.sep) + os.sep)

@@ -1,0 +1,64 @@
+"""Command line: `fsdpfast merge`, `fsdpfast demo`. Errors are one line and an exit status."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from . import __version__
+from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, FsdpfastError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.")
+    parser.add_argument("--version", action="version", version=f"fsdpfast {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder")
+    merge.add_argument("checkpoint", help="folder holding the rank files")
+    merge.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    merge.add_argument("--dtype", default="keep", help="keep (default), bf16, fp16 or fp32; only floating tensors are cast")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
+    merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
+    merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
+    merge.add_argument("--engine", default="auto", help="auto (default) or torch")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
+    merge.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
+    demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
+    demo.add_argument("--world-size", type=int, default=4)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.verb == "merge":
+            return _merge(args)
+        if args.verb == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.workdir, args.world_size)
+    except FsdpfastError as exc:
+        print(f"fsdpfast: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fsdpfast: interrupted; nothing was published", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_BAD_INPUT
+
+
+def _merge(args) -> int:
+    from .api import merge
+
+    report = merge(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
+    )
+    print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
+    return 0

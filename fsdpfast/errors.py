@@ -1,0 +1,22 @@
+"""Errors the command line turns into one clear line and an exit status."""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+
+class FsdpfastError(Exception):
+    """Something fsdpfast could not do; the message says what and what to do."""
+
+    exit_code = EXIT_FAILURE
+
+
+class BadInput(FsdpfastError):
+    """The checkpoint, the options or the output folder are not usable as given."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class UnsafeCheckpoint(BadInput):
+    """A pickle asked for something a checkpoint of tensors never needs (code, arbitrary classes)."""

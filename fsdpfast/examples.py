@@ -1,0 +1,205 @@
+"""Real sharded checkpoints for the demo and the tests, written by real torch.distributed.
+
+Each rank is a spawned process in a gloo process group; FSDP2 (`fully_shard`) shards a tiny
+transformers model initialised from a seed, one AdamW step changes every weight, and each
+rank saves its state dict the way a trainer does. Rank 0 also saves the unsharded result
+(gathered with `full_tensor`) and the logits of the sharded model on a fixed input, so a
+merge can be checked bit for bit against the model the shards came from.
+
+Needs transformers (the `demo` / `test` extras).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+# The fixed input whose logits are recorded: batch 2, length 7.
+PROBE_INPUT = [[3, 14, 15, 92, 65, 35, 89], [79, 32, 38, 46, 26, 43, 38]]
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    name: str  # sub-folder of the root folder
+    model: str = "llama"  # llama | llama-tied | bert
+    dtype: str = "float32"
+    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces)
+    hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
+    shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
+    wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
+    fsdp: bool = True  # False: plain model.state_dict() (a world of one)
+    buffer: bool = False  # a persistent buffer every rank holds whole
+    seed: int = 0
+    sizes: dict = field(default_factory=dict)  # config overrides
+
+    def folder(self, root: str) -> str:
+        return os.path.join(root, self.name)
+
+    def reference_path(self, root: str) -> str:
+        return os.path.join(root, f"{self.name}.reference.pt")
+
+    def logits_path(self, root: str) -> str:
+        return os.path.join(root, f"{self.name}.logits.pt")
+
+
+def model_config(spec: CheckpointSpec):
+    import transformers
+
+    if spec.model.startswith("llama"):
+        base = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
+                    tie_word_embeddings=spec.model == "llama-tied")
+        return transformers.LlamaConfig(**{**base, **spec.sizes})
+    if spec.model == "bert":
+        base = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                    vocab_size=103, max_position_embeddings=40)
+        return transformers.BertConfig(**{**base, **spec.sizes})
+    raise ValueError(f"unknown example model {spec.model!r}")
+
+
+def build_model(spec: CheckpointSpec):
+    import transformers
+
+    config = model_config(spec)
+    torch.manual_seed(spec.seed)
+    cls = transformers.BertForMaskedLM if spec.model == "bert" else transformers.LlamaForCausalLM
+    model = cls(config).to(getattr(torch, spec.dtype))
+    if spec.buffer:
+        model.register_buffer("fsdpfast_probe_buffer", torch.arange(12, dtype=torch.float32).reshape(3, 4) + spec.seed)
+    return model
+
+
+def write_checkpoints(root: str, specs: list[CheckpointSpec], world_size: int) -> None:
+    """Write every spec's checkpoint with `world_size` spawned ranks (one process group for all)."""
+    import torch.multiprocessing as mp
+
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[CheckpointSpec]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        for spec in specs:
+            _write_one(rank, world_size, root, spec)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    folder = spec.folder(root)
+    os.makedirs(folder, exist_ok=True)
+    model = build_model(spec)
+    trained = model
+    if spec.wrappers:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = _layers(model)
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+    if spec.fsdp:
+        if spec.hsdp:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("ddp", "fsdp"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
+        placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
+        for layer in _layers(model):
+            fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    _train_one_step(model, spec)
+    logits = _probe_logits(model, spec)
+    state_owner = model
+    if spec.wrappers:  # an outer DDP-style `module.` and a torch.compile `_orig_mod.` on top
+        state_owner = torch.compile(_Outer(model))
+    state = state_owner.state_dict()
+    _save_rank(folder, rank, world_size, spec, state, trained)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save({"state_dict": full, "tied": _tied_names(model)}, spec.reference_path(root))
+        torch.save(logits, spec.logits_path(root))
+        _write_hf_files(os.path.join(folder, "huggingface"), spec)
+
+
+def _tied_names(model) -> list[str]:
+    """Parameter names that repeat an earlier name's parameter (tied weights)."""
+    seen, tied = set(), []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.append(name)
+        seen.add(id(param))
+    return tied
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def _layers(model):
+    return model.bert.encoder.layer if hasattr(model, "bert") else model.model.layers
+
+
+def _train_one_step(model, spec: CheckpointSpec) -> None:
+    generator = torch.Generator().manual_seed(1000 + spec.seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 9), generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model._fsdpfast_optimizer = optimizer  # kept for the layouts that save optimizer state
+
+
+@torch.no_grad()
+def _probe_logits(model, spec: CheckpointSpec) -> torch.Tensor:
+    model.eval()  # no dropout: the logits must be a function of the weights alone
+    ids = torch.tensor(PROBE_INPUT)
+    return model(input_ids=ids).logits.detach().clone()
+
+
+def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, state: dict, model) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if spec.layout == "fsdp-ranks":
+        torch.save(state, os.path.join(folder, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        return
+    if spec.layout == "guide-ranks-local":
+        state = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}
+    payload = {
+        "state_dict": state,
+        "optimizer_state": model._fsdpfast_optimizer.state_dict(),
+        "metadata": {"world_size": world_size, "rank": rank, "step": 1, "model": spec.model},
+    }
+    torch.save(payload, os.path.join(folder, f"model_pt_rank_{rank}.pt"))
+
+
+def _write_hf_files(folder: str, spec: CheckpointSpec) -> None:
+    import json
+
+    config = model_config(spec)
+    config.dtype = getattr(torch, spec.dtype)
+    config.save_pretrained(folder)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 64}, f)
+    with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": "<s>"}, f)

@@ -1,0 +1,37 @@
+"""Checkpoint layouts: each reader turns a folder into a MergePlan, reading metadata only."""
+from __future__ import annotations
+
+import os
+
+from ..errors import BadInput
+from ..plan import MergePlan
+from . import fsdp_ranks, guide_ranks
+
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks)}
+
+
+def detect(folder: str) -> str:
+    """The name of the one layout `folder` holds; an error if none or several match."""
+    if not os.path.exists(folder):
+        raise BadInput(f"{folder}: no such folder")
+    if not os.path.isdir(folder):
+        raise BadInput(f"{folder}: not a folder; give the folder that holds the rank files")
+    if not os.listdir(folder):
+        raise BadInput(f"{folder}: the folder is empty")
+    found = [name for name, reader in READERS.items() if reader.matches(folder)]
+    if not found:
+        known = "; ".join(reader.DESCRIPTION for reader in READERS.values())
+        raise BadInput(f"{folder}: no known checkpoint layout found (looked for {known})")
+    if len(found) > 1:
+        raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with --layout")
+    return found[0]
+
+
+def read_plan(folder: str, layout: str | None = None) -> MergePlan:
+    if layout is None:
+        layout = detect(folder)
+    elif layout not in READERS:
+        raise BadInput(f"unknown layout {layout!r}; known: {', '.join(READERS)}")
+    elif not READERS[layout].matches(folder):
+        raise BadInput(f"{folder}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
+    return READERS[layout].read(folder)

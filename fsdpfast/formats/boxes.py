@@ -1,0 +1,48 @@
+"""Turn "this contiguous local piece fills this box of the global tensor" into extents."""
+from __future__ import annotations
+
+from itertools import product
+from math import prod
+
+from ..plan import Extent
+
+
+def box_extents(source: int, src_offset: int, global_shape, offsets, sizes) -> list[Extent]:
+    """Extents copying a row-major local piece of shape `sizes` into the box at `offsets`.
+
+    The innermost partial dimension and the full dimensions inside it make one contiguous run;
+    the dimensions outside it, up to and including the next partial one, become the strided
+    runs of one extent; any dimensions further out are enumerated, one extent each.
+    """
+    ndim = len(global_shape)
+    if prod(sizes) == 0:
+        return []
+    partial = [d for d in range(ndim) if sizes[d] != global_shape[d]]
+    if not partial:
+        return [Extent(source, src_offset, prod(global_shape), 0)]
+    k = partial[-1]
+    g_strides = _row_major_strides(global_shape)
+    l_strides = _row_major_strides(sizes)
+    count = sizes[k] * g_strides[k]
+    base = offsets[k] * g_strides[k]
+    if k == 0:
+        return [Extent(source, src_offset, count, base)]
+    outer_partial = [d for d in partial if d < k]
+    m = outer_partial[-1] if outer_partial else 0
+    # Runs walk dims m..k-1 as one flat index: uniform strides since dims m+1..k-1 are full.
+    runs = prod(sizes[m:k])
+    base += offsets[m] * g_strides[m]
+    extents = []
+    for index in product(*(range(sizes[d]) for d in range(m))):
+        dst = base + sum((offsets[d] + i) * g_strides[d] for d, i in enumerate(index))
+        src = src_offset + sum(i * l_strides[d] for d, i in enumerate(index))
+        extents.append(Extent(source, src, count, dst, runs, l_strides[k - 1], g_strides[k - 1]))
+    return extents
+
+
+def _row_major_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]

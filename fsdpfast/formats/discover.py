@@ -1,0 +1,30 @@
+"""Find the numbered rank files of a per-rank layout and check none is missing."""
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import BadInput
+
+
+def rank_files(folder: str, pattern: re.Pattern) -> dict[int, dict[int, str]]:
+    """{world size or 0: {rank: path}} for file names matching `pattern` (groups: [world,] rank)."""
+    found: dict[int, dict[int, str]] = {}
+    for entry in sorted(os.listdir(folder)):
+        match = pattern.fullmatch(entry)
+        if match and os.path.isfile(os.path.join(folder, entry)):
+            groups = [int(g) for g in match.groups()]
+            world, rank = (groups[0], groups[1]) if len(groups) == 2 else (0, groups[0])
+            found.setdefault(world, {})[rank] = os.path.join(folder, entry)
+    return found
+
+
+def complete_ranks(folder: str, ranks: dict[int, str], world: int, file_name) -> list[tuple[int, str]]:
+    """Ranks 0..world-1 in order; an error naming the first missing file otherwise."""
+    for rank in range(world):
+        if rank not in ranks:
+            raise BadInput(f"{os.path.join(folder, file_name(rank))} is missing: a checkpoint of {world} ranks needs every rank's file")
+    extra = sorted(r for r in ranks if r >= world)
+    if extra:
+        raise BadInput(f"{ranks[extra[0]]}: rank {extra[0]} is outside a world of {world} ranks")
+    return [(rank, ranks[rank]) for rank in range(world)]

@@ -1,0 +1,84 @@
+"""`model_pt_rank_{r}.pt`: per-rank dicts {"state_dict", "optimizer_state", "metadata"}.
+
+The layout of a popular merging guide. Only the model is merged; the report says what
+else the files hold.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import BadInput
+from ..plan import MergePlan
+from .discover import complete_ranks, rank_files
+from .rank_files import load_rank_states, plan_from_ranks
+from .safe_load import DTensorRef, TensorRef
+
+NAME = "guide-ranks"
+DESCRIPTION = "model_pt_rank_{r}.pt: per-rank {state_dict, optimizer_state, metadata} dicts"
+_PATTERN = re.compile(r"model_pt_rank_(\d+)\.pt")
+
+
+def matches(folder: str) -> bool:
+    return bool(rank_files(folder, _PATTERN))
+
+
+def read(folder: str) -> MergePlan:
+    (_, ranks), = rank_files(folder, _PATTERN).items()
+    world = max(ranks) + 1
+    ordered = complete_ranks(folder, ranks, world, lambda r: f"model_pt_rank_{r}.pt")
+    states = load_rank_states(ordered, _model_part)
+    for state in states:
+        recorded = _metadata(state.whole).get("world_size")
+        if isinstance(recorded, int) and recorded != world:
+            raise BadInput(f"{state.path}: its metadata says world_size {recorded} but the folder holds {world} rank files")
+    plan = plan_from_ranks(states, NAME)
+    plan.notes += _other_contents(states[0].whole)
+    hf = os.path.join(folder, "huggingface")
+    plan.config_dir = hf if os.path.isdir(hf) else None
+    return plan
+
+
+def _model_part(whole, path: str) -> dict:
+    if not isinstance(whole, dict) or not isinstance(whole.get("state_dict"), dict):
+        raise BadInput(f"{path}: expected a dict with a 'state_dict' entry (the model), found {type(whole).__name__}")
+    return whole["state_dict"]
+
+
+def _metadata(whole) -> dict:
+    meta = whole.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _other_contents(whole: dict) -> list[str]:
+    notes = []
+    for key, value in whole.items():
+        if key == "state_dict":
+            continue
+        count, nbytes = _tensor_totals(value)
+        if count:
+            notes.append(f"not merged: '{key}' holds {count} tensors ({nbytes / 1e6:.1f} MB per rank)")
+        elif isinstance(value, dict):
+            shown = ", ".join(f"{k}={v!r}" for k, v in list(value.items())[:6] if isinstance(v, (int, float, str, bool)))
+            notes.append(f"not merged: '{key}' {{{shown}}}")
+        else:
+            notes.append(f"not merged: '{key}' ({type(value).__name__})")
+    return notes
+
+
+def _tensor_totals(value) -> tuple[int, int]:
+    from ..dtypes import DTYPES
+
+    if isinstance(value, DTensorRef):
+        value = value.local
+    if isinstance(value, TensorRef):
+        numel = 1
+        for size in value.shape:
+            numel *= size
+        return 1, numel * DTYPES.get(value.dtype, (0,))[0]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    count = nbytes = 0
+    for item in items:
+        c, n = _tensor_totals(item)
+        count, nbytes = count + c, nbytes + n
+    return count, nbytes

@@ -1,0 +1,241 @@
+"""The restricted unpickler: checkpoint pickles become inert records, never live objects.
+
+Like torch.load(weights_only=True), only an allow-list of globals is accepted: tensor
+rebuild functions, dtypes, torch.Size, the DTensor / DeviceMesh / placement classes and a
+few plain containers. Unlike it, nothing is imported or constructed: each allowed global
+maps to a stand-in here that records its arguments, tensors become `TensorRef`s that name
+a storage record, and any other global (os.system, builtins.exec, a model class, ...) is
+refused before anything runs. That is why reading a checkpoint's metadata needs neither
+torch.distributed nor the bulk bytes.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from ..dtypes import DTYPES
+from ..errors import UnsafeCheckpoint, BadInput
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the zip record name under data/
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    storage: StorageRef
+    offset: int  # in elements of `dtype`
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class DTensorRef:
+    local: TensorRef
+    spec: "Record"  # DTensorSpec stand-in; formats.placements interprets it
+
+
+class Record:
+    """Stand-in for an allowed class: keeps constructor arguments and pickled state."""
+
+    qualname = "Record"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = {}
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of slotted classes
+            for part in state:
+                if isinstance(part, dict):
+                    self.state.update(part)
+        elif isinstance(state, dict):
+            self.state.update(state)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.state.get(key, default)
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname} {self.args or ''}{self.state or ''}>"
+
+
+class _DType(str):
+    """A dtype global such as torch.float32, kept as its name."""
+
+
+class _StorageKind:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+class _TensorClass:
+    def __init__(self, qualname: str):
+        self.qualname = qualname
+
+
+_DTENSOR = _TensorClass("DTensor")
+_PLAIN_TENSOR = _TensorClass("Tensor")
+
+# DTensor metadata classes: any module under torch.distributed (they moved between releases).
+_DISTRIBUTED_RECORDS = {
+    "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
+    "Shard", "Replicate", "Partial", "_StridedShard", "_NormPartial", "_Partial", "_MaskPartial",
+}
+
+
+@dataclass
+class _WrapperShell:
+    cls: Any
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+    if storage.dtype == "uint8" and dtype != "uint8":
+        if dtype not in DTYPES:
+            raise BadInput(f"tensor of dtype {dtype} is not supported")
+        numel = storage.numel // DTYPES[dtype][0]
+        storage = StorageRef(storage.key, str(dtype), numel)
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), str(dtype))
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    return _WrapperShell(cls, str(dtype), tuple(size))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    obj = func(*args)
+    if isinstance(state, tuple):  # (dict, slots) when the class has __slots__
+        state = {k: v for part in state if isinstance(part, dict) for k, v in part.items()}
+    if isinstance(obj, _WrapperShell) and obj.cls is _DTENSOR:
+        local, spec = state.get("_local_tensor"), state.get("_spec")
+        if not isinstance(local, TensorRef) or not isinstance(spec, Record):
+            raise BadInput("a DTensor in this checkpoint lacks its local tensor or its spec")
+        return DTensorRef(local, spec)
+    if isinstance(obj, TensorRef) and new_type in (_PLAIN_TENSOR, _PARAMETER):
+        return obj
+    name = getattr(new_type, "qualname", new_type)
+    raise BadInput(f"tensor subclass {name} is not supported; only plain tensors and DTensors are")
+
+
+def _encode(text, encoding="latin1"):
+    # pickle protocol 2 stores bytes as _codecs.encode(str, "latin1")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise UnsafeCheckpoint("_codecs.encode called with unexpected arguments")
+    return text.encode(encoding)
+
+
+_PARAMETER = _TensorClass("Parameter")
+
+_STORAGE_CLASSES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+}
+
+_ALLOWED: dict[str, Any] = {
+    "collections.OrderedDict": collections.OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.bytearray": bytearray,
+    "_codecs.encode": _encode,
+    "torch.Size": lambda dims=(): tuple(dims),
+    "torch.device": lambda *args: str(args[0]) if args else "cpu",
+    "torch.serialization._get_layout": lambda name: str(name),
+    "torch.Tensor": _PLAIN_TENSOR,
+    "torch.nn.parameter.Parameter": _PARAMETER,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.storage.UntypedStorage": _StorageKind("uint8"),
+    "torch.distributed.tensor.DTensor": _DTENSOR,
+    "torch.distributed.tensor._api.DTensor": _DTENSOR,
+    "torch.distributed._tensor.api.DTensor": _DTENSOR,
+}
+_ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
+_ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
+
+_RECORD_CLASSES: dict[str, type] = {}
+
+
+def _record_class(qualname: str) -> type:
+    if qualname not in _RECORD_CLASSES:
+        _RECORD_CLASSES[qualname] = type(qualname.rsplit(".", 1)[-1], (Record,), {"qualname": qualname})
+    return _RECORD_CLASSES[qualname]
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.extra_records = extra_records
+
+    def find_class(self, module: str, name: str):
+        qualname = f"{module}.{name}"
+        if qualname in _ALLOWED:
+            return _ALLOWED[qualname]
+        if module.startswith("torch.distributed.") and name in _DISTRIBUTED_RECORDS:
+            return _record_class(qualname)
+        if qualname in self.extra_records:
+            return _record_class(qualname)
+        raise UnsafeCheckpoint(
+            f"{self.where}: refusing to unpickle '{qualname}': a checkpoint of tensors never needs it "
+            "and it could run code; fsdpfast does not execute code from checkpoints"
+        )
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise UnsafeCheckpoint(f"{self.where}: unexpected persistent id {pid!r}")
+        _, kind, key, _location, numel = pid
+        if not isinstance(kind, _StorageKind):
+            raise UnsafeCheckpoint(f"{self.where}: persistent id names {kind!r}, not a storage class")
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        return StorageRef(key, kind.dtype, int(numel))
+
+
+def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
+    """Unpickle `data` (a checkpoint's data.pkl) into plain containers and inert records.
+
+    `extra_records`: further fully qualified class names a reader accepts as inert records.
+    """
+    try:
+        return _RestrictedUnpickler(data, where, extra_records).load()
+    except (UnsafeCheckpoint, BadInput):
+        raise
+    except RecursionError:
+        raise BadInput(f"{where}: the pickle nests too deeply to be a checkpoint") from None
+    except Exception as exc:  # malformed pickles raise many kinds of errors
+        raise BadInput(f"{where}: the pickle is damaged ({type(exc).__name__}: {exc}); the file is corrupt") from None

@@ -1,0 +1,66 @@
+"""The merge plan: plain data shared by every layer (imports nothing of ours).
+
+A reader turns a checkpoint folder into a MergePlan; the layout assigns output
+files and offsets; the engine executes the extents. Dtypes are torch dtype names
+("float32", "bfloat16", ...) so the plan can be printed and compared without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+
+@dataclass(frozen=True)
+class SourceBuffer:
+    """A run of bytes inside one input file, holding elements of one dtype."""
+
+    path: str
+    byte_offset: int
+    nbytes: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Extent:
+    """`runs` runs of `count` contiguous elements copied from a source buffer into a tensor.
+
+    Run i starts at element `src_offset + i * src_stride` of the source buffer and lands at
+    element `dst_offset + i * dst_stride` of the output tensor (row-major, global shape).
+    One run (`runs == 1`) is the common case; the strided form covers Shard(d) for d > 0.
+    """
+
+    source: int  # index into MergePlan.sources
+    src_offset: int
+    count: int
+    dst_offset: int
+    runs: int = 1
+    src_stride: int = 0
+    dst_stride: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.runs * self.count
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    source_dtype: str
+    target_dtype: str
+    extents: list[Extent]
+    aliases: list[str] = field(default_factory=list)  # tied names not written, listed for the report
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass
+class MergePlan:
+    layout: str  # which reader produced it
+    world_size: int
+    sources: list[SourceBuffer]
+    tensors: list[TensorPlan]
+    notes: list[str] = field(default_factory=list)  # what else the checkpoint holds, what was assumed
+    config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any

@@ -1,0 +1,59 @@
+"""Real FSDP2 checkpoints, written once per test session by spawned gloo ranks.
+
+All checkpoints of one world size are written by one spawned process group the first time
+a test asks for any of them.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling chatter from torch.load in tests
+
+from fsdpfast.examples import CheckpointSpec, write_checkpoints  # noqa: E402
+
+# name -> (world size, spec). Sizes are tiny; uneven splits are on purpose (vocab 101 over
+# 3 or 8 ranks, BERT's 2 token-type rows leave trailing ranks empty).
+SPECS: dict[str, tuple[int, CheckpointSpec]] = {}
+
+
+def _add(world: int, spec: CheckpointSpec) -> None:
+    SPECS[spec.name] = (world, spec)
+
+
+_add(1, CheckpointSpec("w1-plain", fsdp=False))
+_add(1, CheckpointSpec("w1-dtensor-tied", model="llama-tied"))
+_add(2, CheckpointSpec("w2-llama", seed=1))
+_add(2, CheckpointSpec("w2-tied-bf16", model="llama-tied", dtype="bfloat16", seed=2))
+_add(2, CheckpointSpec("w2-guide", layout="guide-ranks", seed=3))
+_add(2, CheckpointSpec("w2-guide-local", layout="guide-ranks-local", seed=4))
+_add(3, CheckpointSpec("w3-llama", seed=5))
+_add(3, CheckpointSpec("w3-bert-dim1", model="bert", shard_dim=1, seed=6))
+_add(3, CheckpointSpec("w3-wrapped-buffer", model="llama-tied", wrappers=True, buffer=True, seed=7))
+_add(3, CheckpointSpec("w3-guide-local", model="bert", layout="guide-ranks-local", seed=8))
+_add(4, CheckpointSpec("w4-hsdp-tied", model="llama-tied", hsdp=True, seed=9))
+_add(4, CheckpointSpec("w4-bf16", dtype="bfloat16", seed=10))
+_add(4, CheckpointSpec("w4-hsdp-bert-dim1", model="bert", hsdp=True, shard_dim=1, seed=11))
+_add(8, CheckpointSpec("w8-tied", model="llama-tied", seed=12))
+_add(8, CheckpointSpec("w8-hsdp-bert", model="bert", hsdp=True, seed=13))
+
+
+class Checkpoints:
+    def __init__(self, root: str):
+        self.root = root
+        self._written: set[int] = set()
+
+    def get(self, name: str) -> tuple[CheckpointSpec, str]:
+        """(spec, checkpoint folder); writes the world size's checkpoints on first use."""
+        world, spec = SPECS[name]
+        if world not in self._written:
+            specs = [s for w, s in SPECS.values() if w == world]
+            write_checkpoints(self.root, specs, world)
+            self._written.add(world)
+        return spec, spec.folder(self.root)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(str(tmp_path_factory.mktemp("checkpoints")))

@@ -1,0 +1,79 @@
+"""Assertions shared by the tests: bit-for-bit comparison with the unsharded model."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def read_merged(out_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a merged folder, each file opened with safetensors.safe_open."""
+    tensors = {}
+    files = sorted(glob.glob(os.path.join(out_dir, "*.safetensors")))
+    assert files, f"no safetensors files in {out_dir}"
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                assert name not in tensors, f"{name} written twice"
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def clean(name: str) -> str:
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def load_reference(path: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(unsharded state dict, names tied to an earlier parameter), wrapper parts removed."""
+    saved = torch.load(path, weights_only=True)
+    return {clean(k): v for k, v in saved["state_dict"].items()}, {clean(k) for k in saved["tied"]}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes, so NaN payloads and -0.0 compare exactly."""
+    return t.contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def assert_bit_exact(merged: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None, tied=()) -> None:
+    """merged == reference (cast with .to(dtype) for floating tensors), tied names absent."""
+    expected_names = set(reference) - set(tied)
+    assert set(merged) == expected_names, (sorted(set(merged) ^ expected_names))
+    for name in expected_names:
+        want = reference[name]
+        if dtype is not None and want.is_floating_point():
+            want = want.to(dtype)
+        got = merged[name]
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        assert torch.equal(bits(got), bits(want)), f"{name} differs"
+
+
+def transformers_logits(out_dir: str, model_kind: str, dtype: str = "float32") -> torch.Tensor:
+    """Logits of the merged folder loaded with from_pretrained, on the examples' probe input.
+
+    The training side built its model in float32 and then called .to(dtype), which also casts
+    non-persistent buffers (rotary frequencies); loading in float32 and casting the same way
+    reproduces that model exactly (bfloat16 -> float32 -> bfloat16 is lossless for weights).
+    """
+    import transformers
+
+    from fsdpfast.examples import PROBE_INPUT
+
+    cls = transformers.BertForMaskedLM if model_kind == "bert" else transformers.LlamaForCausalLM
+    torch.set_num_threads(1)
+    model = cls.from_pretrained(out_dir, dtype=torch.float32).to(getattr(torch, dtype))
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROBE_INPUT)).logits
+
+
+def read_index(out_dir: str) -> dict:
+    with open(os.path.join(out_dir, "model.safetensors.index.json")) as f:
+        return json.load(f)
