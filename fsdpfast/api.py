@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import formats
-from .engine import select_engine
+from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
 from .errors import BadInput
 from .finish import StagingFolder, copy_config_files, write_json
@@ -70,11 +70,12 @@ def merge(
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     parse_dtype(dtype)
-    runner = select_engine(engine)
-    if _inside(os.path.abspath(src), os.path.abspath(dst)):
+    check_engine_name(engine)
+    if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config)
     files = plan_files(plan, max_shard_size)
+    runner = select_engine(engine)
     staging = StagingFolder(dst, overwrite)
     try:
         with SourceFiles(plan.sources) as sources:

@@ -10,10 +10,17 @@ from . import __version__
 from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, FsdpfastError
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Command-line mistakes are one line and exit status 2, like every other bad input."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"fsdpfast: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.")
+    parser = _OneLineParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.")
     parser.add_argument("--version", action="version", version=f"fsdpfast {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True)
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_OneLineParser)
 
     merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder")
     merge.add_argument("checkpoint", help="folder holding the rank files")
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     except FsdpfastError as exc:
         print(f"fsdpfast: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # the reader of our output went away (| head); nothing to report
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("fsdpfast: interrupted; nothing was published", file=sys.stderr)
         return 130

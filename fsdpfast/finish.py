@@ -82,6 +82,8 @@ def _write_config_with_dtype(source: str, target: str, torch_dtype: str) -> None
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise BadInput(f"{source}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{source}: holds a JSON {type(config).__name__}, not an object; a Hugging Face config is an object")
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     for key in keys:
         config[key] = torch_dtype

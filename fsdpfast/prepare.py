@@ -91,4 +91,6 @@ def _read_config(config_dir: str | None) -> dict:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise BadInput(f"{path}: not valid JSON ({exc})") from None
-    return config if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        raise BadInput(f"{path}: holds a JSON {type(config).__name__}, not an object; a Hugging Face config is an object")
+    return config

@@ -21,17 +21,32 @@ def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles) -> 
         os.close(fd)
 
 
+BATCH_BYTES = 256 << 20  # tensors handed to the engine at once; their input pages are dropped after
+
+
 def _write_tensors(fd: int, planned: OutputFile, engine, sources: SourceFiles) -> None:
     mapping = mmap.mmap(fd, planned.size, access=mmap.ACCESS_WRITE)
     try:
         view = memoryview(mapping)
-        for placed in planned.tensors:
-            if placed.nbytes == 0:
-                continue
-            engine.execute([(placed.tensor, view[placed.offset: placed.offset + placed.nbytes])], sources)
-            for extent_source in {e.source for e in placed.tensor.extents}:
-                sources.release(extent_source)
+        for batch in _batches([p for p in planned.tensors if p.nbytes]):
+            engine.execute([(p.tensor, view[p.offset: p.offset + p.nbytes]) for p in batch], sources)
+            for source in {e.source for p in batch for e in p.tensor.extents}:
+                sources.release(source)
         view.release()
         mapping.flush()
     finally:
         mapping.close()
+
+
+def _batches(placed: list) -> list[list]:
+    """Consecutive tensors grouped up to BATCH_BYTES, so small tensors share one engine call."""
+    batches, current, size = [], [], 0
+    for p in placed:
+        if current and size + p.nbytes > BATCH_BYTES:
+            batches.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.nbytes
+    if current:
+        batches.append(current)
+    return batches

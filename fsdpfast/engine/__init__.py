@@ -1,13 +1,67 @@
-"""Engines execute a plan's extents into destination bytes; all of them are byte-identical."""
+"""Engines execute a plan's extents into destination bytes; all of them are byte-identical.
+
+torch: torch copy_ between zero-copy views (the reference, always there).
+cpu:   the native multithreaded kernels (when the extension is built).
+cuda:  conversions through pinned buffers and the GPU (CUDA build and a visible GPU).
+auto:  cuda, else cpu, else torch.
+
+torch and the compiled ops are imported only when an engine is chosen, so reading and
+checking a checkpoint stays quick.
+"""
 from __future__ import annotations
 
-from ..errors import BadInput
-from .torch_ref import TorchEngine
+import sys
 
-ENGINES = ("auto", "torch")
+from ..errors import BadInput
+
+ENGINES = ("auto", "cpu", "cuda", "torch")
+_said_missing = False
+
+
+def check_engine_name(name: str) -> None:
+    if name not in ENGINES:
+        raise BadInput(f"--engine {name!r} is not one of {', '.join(ENGINES)}")
+
+
+def available_engines() -> list[str]:
+    """Usable engines, fastest first."""
+    from .. import _ops
+
+    names = ["torch"]
+    if _ops.native_cpu():
+        names.insert(0, "cpu")
+    if _ops.native_cuda():
+        names.insert(0, "cuda")
+    return names
 
 
 def select_engine(name: str = "auto"):
-    if name not in ENGINES:
-        raise BadInput(f"--engine {name!r} is not one of {', '.join(ENGINES)}")
+    from .. import _ops
+
+    check_engine_name(name)
+    if name == "auto":
+        name = available_engines()[0]
+        _say_if_missing(_ops)
+    if name == "cuda":
+        if not _ops.native_cuda():
+            why = "no GPU is visible" if _ops.native_cuda_built() else "the CUDA ops were not built"
+            raise BadInput(f"--engine cuda: {why}; use --engine cpu or auto")
+        from .cuda import CudaEngine
+
+        return CudaEngine()
+    if name == "cpu":
+        if not _ops.native_cpu():
+            raise BadInput(f"--engine cpu: the native extension is not available ({_ops.LOAD_ERROR}); use --engine torch")
+        from .native import NativeCpuEngine
+
+        return NativeCpuEngine()
+    from .torch_ref import TorchEngine
+
     return TorchEngine()
+
+
+def _say_if_missing(ops) -> None:
+    global _said_missing
+    if not ops.native_cpu() and not _said_missing:
+        print(f"fsdpfast: note: native extension not available ({ops.LOAD_ERROR}); using the pure-torch engine", file=sys.stderr)
+        _said_missing = True

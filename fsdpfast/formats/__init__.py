@@ -31,7 +31,7 @@ def read_plan(folder: str, layout: str | None = None) -> MergePlan:
     if layout is None:
         layout = detect(folder)
     elif layout not in READERS:
-        raise BadInput(f"unknown layout {layout!r}; known: {', '.join(READERS)}")
+        raise BadInput(f"--layout {layout!r} is not a known layout; known: {', '.join(READERS)}")
     elif not READERS[layout].matches(folder):
         raise BadInput(f"{folder}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
     return READERS[layout].read(folder)

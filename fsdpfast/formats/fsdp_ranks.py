@@ -52,5 +52,9 @@ def _check_fsdp_config(folder: str, world: int) -> None:
             recorded = json.load(f).get("world_size")
     except (OSError, ValueError, AttributeError) as exc:
         raise BadInput(f"{path}: unreadable ({exc}); fix or remove it (it is optional)") from None
-    if recorded is not None and int(recorded) != world:
+    if recorded is None:
+        return
+    if not isinstance(recorded, int) or isinstance(recorded, bool):
+        raise BadInput(f"{path}: world_size {recorded!r} is not a whole number; fix or remove the file (it is optional)")
+    if recorded != world:
         raise BadInput(f"{path}: says world_size {recorded} but the rank files are for {world}")

@@ -12,7 +12,8 @@ from ..errors import BadInput
 from ..plan import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks
-from .safe_load import DTensorRef, TensorRef
+from .safe_load import DTensorRef, TensorRef, safe_unpickle
+from .torch_zip import TorchZip
 
 NAME = "guide-ranks"
 DESCRIPTION = "model_pt_rank_{r}.pt: per-rank {state_dict, optimizer_state, metadata} dicts"
@@ -25,7 +26,7 @@ def matches(folder: str) -> bool:
 
 def read(folder: str) -> MergePlan:
     (_, ranks), = rank_files(folder, _PATTERN).items()
-    world = max(ranks) + 1
+    world = _recorded_world_size(ranks[min(ranks)]) or max(ranks) + 1
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_pt_rank_{r}.pt")
     states = load_rank_states(ordered, _model_part)
     for state in states:
@@ -37,6 +38,14 @@ def read(folder: str) -> MergePlan:
     hf = os.path.join(folder, "huggingface")
     plan.config_dir = hf if os.path.isdir(hf) else None
     return plan
+
+
+def _recorded_world_size(path: str) -> int | None:
+    """The world size a rank file's metadata records, so a missing last rank is named."""
+    with TorchZip(path) as archive:
+        whole = safe_unpickle(archive.pickle_bytes, path)
+    recorded = _metadata(whole).get("world_size") if isinstance(whole, dict) else None
+    return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else None
 
 
 def _model_part(whole, path: str) -> dict:

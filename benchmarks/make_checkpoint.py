@@ -1,0 +1,124 @@
+"""Write a large, real FSDP2 checkpoint to benchmark merges on: a Llama-like model in fp32.
+
+`world_size` ranks are spawned into a gloo process group; each builds the model on the meta
+device, shards it with `fully_shard` (every decoder layer, then the root), allocates only
+its own shards with `to_empty`, fills them from a per-rank seed and saves its state dict as
+`model_world_size_{W}_rank_{r}.pt`, as a trainer does. No rank ever holds the whole model,
+so memory stays at about one shard per rank. Rank 0 also writes `huggingface/config.json`.
+
+The default sizes (hidden 2048, 16 layers, MLP 5632, vocab 32000) make about 3.8 GB.
+
+    python benchmarks/make_checkpoint.py OUT_DIR [--hidden 2048 --layers 16 --world-size 4]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import socket
+import time
+
+import torch
+
+
+def llama_config(hidden: int = 2048, layers: int = 16, intermediate: int = 5632, vocab: int = 32000, heads: int = 16):
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate, vocab_size=vocab,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )
+
+
+def rank_files(out_dir: str, world_size: int) -> list[str]:
+    return sorted(glob.glob(os.path.join(out_dir, f"model_world_size_{world_size}_rank_*.pt")))
+
+
+def checkpoint_exists(out_dir: str, world_size: int) -> bool:
+    return (len(rank_files(out_dir, world_size)) == world_size
+            and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json")))
+
+
+def make_checkpoint(out_dir: str, world_size: int = 4, **sizes) -> bool:
+    """Write the checkpoint unless it is already there; True if it was written now."""
+    if checkpoint_exists(out_dir, world_size):
+        return False
+    import torch.multiprocessing as mp
+
+    os.makedirs(out_dir, exist_ok=True)
+    config = llama_config(**sizes)
+    mp.spawn(_rank_main, args=(world_size, _free_port(), out_dir, config), nprocs=world_size, join=True)
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        model = sharded_model(config, world_size)
+        fill_local_shards(model, seed=1234 + rank)
+        torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        if rank == 0:
+            config.save_pretrained(os.path.join(out_dir, "huggingface"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_model(config, world_size: int):
+    """The model sharded by FSDP2, with real storage for this rank's shards only."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    return model
+
+
+@torch.no_grad()
+def fill_local_shards(model, seed: int) -> None:
+    """Norm weights to one, every other weight to N(0, 0.02), from this rank's own generator."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        local = param.to_local()
+        if local.ndim == 1:
+            local.fill_(1.0)
+        else:
+            local.normal_(0.0, 0.02, generator=generator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a real FSDP2 checkpoint of a Llama-like fp32 model.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--world-size", type=int, default=4)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    written = make_checkpoint(args.out_dir, args.world_size, hidden=args.hidden, layers=args.layers,
+                              intermediate=args.intermediate, vocab=args.vocab, heads=args.heads)
+    size = sum(os.path.getsize(f) for f in rank_files(args.out_dir, args.world_size))
+    verb = f"wrote in {time.perf_counter() - start:.1f} s" if written else "already there"
+    print(f"{args.out_dir}: {args.world_size} rank files, {size / 1e9:.2f} GB, {verb}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+// The plan tensor the Python engine hands to the ops: int64 [n, kColumns], one row per extent.
+#pragma once
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fsdpfast {
+
+enum Column : int64_t {
+  kSource = 0,      // index into the sources list
+  kDestination,     // index into the destinations list
+  kSourceCode,      // Code of the source elements
+  kTargetCode,      // Code of the destination elements
+  kSourceItemsize,  // bytes per source element
+  kTargetItemsize,  // bytes per destination element
+  kSourceOffset,    // elements
+  kCount,           // contiguous elements per run
+  kTargetOffset,    // elements
+  kRuns,
+  kSourceStride,    // elements between run starts
+  kTargetStride,
+  kColumns
+};
+
+// A slice of work: runs [run_begin, run_end) of one row, elements [elem_begin, elem_end) of each.
+struct Task {
+  int64_t row, run_begin, run_end, elem_begin, elem_end;
+};
+
+// Split rows into tasks of about `chunk` elements: long runs are cut, short runs are grouped,
+// so thousands of small tensors and one huge tensor both spread evenly over threads.
+inline std::vector<Task> split_tasks(const int64_t* rows, int64_t n, int64_t chunk) {
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t* row = rows + r * kColumns;
+    int64_t count = row[kCount], runs = row[kRuns];
+    if (count <= 0 || runs <= 0) continue;
+    if (count >= chunk) {
+      for (int64_t run = 0; run < runs; ++run)
+        for (int64_t start = 0; start < count; start += chunk)
+          tasks.push_back({r, run, run + 1, start, std::min(count, start + chunk)});
+    } else {
+      int64_t per_task = std::max<int64_t>(1, chunk / count);
+      for (int64_t run = 0; run < runs; run += per_task)
+        tasks.push_back({r, run, std::min(runs, run + per_task), 0, count});
+    }
+  }
+  return tasks;
+}
+
+void check_plan(const at::Tensor& plan, size_t sources, size_t destinations);
+
+}  // namespace fsdpfast

@@ -1,0 +1,247 @@
+"""Malicious pickles are refused before anything in them runs.
+
+Each payload's side effect would create a marker file; every test checks the marker is
+absent afterwards. A control test shows that plain `pickle.loads` of the same bytes does
+create it, so the absence means fsdpfast refused the payload, not that the payload was inert.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
+
+from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
+from fsdpfast.formats.safe_load import safe_unpickle
+
+
+class Calls:
+    """Pickles as "call `function` with `args`" (the __reduce__ trick every exploit uses)."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def touch_command(marker: Path) -> str:
+    return f"touch {shlex.quote(str(marker))}"
+
+
+def create_file_code(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'w').close()"
+
+
+def pickled_call(function, *args, protocol: int = 2) -> bytes:
+    # fix_imports=False keeps Python 3 names (builtins.exec, not __builtin__.exec) below protocol 3
+    return pickle.dumps(Calls(function, *args), protocol=protocol, fix_imports=False)
+
+
+def pickled_global_call(module: str, name: str) -> bytes:
+    """GLOBAL module.name called with no arguments: pickle.dumps reaches some builtins only
+    through getattr/eval, while an attacker simply names them."""
+    return f"c{module}\n{name}\n)R.".encode()
+
+
+# name -> (pickle bytes for (marker, protocol) whose side effect creates the marker,
+#          the global the refusal must name)
+LIVE_PAYLOADS = {
+    "os.system": (lambda m, p: pickled_call(os.system, touch_command(m), protocol=p), f"{os.system.__module__}.system"),
+    "builtins.exec": (lambda m, p: pickled_call(exec, create_file_code(m), protocol=p), "builtins.exec"),
+    "builtins.eval": (lambda m, p: pickled_call(eval, create_file_code(m), protocol=p), "builtins.eval"),
+    "subprocess.Popen": (lambda m, p: pickled_call(subprocess.Popen, ["touch", str(m)], protocol=p), "subprocess.Popen"),
+    "torch.save": (lambda m, p: pickled_call(torch.save, {}, str(m), protocol=p), "torch.serialization.save"),
+}
+# Torch internals a checkpoint never names; they have no side effect to observe, so the
+# proof is the refusal itself.
+TORCH_INTERNALS = {
+    "torch.load": (lambda m, p: pickled_call(torch.load, str(m), protocol=p), "torch.serialization.load"),
+    "torch._C._get_tracing_state": (lambda m, p: pickled_global_call("torch._C", "_get_tracing_state"), "torch._C._get_tracing_state"),
+}
+ALL_PAYLOADS = {**LIVE_PAYLOADS, **TORCH_INTERNALS}
+PICKLED_CALLS = [name for name in ALL_PAYLOADS if name != "torch._C._get_tracing_state"]
+
+
+def payload_bytes(name: str, marker: Path, protocol: int = 2) -> bytes:
+    build, _ = ALL_PAYLOADS[name]
+    return build(marker, protocol)
+
+
+def refused_global(name: str) -> str:
+    return ALL_PAYLOADS[name][1]
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    return tmp_path / "MARKER"
+
+
+# --- the payloads are live ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", LIVE_PAYLOADS)
+def test_control_plain_pickle_runs_the_payload(marker, name):
+    result = pickle.loads(payload_bytes(name, marker))
+    if isinstance(result, subprocess.Popen):
+        result.wait()
+    assert marker.exists(), "the payload must be live for the other tests to mean anything"
+
+
+# --- safe_unpickle on the raw payloads --------------------------------------------------------
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("name", PICKLED_CALLS)
+def test_safe_unpickle_refuses_every_protocol(marker, name, protocol):
+    with pytest.raises(UnsafeCheckpoint, match="refusing to unpickle") as caught:
+        safe_unpickle(payload_bytes(name, marker, protocol), "evil/data.pkl")
+    assert refused_global(name) in str(caught.value)
+    assert "evil/data.pkl" in str(caught.value)
+    assert not marker.exists()
+
+
+def test_safe_unpickle_refuses_a_payload_nested_among_tensors(marker):
+    # A real state dict pickled the way torch.save does, with one entry that runs a shell.
+    state = {"weight": torch.zeros(2), "bias": Calls(os.system, touch_command(marker))}
+    with pytest.raises(UnsafeCheckpoint, match="refusing to unpickle"):
+        safe_unpickle(torch_data_pkl(state), "evil/data.pkl")
+    assert not marker.exists()
+
+
+# Opcodes written by hand, the way an attacker would; name -> (bytes for marker, runs under pickle.loads)
+HAND_WRITTEN = {
+    "python2 name for exec": (lambda m: f"c__builtin__\nexec\n(V{create_file_code(m)}\ntR.".encode(), True),
+    "INST opcode": (lambda m: f"(V{touch_command(m)}\nios\nsystem\n.".encode(), True),
+    "copyreg._reconstructor": (lambda m: f"ccopyreg\n_reconstructor\n(cos\nsystem\nV{touch_command(m)}\ntR.".encode(), False),
+    "builtins.getattr": (lambda m: b"cbuiltins\ngetattr\n(cos\nsystem\nVname\ntR.", False),
+    "torch.storage._load_from_bytes": (lambda m: b"ctorch.storage\n_load_from_bytes\n(C\x00tR.", False),
+}
+
+
+@pytest.mark.parametrize("name", [name for name, (_, live) in HAND_WRITTEN.items() if live])
+def test_control_plain_pickle_runs_the_hand_written_payload(marker, name):
+    pickle.loads(HAND_WRITTEN[name][0](marker))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("name", HAND_WRITTEN)
+def test_safe_unpickle_refuses_hand_written_opcodes(marker, name):
+    with pytest.raises(UnsafeCheckpoint, match="refusing to unpickle"):
+        safe_unpickle(HAND_WRITTEN[name][0](marker), "evil/data.pkl")
+    assert not marker.exists()
+
+
+def test_safe_unpickle_refuses_codecs_encode_with_another_codec():
+    # _codecs.encode is allowed for protocol-2 bytes only; other codecs (zlib, rot13) are not data.
+    crafted = b"c_codecs\nencode\n(Vdata\nVzlib\ntR."
+    with pytest.raises(UnsafeCheckpoint, match="_codecs.encode"):
+        safe_unpickle(crafted, "evil/data.pkl")
+
+
+def test_safe_unpickle_refuses_a_persistent_id_that_is_not_a_storage():
+    class NamesAFile(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("file", "/etc/passwd") if obj == "secret" else None
+
+    buffer = io.BytesIO()
+    NamesAFile(buffer, protocol=2).dump({"x": "secret"})
+    with pytest.raises(UnsafeCheckpoint, match="persistent id"):
+        safe_unpickle(buffer.getvalue(), "evil/data.pkl")
+
+
+def test_safe_unpickle_turns_garbage_into_bad_input():
+    with pytest.raises(BadInput, match="damaged"):
+        safe_unpickle(b"\x80\x02}q\x00(X\x01", "evil/data.pkl")
+
+
+# --- real rank files carrying a payload, through the CLI --------------------------------------
+
+def torch_data_pkl(value) -> bytes:
+    """The data.pkl torch.save writes for `value` (read back from a real torch.save archive)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        return archive.read(name)
+
+
+def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
+    _, folder = checkpoints.get(name)
+    return Path(shutil.copytree(folder, tmp_path / "ckpt"))
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    (path,) = folder.glob(f"*_rank_{rank}.pt")
+    return path
+
+
+def rewrite_data_pkl(path: Path, payload: bytes) -> None:
+    """Replace the archive's data.pkl with `payload`, keeping every other record and their order."""
+    with zipfile.ZipFile(path) as original:
+        records = [(info.filename, original.read(info)) for info in original.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as rewritten:
+        for name, data in records:
+            rewritten.writestr(name, payload if name.endswith("/data.pkl") else data)
+
+
+def merge_cli(src: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(src), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+    )
+
+
+def assert_refused_unsafe(result: subprocess.CompletedProcess, rank_path: Path, out: Path) -> str:
+    lines = result.stderr.splitlines()
+    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}:\n{result.stderr}"
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdpfast: error: ")
+    assert "refusing to unpickle" in lines[0] and str(rank_path) in lines[0], lines[0]
+    assert not out.exists()
+    assert not [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.fsdpfast-")]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", ALL_PAYLOADS)
+def test_cli_refuses_a_rank_file_whose_data_pkl_is_a_payload(checkpoints, tmp_path, marker, name):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    victim = rank_file(folder, 1)  # rank 0 is read first and is clean
+    rewrite_data_pkl(victim, payload_bytes(name, marker))
+    out = tmp_path / "merged"
+    line = assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), victim, out)
+    assert refused_global(name) in line
+    assert not marker.exists()
+
+
+def test_cli_refuses_a_payload_hidden_in_a_real_state_dict(checkpoints, tmp_path, marker):
+    # torch.save itself writes the trojan: every real DTensor plus one entry that runs a shell.
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    victim = rank_file(folder, 0)
+    state = torch.load(victim, weights_only=True)
+    state["model.norm.bias"] = Calls(os.system, touch_command(marker))
+    torch.save(state, victim)
+    out = tmp_path / "merged"
+    assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), victim, out)
+    assert not marker.exists()
+
+
+def test_cli_refuses_a_payload_in_the_part_that_is_not_merged(checkpoints, tmp_path, marker):
+    # The guide layout merges only "state_dict", but the whole file is unpickled: a payload in
+    # its metadata must be refused too.
+    folder = copy_checkpoint(checkpoints, "w2-guide", tmp_path)
+    victim = rank_file(folder, 1)
+    whole = torch.load(victim, weights_only=True)
+    whole["metadata"]["note"] = Calls(subprocess.Popen, ["touch", str(marker)])
+    torch.save(whole, victim)
+    out = tmp_path / "merged"
+    line = assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), victim, out)
+    assert "Popen'" in line  # torch.save pickles it under its Python 2 name, commands.Popen
+    assert not marker.exists()
