@@ -1,8 +1,12 @@
-"""Build the package and its native ops.
+"""Build the package and its native code.
 
-The C++ ops (csrc/) are always built as a torch CppExtension; their CUDA implementations
-(csrc/cuda/) join them when torch has CUDA and nvcc is found. FSDPFAST_CUDA=0|1 forces either
-way; FSDPFAST_NATIVE=0 skips the extension entirely (the pure-torch engine still works).
+- fsdpfast._C: the torch ops (csrc/ops.cpp + csrc/kernels.cpp), a torch CppExtension; their CUDA
+  implementations (csrc/cuda/) join them when torch has CUDA and nvcc is found.
+- fsdpfast._native: the same CPU kernels as a plain pybind11 module, so the native CPU engine
+  runs without importing torch.
+
+FSDPFAST_CUDA=0|1 forces the CUDA part either way; FSDPFAST_NATIVE=0 skips all native code
+(the pure-torch engine still works).
 """
 import glob
 import os
@@ -50,13 +54,19 @@ def _pip_cuda_includes():
 
 def _extensions():
     if _flag("FSDPFAST_NATIVE") is False:
+        _write_build_config(False)
         return [], {}
     _point_cuda_home_at_toolkit()
+    from pybind11.setup_helpers import Pybind11Extension
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cxx = ["-O3", "-fopenmp"]
-    sources = ["csrc/ops.cpp"]
-    if _cuda_wanted():
+    sources = ["csrc/ops.cpp", "csrc/kernels.cpp"]
+    plain = Pybind11Extension("fsdpfast._native", ["csrc/bindings.cpp", "csrc/kernels.cpp"],
+                              extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], cxx_std=17)
+    cuda = _cuda_wanted()
+    _write_build_config(cuda)
+    if cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")  # A100, H100/H200, and PTX onwards
         extension = CUDAExtension(
             "fsdpfast._C", sources + glob.glob("csrc/cuda/*.cu"),
@@ -66,7 +76,13 @@ def _extensions():
         )
     else:
         extension = CppExtension("fsdpfast._C", sources, extra_compile_args=cxx, extra_link_args=["-fopenmp"])
-    return [extension], {"build_ext": BuildExtension}
+    return [plain, extension], {"build_ext": BuildExtension}
+
+
+def _write_build_config(cuda: bool) -> None:
+    # Lets the package know, without importing torch, whether the CUDA ops were built.
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdpfast", "_build_config.py"), "w") as f:
+        f.write(f"# written by setup.py\nCUDA_OPS = {cuda!r}\n")
 
 
 ext_modules, cmdclass = _extensions()

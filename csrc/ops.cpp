@@ -1,154 +1,87 @@
-// The fsdpfast ops: schemas, and their CPU implementations.
+// The fsdpfast torch ops: schemas, and their CPU implementations over the kernels.
 //
 // gather_convert copies every extent of a plan from byte views of the input files into byte
-// views of the output files, converting element types on the way, in one multithreaded pass.
+// views of the output files, converting element types on the way, in one multithreaded pass;
+// gather_convert_to_file does the same into a file descriptor.
 #include <Python.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <stdexcept>
 
 #include "convert.h"
+#include "kernels.h"
 #include "plan_rows.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FSDPFAST_X86 1
-#endif
+#include "torch_plan.h"
 
 namespace fsdpfast {
 
-void check_plan(const at::Tensor& plan, size_t sources, size_t destinations) {
+const int64_t* plan_rows(const at::Tensor& plan) {
   TORCH_CHECK(plan.dim() == 2 && plan.size(1) == kColumns, "plan must be int64 [n, ", int64_t(kColumns), "]");
   TORCH_CHECK(plan.scalar_type() == at::kLong && plan.is_contiguous() && plan.device().is_cpu(),
               "plan must be a contiguous int64 CPU tensor");
-  const int64_t* rows = plan.data_ptr<int64_t>();
-  for (int64_t r = 0; r < plan.size(0); ++r) {
-    const int64_t* row = rows + r * kColumns;
-    TORCH_CHECK(row[kSource] >= 0 && size_t(row[kSource]) < sources, "plan row ", r, ": bad source index");
-    TORCH_CHECK(row[kDestination] >= 0 && size_t(row[kDestination]) < destinations, "plan row ", r, ": bad destination index");
-    TORCH_CHECK(row[kCount] >= 0 && row[kRuns] >= 0 && row[kSourceOffset] >= 0 && row[kTargetOffset] >= 0,
-                "plan row ", r, ": negative size or offset");
-    TORCH_CHECK(row[kSourceCode] == row[kTargetCode] ? row[kSourceItemsize] == row[kTargetItemsize]
-                                                     : row[kSourceCode] != kOther && row[kTargetCode] != kOther,
-                "plan row ", r, ": unsupported conversion");
+  return plan.data_ptr<int64_t>();
+}
+
+void check_plan(const at::Tensor& plan, size_t sources, size_t destinations) {
+  const int64_t* rows = plan_rows(plan);
+  try {
+    check_rows(rows, plan.size(0), sources, destinations);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
   }
 }
 
 namespace {
 
-// Bytes one row may touch, checked against the views before any byte moves.
-void check_bounds(const int64_t* row, int64_t row_index, int64_t source_bytes, int64_t target_bytes) {
-  if (row[kRuns] == 0 || row[kCount] == 0) return;
-  int64_t last_run = row[kRuns] - 1;
-  int64_t src_end = (row[kSourceOffset] + last_run * row[kSourceStride] + row[kCount]) * row[kSourceItemsize];
-  int64_t dst_end = (row[kTargetOffset] + last_run * row[kTargetStride] + row[kCount]) * row[kTargetItemsize];
-  TORCH_CHECK(src_end <= source_bytes, "plan row ", row_index, " reads past its source (", src_end, " > ", source_bytes, ")");
-  TORCH_CHECK(dst_end <= target_bytes, "plan row ", row_index, " writes past its destination (", dst_end, " > ", target_bytes, ")");
+ParallelFor aten_parallel_for() {
+  return [](int64_t n, const std::function<void(int64_t, int64_t)>& body) { at::parallel_for(0, n, 1, body); };
 }
 
-void convert_f32_to_bf16(const uint32_t* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);  // branch-free: the compiler vectorises it
-}
-
-#ifdef FSDPFAST_X86
-__attribute__((target("avx,f16c"))) void convert_f32_to_f16_f16c(const uint32_t* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_loadu_ps(reinterpret_cast<const float*>(src + i));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
-}
-
-__attribute__((target("avx,f16c"))) void convert_f16_to_f32_f16c(const uint16_t* src, uint32_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(reinterpret_cast<float*>(dst + i), _mm256_cvtph_ps(v));
-  }
-  for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
-}
-
-bool has_f16c() {
-  static const bool supported = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  return supported;
-}
-#endif
-
-// The F16C instructions give exactly the software results of convert.h, only faster.
-void convert_f32_to_f16(const uint32_t* src, uint16_t* dst, int64_t n) {
-#ifdef FSDPFAST_X86
-  if (has_f16c()) return convert_f32_to_f16_f16c(src, dst, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
-}
-
-void convert_f16_to_f32(const uint16_t* src, uint32_t* dst, int64_t n) {
-#ifdef FSDPFAST_X86
-  if (has_f16c()) return convert_f16_to_f32_f16c(src, dst, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
-}
-
-void convert_run(int64_t from, int64_t to, const unsigned char* src, unsigned char* dst, int64_t n) {
-  if (from == kFloat32 && to == kBFloat16)
-    return convert_f32_to_bf16(reinterpret_cast<const uint32_t*>(src), reinterpret_cast<uint16_t*>(dst), n);
-  if (from == kFloat32 && to == kFloat16)
-    return convert_f32_to_f16(reinterpret_cast<const uint32_t*>(src), reinterpret_cast<uint16_t*>(dst), n);
-  if (from == kFloat16 && to == kFloat32)
-    return convert_f16_to_f32(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint32_t*>(dst), n);
-  if (from == kBFloat16 && to == kFloat32) {
-    auto s = reinterpret_cast<const uint16_t*>(src);
-    auto d = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
-    return;
-  }
-  // Between the 16-bit kinds: element by element through float32 bits.
-  int64_t in = from == kFloat32 ? 4 : 2, out = to == kFloat32 ? 4 : 2;
-  for (int64_t i = 0; i < n; ++i) convert_element(from, to, src + i * in, dst + i * out);
-}
-
-void run_task(const Task& task, const int64_t* rows, const std::vector<unsigned char*>& sources,
-              const std::vector<unsigned char*>& destinations) {
-  const int64_t* row = rows + task.row * kColumns;
-  const int64_t in = row[kSourceItemsize], out = row[kTargetItemsize];
-  const unsigned char* src_base = sources[row[kSource]];
-  unsigned char* dst_base = destinations[row[kDestination]];
-  const int64_t n = task.elem_end - task.elem_begin;
-  for (int64_t run = task.run_begin; run < task.run_end; ++run) {
-    const unsigned char* src = src_base + (row[kSourceOffset] + run * row[kSourceStride] + task.elem_begin) * in;
-    unsigned char* dst = dst_base + (row[kTargetOffset] + run * row[kTargetStride] + task.elem_begin) * out;
-    if (row[kSourceCode] == row[kTargetCode]) {
-      std::memcpy(dst, src, n * in);
-    } else {
-      convert_run(row[kSourceCode], row[kTargetCode], src, dst, n);
-    }
-  }
-}
-
-std::vector<unsigned char*> byte_pointers(at::TensorList tensors, const char* what) {
-  std::vector<unsigned char*> pointers;
+template <typename Pointer>
+std::vector<Pointer> byte_pointers(at::TensorList tensors, std::vector<int64_t>& sizes, const char* what) {
+  std::vector<Pointer> pointers;
   for (const auto& t : tensors) {
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kByte,
                 what, " must be contiguous uint8 CPU tensors");
-    pointers.push_back(static_cast<unsigned char*>(t.data_ptr()));
+    pointers.push_back(static_cast<Pointer>(t.data_ptr()));
+    sizes.push_back(t.numel());
   }
   return pointers;
 }
 
-void gather_convert_cpu(at::TensorList sources, at::TensorList destinations, const at::Tensor& plan) {
-  check_plan(plan, sources.size(), destinations.size());
-  const int64_t* rows = plan.data_ptr<int64_t>();
-  for (int64_t r = 0; r < plan.size(0); ++r) {
-    const int64_t* row = rows + r * kColumns;
-    check_bounds(row, r, sources[row[kSource]].numel(), destinations[row[kDestination]].numel());
+// Kernel errors (std exceptions) become torch errors with the same message.
+template <typename Body>
+void translated(Body body) {
+  try {
+    body();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
   }
-  auto src = byte_pointers(sources, "sources");
-  auto dst = byte_pointers(destinations, "destinations");
-  const auto tasks = split_tasks(rows, plan.size(0), int64_t(1) << 16);
-  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) run_task(tasks[i], rows, src, dst);
+}
+
+void gather_convert_cpu(at::TensorList sources, at::TensorList destinations, const at::Tensor& plan) {
+  const int64_t* rows = plan_rows(plan);
+  std::vector<int64_t> source_bytes, destination_bytes;
+  auto src = byte_pointers<const unsigned char*>(sources, source_bytes, "sources");
+  auto dst = byte_pointers<unsigned char*>(destinations, destination_bytes, "destinations");
+  translated([&] { gather_convert(src, source_bytes, dst, destination_bytes, rows, plan.size(0), aten_parallel_for()); });
+}
+
+void gather_convert_to_file_cpu(at::TensorList sources, const at::Tensor& plan, const at::Tensor& offsets,
+                                const at::Tensor& sizes, int64_t fd, int64_t chunk_bytes) {
+  const int64_t* rows = plan_rows(plan);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && sizes.scalar_type() == at::kLong && offsets.is_contiguous() &&
+                  sizes.is_contiguous() && offsets.numel() == sizes.numel(),
+              "destination offsets and sizes must be contiguous int64 tensors of one length");
+  std::vector<int64_t> source_bytes;
+  auto src = byte_pointers<const unsigned char*>(sources, source_bytes, "sources");
+  translated([&] {
+    gather_convert_to_file(src, source_bytes, rows, plan.size(0), offsets.data_ptr<int64_t>(), sizes.data_ptr<int64_t>(),
+                           offsets.numel(), int(fd), chunk_bytes, aten_parallel_for());
   });
 }
 
@@ -170,11 +103,13 @@ at::Tensor convert_scalar(const at::Tensor& source, int64_t from, int64_t to) {
 
 TORCH_LIBRARY(fsdpfast, m) {
   m.def("gather_convert(Tensor[] sources, Tensor(a!)[] destinations, Tensor plan) -> ()");
+  m.def("gather_convert_to_file(Tensor[] sources, Tensor plan, Tensor destination_offsets, Tensor destination_sizes, int fd, int chunk_bytes) -> ()");
   m.def("convert_scalar(Tensor source, int source_code, int target_code) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {
   m.impl("gather_convert", &gather_convert_cpu);
+  m.impl("gather_convert_to_file", &gather_convert_to_file_cpu);
   m.impl("convert_scalar", &convert_scalar);
 }
 

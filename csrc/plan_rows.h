@@ -1,7 +1,6 @@
-// The plan tensor the Python engine hands to the ops: int64 [n, kColumns], one row per extent.
+// The plan the Python engines hand to the kernels: int64 rows of kColumns, one per extent.
 #pragma once
-#include <torch/types.h>
-
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -10,7 +9,7 @@ namespace fsdpfast {
 enum Column : int64_t {
   kSource = 0,      // index into the sources list
   kDestination,     // index into the destinations list
-  kSourceCode,      // Code of the source elements
+  kSourceCode,      // Code of the source elements (convert.h)
   kTargetCode,      // Code of the destination elements
   kSourceItemsize,  // bytes per source element
   kTargetItemsize,  // bytes per destination element
@@ -48,7 +47,5 @@ inline std::vector<Task> split_tasks(const int64_t* rows, int64_t n, int64_t chu
   }
   return tasks;
 }
-
-void check_plan(const at::Tensor& plan, size_t sources, size_t destinations);
 
 }  // namespace fsdpfast

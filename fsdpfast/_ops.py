@@ -1,43 +1,113 @@
-"""The thin Python face of the compiled ops (torch.ops.fsdpfast.*), and whether they loaded."""
+"""The thin Python face of the compiled code, and whether it loaded.
+
+- fsdpfast._native: the CPU kernels as a plain module; the native CPU engine uses it, so a
+  merge never has to import torch.
+- fsdpfast._C: the same kernels as torch ops (torch.ops.fsdpfast.*), with CUDA implementations
+  when built with CUDA; loaded only when asked for, since it needs torch imported first.
+"""
 from __future__ import annotations
 
-import torch
+import glob
+import os
 
 try:
-    from . import _C  # noqa: F401  (loading the library registers the ops)
-
-    LOAD_ERROR: str | None = None
-except ImportError as exc:  # not built, or built against another torch
-    LOAD_ERROR = str(exc)
+    from ._build_config import CUDA_OPS  # written by setup.py
+except ImportError:  # a source tree that was never built
+    CUDA_OPS = False
 
 # Element codes of csrc/convert.h: equal codes mean a plain byte copy.
 CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+COLUMNS = 12  # plan row width, csrc/plan_rows.h
 
+_native = None
+NATIVE_ERROR: str | None = None
+try:
+    from . import _native  # noqa: F811
+except ImportError as exc:  # not built
+    NATIVE_ERROR = str(exc)
 
-def native_cpu() -> bool:
-    return LOAD_ERROR is None
-
-
-def native_cuda_built() -> bool:
-    return LOAD_ERROR is None and hasattr(torch.ops.fsdpfast, "gather_convert_staged")
-
-
-def native_cuda() -> bool:
-    """CUDA ops built and a GPU visible."""
-    return native_cuda_built() and torch.cuda.is_available()
+_torch_ops_error: str | None = None
+_torch_ops_loaded = False
 
 
 def code(dtype: str) -> int:
     return CODES.get(dtype, 0)
 
 
-def gather_convert(sources: list[torch.Tensor], destinations: list[torch.Tensor], plan: torch.Tensor) -> None:
+def native_cpu() -> bool:
+    return _native is not None
+
+
+def native():
+    """The torch-free kernel module (check native_cpu() first)."""
+    return _native
+
+
+def torch_ops() -> bool:
+    """Load the torch ops (imports torch); False, with torch_ops_error() saying why, if they are missing."""
+    global _torch_ops_loaded, _torch_ops_error
+    if not _torch_ops_loaded and _torch_ops_error is None:
+        try:
+            import torch  # noqa: F401  (the ops library links against it)
+
+            from . import _C  # noqa: F401  (loading the library registers the ops)
+
+            _torch_ops_loaded = True
+        except ImportError as exc:
+            _torch_ops_error = str(exc)
+    return _torch_ops_loaded
+
+
+def torch_ops_error() -> str | None:
+    torch_ops()
+    return _torch_ops_error
+
+
+def native_cuda_built() -> bool:
+    return bool(CUDA_OPS) and torch_ops()
+
+
+def gpu_device_present() -> bool:
+    """A cheap look for an NVIDIA device node, so CPU-only machines never import torch to ask."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.environ.get("FSDPFAST_ASSUME_GPU") == "1"
+
+
+def native_cuda() -> bool:
+    """CUDA ops built and a GPU visible."""
+    if not (CUDA_OPS and gpu_device_present() and native_cuda_built()):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cpu_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def gather_convert(sources, destinations, plan) -> None:
+    import torch
+
+    torch_ops()
     torch.ops.fsdpfast.gather_convert(sources, destinations, plan)
 
 
 def gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, device_in, device_out) -> None:
+    import torch
+
     torch.ops.fsdpfast.gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, device_in, device_out)
 
 
-def convert_scalar(source: torch.Tensor, source_code: int, target_code: int) -> torch.Tensor:
+def gather_convert_to_file(sources, plan, destination_offsets, destination_sizes, fd: int, chunk_bytes: int) -> None:
+    """The torch op (tensors in); the engine uses native().gather_convert_to_file (buffers in)."""
+    import torch
+
+    torch_ops()
+    torch.ops.fsdpfast.gather_convert_to_file(sources, plan, destination_offsets, destination_sizes, fd, chunk_bytes)
+
+
+def convert_scalar(source, source_code: int, target_code: int):
+    import torch
+
+    torch_ops()
     return torch.ops.fsdpfast.convert_scalar(source, source_code, target_code)

@@ -1,11 +1,12 @@
 """Write one planned safetensors file: header first, then every tensor straight to its offset."""
 from __future__ import annotations
 
-import mmap
 import os
 
 from .engine.sources import SourceFiles
-from .layout import OutputFile
+from .layout import OutputFile, PlacedTensor
+
+BATCH_BYTES = 256 << 20  # tensors handed to the engine at once; their input pages are dropped after
 
 
 def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles) -> None:
@@ -13,32 +14,19 @@ def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles) -> 
     try:
         os.ftruncate(fd, planned.size)
         os.pwrite(fd, planned.header, 0)
-        data_bytes = planned.size - len(planned.header)
-        if data_bytes:
-            _write_tensors(fd, planned, engine, sources)
+        tensors = [p for p in planned.tensors if p.nbytes]
+        if tensors:
+            with engine.output(fd, planned.size) as output:
+                for batch in _batches(tensors):
+                    output.write(batch, sources)
+                    for source in {e.source for p in batch for e in p.tensor.extents}:
+                        sources.release(source)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-BATCH_BYTES = 256 << 20  # tensors handed to the engine at once; their input pages are dropped after
-
-
-def _write_tensors(fd: int, planned: OutputFile, engine, sources: SourceFiles) -> None:
-    mapping = mmap.mmap(fd, planned.size, access=mmap.ACCESS_WRITE)
-    try:
-        view = memoryview(mapping)
-        for batch in _batches([p for p in planned.tensors if p.nbytes]):
-            engine.execute([(p.tensor, view[p.offset: p.offset + p.nbytes]) for p in batch], sources)
-            for source in {e.source for p in batch for e in p.tensor.extents}:
-                sources.release(source)
-        view.release()
-        mapping.flush()
-    finally:
-        mapping.close()
-
-
-def _batches(placed: list) -> list[list]:
+def _batches(placed: list[PlacedTensor]) -> list[list[PlacedTensor]]:
     """Consecutive tensors grouped up to BATCH_BYTES, so small tensors share one engine call."""
     batches, current, size = [], [], 0
     for p in placed:

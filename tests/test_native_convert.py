@@ -11,7 +11,7 @@ import torch
 
 from fsdpfast import _ops
 
-pytestmark = pytest.mark.skipif(not _ops.native_cpu(), reason=f"native ops not built: {_ops.LOAD_ERROR}")
+pytestmark = pytest.mark.skipif(not _ops.torch_ops(), reason=f"torch ops not built: {_ops.torch_ops_error()}")
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = [(a, b) for a in FLOATS for b in FLOATS if a is not b]

@@ -17,6 +17,7 @@
 
 #include "../convert.h"
 #include "../plan_rows.h"
+#include "../torch_plan.h"
 
 namespace fsdpfast {
 namespace {

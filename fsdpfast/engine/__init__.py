@@ -51,7 +51,7 @@ def select_engine(name: str = "auto"):
         return CudaEngine()
     if name == "cpu":
         if not _ops.native_cpu():
-            raise BadInput(f"--engine cpu: the native extension is not available ({_ops.LOAD_ERROR}); use --engine torch")
+            raise BadInput(f"--engine cpu: the native extension is not available ({_ops.NATIVE_ERROR}); use --engine torch")
         from .native import NativeCpuEngine
 
         return NativeCpuEngine()
@@ -63,5 +63,5 @@ def select_engine(name: str = "auto"):
 def _say_if_missing(ops) -> None:
     global _said_missing
     if not ops.native_cpu() and not _said_missing:
-        print(f"fsdpfast: note: native extension not available ({ops.LOAD_ERROR}); using the pure-torch engine", file=sys.stderr)
+        print(f"fsdpfast: note: native extension not available ({ops.NATIVE_ERROR}); using the pure-torch engine", file=sys.stderr)
         _said_missing = True

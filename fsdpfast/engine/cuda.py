@@ -9,6 +9,7 @@ import torch
 
 from .. import _ops
 from ..plan import TensorPlan
+from .outputs import MappedOutput
 from .rows import build_rows, native_pair
 from .sources import SourceFiles
 from .torch_ref import TorchEngine
@@ -29,14 +30,20 @@ class CudaEngine:
         self.device_out = [torch.empty(2 * staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(slots)]
         self._fallback = TorchEngine()
 
+    def output(self, fd: int, size: int) -> MappedOutput:
+        return MappedOutput(fd, size, self.execute)
+
     def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: SourceFiles) -> None:
-        native = [j for j in jobs if native_pair(j[0].source_dtype, j[0].target_dtype)]
-        other = [j for j in jobs if not native_pair(j[0].source_dtype, j[0].target_dtype)]
+        native = [j for j in jobs if native_pair(j[0].source_dtype, j[0].target_dtype) and j[0].numel]
         if native:
-            src, dst, plan = build_rows(native, sources)
-            if plan.shape[0]:
-                with torch.cuda.device(self.device):
-                    _ops.gather_convert_staged(src, dst, plan, self.pinned_in, self.pinned_out, self.device_in, self.device_out)
-            del src, dst
+            views, rows = build_rows([tensor for tensor, _ in native], sources)
+            source_tensors = [torch.frombuffer(view, dtype=torch.uint8) for view in views]
+            destinations = [torch.frombuffer(view, dtype=torch.uint8) for _, view in native]
+            plan = torch.frombuffer(rows, dtype=torch.int64).view(-1, _ops.COLUMNS) if rows else torch.zeros((0, _ops.COLUMNS), dtype=torch.int64)
+            with torch.cuda.device(self.device):
+                _ops.gather_convert_staged(source_tensors, destinations, plan, self.pinned_in, self.pinned_out,
+                                           self.device_in, self.device_out)
+            del source_tensors, destinations, views
+        other = [j for j in jobs if not native_pair(j[0].source_dtype, j[0].target_dtype)]
         if other:
             self._fallback.execute(other, sources)

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 from ..dtypes import torch_dtype
 from ..plan import TensorPlan
+from .outputs import MappedOutput
 from .sources import SourceFiles
 
 
 class TorchEngine:
     name = "torch"
+
+    def output(self, fd: int, size: int) -> MappedOutput:
+        return MappedOutput(fd, size, self.execute)
 
     def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: SourceFiles) -> None:
         """Write each tensor's elements, converted to its target dtype, into its destination bytes."""

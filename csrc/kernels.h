@@ -1,0 +1,37 @@
+// The CPU kernels, free of torch and Python: raw pointers in, bytes out.
+//
+// Both front ends use them: the torch ops (ops.cpp, threads from at::parallel_for) and the
+// plain Python module _native (bindings.cpp, threads of its own), which lets a merge run
+// without importing torch at all.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace fsdpfast {
+
+// parallel_for(n, body): run body(begin, end) over pieces of [0, n), possibly on many threads.
+using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>;
+
+// A ParallelFor on `threads` threads of its own (0: one per processor available to us).
+ParallelFor thread_pool_for(int threads);
+
+// Validate plan rows against the number of sources and destinations; throws std::invalid_argument.
+void check_rows(const int64_t* rows, int64_t n, size_t sources, size_t destinations);
+
+// Convert n elements between codes `from` and `to` (different float codes).
+void convert_run(int64_t from, int64_t to, const unsigned char* src, unsigned char* dst, int64_t n);
+
+// Every row from source byte views into destination byte views.
+void gather_convert(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                    const std::vector<unsigned char*>& destinations, const std::vector<int64_t>& destination_bytes,
+                    const int64_t* rows, int64_t n, const ParallelFor& parallel_for);
+
+// Every row from source byte views into the file `fd`: destination d is the byte range
+// [offsets[d], offsets[d] + sizes[d]). Chunks of each destination are assembled in per-thread
+// buffers and written with pwrite; a chunk the rows do not fill completely is an error.
+void gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                            const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
+                            int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for);
+
+}  // namespace fsdpfast
