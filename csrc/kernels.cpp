@@ -26,16 +26,6 @@ namespace {
 
 std::string row_name(int64_t r) { return "plan row " + std::to_string(r); }
 
-// Bytes one row may touch, checked against the views before any byte moves.
-void check_bounds(const int64_t* row, int64_t r, int64_t source_bytes, int64_t target_bytes) {
-  if (row[kRuns] == 0 || row[kCount] == 0) return;
-  const int64_t last_run = row[kRuns] - 1;
-  const int64_t src_end = (row[kSourceOffset] + last_run * row[kSourceStride] + row[kCount]) * row[kSourceItemsize];
-  const int64_t dst_end = (row[kTargetOffset] + last_run * row[kTargetStride] + row[kCount]) * row[kTargetItemsize];
-  if (src_end > source_bytes) fail(row_name(r) + " reads past its source (" + std::to_string(src_end) + " > " + std::to_string(source_bytes) + ")");
-  if (dst_end > target_bytes) fail(row_name(r) + " writes past its destination (" + std::to_string(dst_end) + " > " + std::to_string(target_bytes) + ")");
-}
-
 void convert_f32_to_bf16(const uint32_t* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);  // branch-free: the compiler vectorises it
 }
@@ -134,6 +124,15 @@ int64_t fill_chunk(const std::vector<const int64_t*>& rows, int64_t first, int64
 }
 
 }  // namespace
+
+void check_bounds(const int64_t* row, int64_t r, int64_t source_bytes, int64_t target_bytes) {
+  if (row[kRuns] == 0 || row[kCount] == 0) return;
+  const int64_t last_run = row[kRuns] - 1;
+  const int64_t src_end = (row[kSourceOffset] + last_run * row[kSourceStride] + row[kCount]) * row[kSourceItemsize];
+  const int64_t dst_end = (row[kTargetOffset] + last_run * row[kTargetStride] + row[kCount]) * row[kTargetItemsize];
+  if (src_end > source_bytes) fail(row_name(r) + " reads past its source (" + std::to_string(src_end) + " > " + std::to_string(source_bytes) + ")");
+  if (dst_end > target_bytes) fail(row_name(r) + " writes past its destination (" + std::to_string(dst_end) + " > " + std::to_string(target_bytes) + ")");
+}
 
 ParallelFor thread_pool_for(int threads) {
   if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));

@@ -19,6 +19,9 @@ ParallelFor thread_pool_for(int threads);
 // Validate plan rows against the number of sources and destinations; throws std::invalid_argument.
 void check_rows(const int64_t* rows, int64_t n, size_t sources, size_t destinations);
 
+// Bytes row `r` may touch, against the sizes of its source and destination; throws std::invalid_argument.
+void check_bounds(const int64_t* row, int64_t r, int64_t source_bytes, int64_t target_bytes);
+
 // Convert n elements between codes `from` and `to` (different float codes).
 void convert_run(int64_t from, int64_t to, const unsigned char* src, unsigned char* dst, int64_t n);
 

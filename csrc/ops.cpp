@@ -33,6 +33,19 @@ void check_plan(const at::Tensor& plan, size_t sources, size_t destinations) {
   }
 }
 
+void check_plan_bounds(const at::Tensor& plan, at::TensorList sources, at::TensorList destinations) {
+  check_plan(plan, sources.size(), destinations.size());
+  const int64_t* rows = plan.data_ptr<int64_t>();
+  try {
+    for (int64_t r = 0; r < plan.size(0); ++r) {
+      const int64_t* row = rows + r * kColumns;
+      check_bounds(row, r, sources[row[kSource]].numel(), destinations[row[kDestination]].numel());
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
 namespace {
 
 ParallelFor aten_parallel_for() {

@@ -40,6 +40,25 @@ def native_gather_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_of
     return out[dst_offset * out_size:].view(to)
 
 
+def native_file_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_offset=0) -> torch.Tensor:
+    """Convert with the torch-free module's file writer (what the cpu engine runs), small chunks."""
+    import os
+    import tempfile
+    from array import array
+
+    n = x.numel() - src_offset
+    out_size = torch.empty(0, dtype=to).element_size()
+    row = [0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(to)), x.element_size(), out_size, src_offset, n, 0, 1, 0, 0]
+    with tempfile.TemporaryFile() as f:
+        if n:
+            _ops.native().gather_convert_to_file([memoryview(x.view(torch.uint8).numpy())], array("q", row),
+                                                 array("q", [dst_offset * out_size]), array("q", [n * out_size]),
+                                                 f.fileno(), 4096, 2)
+        f.seek(dst_offset * out_size)
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=to) if data else torch.empty(0, dtype=to)
+
+
 def scalar_convert(x: torch.Tensor, to: torch.dtype) -> torch.Tensor:
     """The element-by-element conversion the CUDA kernels run, executed on the CPU."""
     return _ops.convert_scalar(x.view(torch.uint8), _ops.code(_name(x.dtype)), _ops.code(_name(to))).view(to)
@@ -74,7 +93,8 @@ def float32_specials() -> torch.Tensor:
 
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("target", FLOATS)
-@pytest.mark.parametrize("convert", [native_gather_convert, scalar_convert], ids=["gather_convert", "scalar"])
+@pytest.mark.parametrize("convert", [native_gather_convert, native_file_convert, scalar_convert],
+                         ids=["gather_convert", "file_writer", "scalar"])
 def test_every_16bit_value(source, target, convert):
     if source is target:
         pytest.skip("same dtype")
@@ -83,7 +103,8 @@ def test_every_16bit_value(source, target, convert):
 
 
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("convert", [native_gather_convert, scalar_convert], ids=["gather_convert", "scalar"])
+@pytest.mark.parametrize("convert", [native_gather_convert, native_file_convert, scalar_convert],
+                         ids=["gather_convert", "file_writer", "scalar"])
 def test_float32_specials_and_random_bits(target, convert):
     generator = torch.Generator().manual_seed(7)
     random_bits = torch.randint(-(2**31), 2**31 - 1, (1 << 21,), generator=generator, dtype=torch.int64).to(torch.int32)
@@ -94,11 +115,12 @@ def test_float32_specials_and_random_bits(target, convert):
 @pytest.mark.parametrize("source,target", PAIRS, ids=[f"{_name(a)}-{_name(b)}" for a, b in PAIRS])
 @pytest.mark.parametrize("length", [0, 1, 7, 63, 64, 1000, 65537, 200_003])
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 3), (5, 0)])
-def test_lengths_and_unaligned_offsets(source, target, length, offsets):
+@pytest.mark.parametrize("convert", [native_gather_convert, native_file_convert], ids=["gather_convert", "file_writer"])
+def test_lengths_and_unaligned_offsets(source, target, length, offsets, convert):
     src_offset, dst_offset = offsets
     generator = torch.Generator().manual_seed(length)
     x = (torch.randn(length + src_offset, generator=generator) * 1000).to(source)
-    got = native_gather_convert(x, target, src_offset, dst_offset)
+    got = convert(x, target, src_offset, dst_offset)
     assert_same_bits(got, torch_reference(x[src_offset:], target), x[src_offset:])
 
 

@@ -5,6 +5,7 @@
 // buffer k, stream k copies them to the device, converts them and copies them back, and an event
 // marks slot k done. While the GPU works on slot k the CPU already packs slot k+1 and unpacks
 // the finished slot k-1 into the output views, so reading, converting and writing overlap.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -79,7 +80,7 @@ std::vector<int64_t> device_pointers(at::TensorList tensors, const at::Device& d
 }
 
 void gather_convert_cuda(at::TensorList sources, at::TensorList destinations, const at::Tensor& plan) {
-  check_plan(plan, sources.size(), destinations.size());
+  check_plan_bounds(plan, sources, destinations);
   TORCH_CHECK(!destinations.empty(), "gather_convert (CUDA): no destinations");
   const at::Device device = destinations[0].device();
   c10::cuda::CUDAGuard guard(device);
@@ -159,7 +160,7 @@ void launch(Slot& slot, int64_t from, int64_t to, int64_t elements) {
 void gather_convert_staged(at::TensorList sources, at::TensorList destinations, const at::Tensor& plan,
                            at::TensorList pinned_in, at::TensorList pinned_out, at::TensorList device_in,
                            at::TensorList device_out) {
-  check_plan(plan, sources.size(), destinations.size());
+  check_plan_bounds(plan, sources, destinations);
   const size_t slots_count = pinned_in.size();
   TORCH_CHECK(slots_count >= 2 && pinned_out.size() == slots_count && device_in.size() == slots_count &&
                   device_out.size() == slots_count,
