@@ -15,7 +15,7 @@ CPU time is its user + sys (getrusage), and the CPU time the rest of the machine
 meanwhile (psutil.cpu_times) is shown so contention from other jobs is visible. Every ~20 ms
 /proc/<pid>/status of the process and all its children is read; peak RSS and peak RssAnon
 are the largest sums over that tree. Between runs the output is deleted and dirty pages are
-flushed (os.sync), untimed.
+flushed (os.sync), untimed. The measuring code is in benchmarks/measure.py.
 
     python benchmarks/bench_merge.py [--workdir benchmarks/work] [--repeat 3] [--engines cpu,torch]
 """
@@ -24,36 +24,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import resource
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
-
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_checkpoint import make_checkpoint, rank_files  # noqa: E402
+from measure import Run, clean, ratios, run_measured, size  # noqa: E402
 
 WORLD_SIZE = 4
-SAMPLE_SECONDS = 0.02
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclass
-class Run:
-    seconds: float
-    cpu_seconds: float  # user + sys of the process and the children it waited for
-    peak_rss: int  # bytes
-    peak_anon: int  # bytes
-    engine: str  # as the merge reports it; "-" for cp
-    others_cpu_seconds: float  # CPU time the rest of the machine used meanwhile (other work, kernel writeback)
-
-
 DTYPES = ("bf16", "keep")
 
 
@@ -73,93 +54,35 @@ def commands(ckpt: str, out: str, engines: list[str]) -> dict[str, list[str]]:
     cmds = {"cp": ["sh", "-c", copy_and_sync]}
     floor = [sys.executable, os.path.join(HERE, "io_floor.py"), os.path.join(out, "floor.bin")]
     for dtype in DTYPES:
-        size = str(output_bytes(ckpt, dtype))
+        nbytes = str(output_bytes(ckpt, dtype))
         for mode in ("mmap", "pwrite"):
-            cmds[f"{dtype} floor-{mode}"] = ["sh", "-c", f"mkdir -p {shlex.quote(out)} && exec {shlex.join(floor + [size, *files, '--write', mode])}"]
+            cmds[f"{dtype} floor-{mode}"] = ["sh", "-c", f"mkdir -p {shlex.quote(out)} && exec {shlex.join(floor + [nbytes, *files, '--write', mode])}"]
         for engine in engines:
             cmds[f"{dtype} {engine}"] = [sys.executable, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--overwrite",
                                          "--dtype", dtype, "--engine", engine]
     return cmds
 
 
-def status_bytes(pid: int) -> tuple[int, int]:
-    """VmRSS and RssAnon of one process, in bytes (0, 0 if it is gone)."""
-    rss = anon = 0
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("RssAnon:"):
-                    anon = int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return rss, anon
-
-
-def tree_pids(pid: int) -> list[int]:
-    try:
-        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def sample_peaks(pid: int, done: threading.Event, peaks: list[int]) -> None:
-    """Keep in `peaks` the largest summed RSS and RssAnon of `pid`'s tree until `done` is set."""
-    while not done.is_set():
-        totals = [status_bytes(p) for p in tree_pids(pid)]
-        peaks[0] = max(peaks[0], sum(t[0] for t in totals))
-        peaks[1] = max(peaks[1], sum(t[1] for t in totals))
-        done.wait(SAMPLE_SECONDS)
-
-
-def cpu_seconds(who: int) -> float:
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all processes and the kernel have used since boot, summed over the CPUs."""
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
-
-
-def run_measured(argv: list[str]) -> Run:
-    peaks, done = [0, 0], threading.Event()
-    busy_before, cpu_before = machine_busy_seconds(), cpu_seconds(resource.RUSAGE_CHILDREN)
-    self_before = cpu_seconds(resource.RUSAGE_SELF)  # this script, the sampler included
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    sampler = threading.Thread(target=sample_peaks, args=(proc.pid, done, peaks))
-    sampler.start()
-    stdout, stderr = proc.communicate()
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{stderr.decode()}")
-    engine = re.search(r"with the (\S+) engine", stdout.decode())
-    used = cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_before
-    others = machine_busy_seconds() - busy_before - used - (cpu_seconds(resource.RUSAGE_SELF) - self_before)
-    return Run(seconds, used, peaks[0], peaks[1], engine[1] if engine else "-", others)
-
-
-def clean(out: str) -> None:
-    shutil.rmtree(out, ignore_errors=True)
-    os.sync()
+def run_checked(argv: list[str]) -> tuple[Run, str]:
+    """Measure `argv`, which must succeed; also return the engine the merge reports ("-" for others)."""
+    run = run_measured(argv)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({run.returncode}):\n{run.stderr}")
+    engine = re.search(r"with the (\S+) engine", run.stdout)
+    return run, engine[1] if engine else "-"
 
 
 def run_all(cmds: dict[str, list[str]], out: str, repeat: int) -> dict[str, list[Run]]:
     for argv in cmds.values():  # warm-up: page cache, bytecode caches
         clean(out)
-        run_measured(argv)
+        run_checked(argv)
     runs: dict[str, list[Run]] = {name: [] for name in cmds}
     for round_no in range(repeat):
         for name, argv in cmds.items():
             clean(out)
-            run = run_measured(argv)
+            run, engine = run_checked(argv)
             runs[name].append(run)
-            print(f"round {round_no + 1} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, engine {run.engine}, "
+            print(f"round {round_no + 1} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, engine {engine}, "
                   f"others used {run.others_cpu_seconds:.1f} CPU s", flush=True)
     clean(out)
     return runs
@@ -168,10 +91,6 @@ def run_all(cmds: dict[str, list[str]], out: str, repeat: int) -> dict[str, list
 def shorten(argv: list[str], ckpt: str, out: str) -> str:
     """A command line with the work folder's paths written as CKPT and OUT."""
     return shlex.join(argv).replace(ckpt, "CKPT").replace(out, "OUT").replace(sys.executable, "python")
-
-
-def size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
 
 
 def floor_seconds(runs: dict[str, list[Run]], dtype: str) -> list[float]:
@@ -212,11 +131,6 @@ def table(runs: dict[str, list[Run]], input_bytes: int, shown_commands: dict[str
                          f"native cpu engine / floor = {ratios(cpu_secs, floor_seconds(runs, dtype))}")
     lines += ["", "Commands:"] + [f"- {name}: `{command}`" for name, command in shown_commands.items()]
     return "\n".join(lines) + "\n"
-
-
-def ratios(values: list[float], bases: list[float]) -> str:
-    per_round = [v / b for v, b in zip(values, bases)]
-    return f"{statistics.median(per_round):.2f} (" + ", ".join(f"{r:.2f}" for r in per_round) + ")"
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """Write a large, real FSDP2 checkpoint to benchmark merges on: a Llama-like model in fp32.
 
-`world_size` ranks are spawned into a gloo process group; each builds the model on the meta
-device, shards it with `fully_shard` (every decoder layer, then the root), allocates only
-its own shards with `to_empty`, fills them from a per-rank seed and saves its state dict as
+`world_size` ranks are started (spawned, or forked with --start-method fork) into a gloo
+process group; each builds the model on the meta device, shards it with `fully_shard` (every
+decoder layer, then the root), allocates only its own shards with `to_empty`, fills them from
+a per-rank seed and saves its state dict as
 `model_world_size_{W}_rank_{r}.pt`, as a trainer does. No rank ever holds the whole model,
 so memory stays at about one shard per rank. Rank 0 also writes `huggingface/config.json`.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import os
 import socket
 import time
@@ -32,7 +34,9 @@ def llama_config(hidden: int = 2048, layers: int = 16, intermediate: int = 5632,
 
 
 def rank_files(out_dir: str, world_size: int) -> list[str]:
-    return sorted(glob.glob(os.path.join(out_dir, f"model_world_size_{world_size}_rank_*.pt")))
+    """The rank files, in rank order (rank 10 after rank 9)."""
+    files = glob.glob(os.path.join(out_dir, f"model_world_size_{world_size}_rank_*.pt"))
+    return sorted(files, key=lambda f: int(f.rsplit("_", 1)[1].removesuffix(".pt")))
 
 
 def checkpoint_exists(out_dir: str, world_size: int) -> bool:
@@ -40,15 +44,24 @@ def checkpoint_exists(out_dir: str, world_size: int) -> bool:
             and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json")))
 
 
-def make_checkpoint(out_dir: str, world_size: int = 4, **sizes) -> bool:
-    """Write the checkpoint unless it is already there; True if it was written now."""
+def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spawn", **sizes) -> bool:
+    """Write the checkpoint unless it is already there; True if it was written now.
+
+    start_method "fork" imports torch, transformers and FSDP once, here, and forks the ranks:
+    they share those pages, so many ranks fit where spawned ones (each importing everything
+    again, about 300 MB apiece) would not. The files written are the same.
+    """
     if checkpoint_exists(out_dir, world_size):
         return False
     import torch.multiprocessing as mp
 
     os.makedirs(out_dir, exist_ok=True)
     config = llama_config(**sizes)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), out_dir, config), nprocs=world_size, join=True)
+    if start_method == "fork":  # import once, before the fork
+        for module in ("torch.distributed.fsdp", "torch.distributed.device_mesh", "transformers.models.llama.modeling_llama"):
+            importlib.import_module(module)
+    mp.start_processes(_rank_main, args=(world_size, _free_port(), out_dir, config), nprocs=world_size, join=True,
+                       start_method=start_method)
     return True
 
 
@@ -111,9 +124,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
+                        help="fork: the ranks share the parent's imports (less memory for many ranks)")
     args = parser.parse_args()
     start = time.perf_counter()
-    written = make_checkpoint(args.out_dir, args.world_size, hidden=args.hidden, layers=args.layers,
+    written = make_checkpoint(args.out_dir, args.world_size, args.start_method, hidden=args.hidden, layers=args.layers,
                               intermediate=args.intermediate, vocab=args.vocab, heads=args.heads)
     size = sum(os.path.getsize(f) for f in rank_files(args.out_dir, args.world_size))
     verb = f"wrote in {time.perf_counter() - start:.1f} s" if written else "already there"

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 
+from .configs import load_config
 from .errors import BadInput
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model).
@@ -77,13 +78,7 @@ def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str 
 
 
 def _write_config_with_dtype(source: str, target: str, torch_dtype: str) -> None:
-    try:
-        with open(source) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{source}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise BadInput(f"{source}: holds a JSON {type(config).__name__}, not an object; a Hugging Face config is an object")
+    config = load_config(source)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     for key in keys:
         config[key] = torch_dtype

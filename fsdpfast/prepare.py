@@ -1,9 +1,9 @@
 """Turn a reader's plan into what gets written: clean names, tied weights once, target dtypes."""
 from __future__ import annotations
 
-import json
 import os
 
+from .configs import load_config
 from .dtypes import TARGET_ALIASES, target_dtype
 from .errors import BadInput
 from .plan import MergePlan, TensorPlan
@@ -84,13 +84,4 @@ def _read_config(config_dir: str | None) -> dict:
     if not config_dir:
         return {}
     path = os.path.join(config_dir, "config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise BadInput(f"{path}: holds a JSON {type(config).__name__}, not an object; a Hugging Face config is an object")
-    return config
+    return load_config(path) if os.path.isfile(path) else {}

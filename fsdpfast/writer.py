@@ -6,7 +6,7 @@ import os
 from .engine.sources import SourceFiles
 from .layout import OutputFile, PlacedTensor
 
-BATCH_BYTES = 256 << 20  # tensors handed to the engine at once; their input pages are dropped after
+BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input pages are dropped after
 
 
 def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles) -> None:

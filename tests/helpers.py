@@ -4,6 +4,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -77,3 +79,14 @@ def transformers_logits(out_dir: str, model_kind: str, dtype: str = "float32") -
 def read_index(out_dir: str) -> dict:
     with open(os.path.join(out_dir, "model.safetensors.index.json")) as f:
         return json.load(f)
+
+
+def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
+    """A private copy of a session checkpoint, to damage without touching the original."""
+    _, folder = checkpoints.get(name)
+    return Path(shutil.copytree(folder, tmp_path / "ckpt"))
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    (path,) = folder.glob(f"*_rank_{rank}.pt")
+    return path

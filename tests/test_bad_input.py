@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput
+from helpers import copy_checkpoint, rank_file
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # (32, 64)
@@ -97,16 +98,6 @@ def api_refuses(src, out: Path, mentions=(), **options) -> str:
 
 
 # --- damaging a private copy of a real checkpoint ---------------------------------------------
-
-def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
-    _, folder = checkpoints.get(name)
-    return Path(shutil.copytree(folder, tmp_path / "ckpt"))
-
-
-def rank_file(folder: Path, rank: int) -> Path:
-    (path,) = folder.glob(f"*_rank_{rank}.pt")
-    return path
-
 
 def edit_state_dict(path: Path, edit: Callable[[dict], None]) -> None:
     """Load a rank file with torch, let `edit` change its state dict in place, save it with torch."""
@@ -481,8 +472,9 @@ def test_command_line_mistakes_are_one_line_too(w2_copy, tmp_path, argv):
 
 
 def test_one_line_even_without_the_native_extension(tmp_path):
-    # As on a machine where the extension was not built: importing fsdpfast._C fails.
-    hide_extension = "import sys; sys.modules['fsdpfast._C'] = None; from fsdpfast.cli import main; sys.exit(main())"
+    # As on a machine where the extension was not built: importing its modules fails.
+    hide_extension = ("import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
+                      "from fsdpfast.cli import main; sys.exit(main())")
     result = subprocess.run(
         [sys.executable, "-c", hide_extension, "merge", str(tmp_path / "nowhere"), "--out", str(tmp_path / "merged")],
         capture_output=True, text=True, timeout=300,

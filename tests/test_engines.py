@@ -95,3 +95,18 @@ def test_native_file_writer_refuses_bad_plans_before_writing(tmp_path):
         assert os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
+
+
+def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tmp_path):
+    # As on a machine where the extension was not built: importing its modules fails.
+    _, folder = checkpoints.get("w2-tied-bf16")
+    hide_extension = ("import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
+                      "from fsdpfast.cli import main; sys.exit(main())")
+    result = subprocess.run([sys.executable, "-c", hide_extension, "merge", folder, "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "with the torch engine" in result.stdout
+    notes = [line for line in result.stderr.splitlines() if line.startswith("fsdpfast: note:")]
+    assert len(notes) == 1 and "pure-torch engine" in notes[0]
+    fsdpfast.merge(folder, tmp_path / "reference", engine="torch")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "reference" / "model.safetensors").read_bytes()

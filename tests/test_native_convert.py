@@ -42,7 +42,6 @@ def native_gather_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_of
 
 def native_file_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_offset=0) -> torch.Tensor:
     """Convert with the torch-free module's file writer (what the cpu engine runs), small chunks."""
-    import os
     import tempfile
     from array import array
 

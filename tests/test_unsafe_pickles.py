@@ -10,7 +10,6 @@ import io
 import os
 import pickle
 import shlex
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,6 +21,7 @@ import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=Tru
 
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
 from fsdpfast.formats.safe_load import safe_unpickle
+from helpers import copy_checkpoint, rank_file
 
 
 class Calls:
@@ -171,16 +171,6 @@ def torch_data_pkl(value) -> bytes:
     with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
         return archive.read(name)
-
-
-def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
-    _, folder = checkpoints.get(name)
-    return Path(shutil.copytree(folder, tmp_path / "ckpt"))
-
-
-def rank_file(folder: Path, rank: int) -> Path:
-    (path,) = folder.glob(f"*_rank_{rank}.pt")
-    return path
 
 
 def rewrite_data_pkl(path: Path, payload: bytes) -> None:
