@@ -41,9 +41,10 @@ class MergeReport:
         return "\n".join(lines)
 
 
-def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None) -> MergePlan:
+def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
+               prefix: str | None = None) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes."""
-    plan = formats.read_plan(os.fspath(src), layout)
+    plan = formats.read_plan(os.fspath(src), layout, prefix)
     if config is not None:
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
@@ -61,6 +62,7 @@ def merge(
     config: str | None = None,
     overwrite: bool = False,
     engine: str = "auto",
+    prefix: str | None = None,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
 
@@ -73,7 +75,7 @@ def merge(
     check_engine_name(engine)
     if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
     staging = StagingFolder(dst, overwrite)

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", default="keep", help="keep (default), bf16, fp16 or fp32; only floating tensors are cast")
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
     merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
+    merge.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model (default: found)")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default) or torch")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
@@ -67,7 +68,7 @@ def _merge(args) -> int:
 
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
+        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0

@@ -25,7 +25,7 @@ class CheckpointSpec:
     name: str  # sub-folder of the root folder
     model: str = "llama"  # llama | llama-tied | bert
     dtype: str = "float32"
-    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces)
+    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces) | dcp | dcp-nested
     hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
     shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
     wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
@@ -180,6 +180,16 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
 
     if spec.layout == "fsdp-ranks":
         torch.save(state, os.path.join(folder, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        return
+    if spec.layout.startswith("dcp"):  # torch.distributed.checkpoint: a collective save into one folder
+        import torch.distributed.checkpoint as dcp
+
+        if spec.layout == "dcp-nested":  # as trainers save it: model and optimizer together
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(model, model._fsdpfast_optimizer)
+            state = {"model": model_state, "optim": optim_state}
+        dcp.save(state, checkpoint_id=folder)
         return
     if spec.layout == "guide-ranks-local":
         state = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}

@@ -11,7 +11,7 @@ from .plan import MergePlan, TensorPlan
 # Components that wrappers (FSDP1, torch.compile, activation checkpointing) add to names.
 _WRAPPER_COMPONENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
 # Output and input embedding names that `tie_word_embeddings` ties.
-_OUTPUT_EMBEDDINGS = ("lm_head.weight",)
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "predictions.decoder.weight", "embed_out.weight")
 _INPUT_EMBEDDINGS = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight", "embed_in.weight", "shared.weight")
 
 
@@ -66,18 +66,30 @@ def _drop_shared(tensors: list[TensorPlan]) -> list[TensorPlan]:
 
 
 def _drop_config_tied(tensors: list[TensorPlan], config: dict, notes: list[str]) -> list[TensorPlan]:
-    """`tie_word_embeddings: true`: transformers rebuilds the output embedding from the input one."""
+    """`tie_word_embeddings: true`: transformers rebuilds the output embedding from the input one.
+
+    Needed where the checkpoint stores both names in separate bytes (DCP does); one storage under
+    two names was already written once by _drop_shared.
+    """
     if not config.get("tie_word_embeddings", False):
         return tensors
     by_name = {t.name: t for t in tensors}
     inputs = [t for t in tensors if t.name.endswith(_INPUT_EMBEDDINGS)]
     outputs = [t for t in tensors if t.name.endswith(_OUTPUT_EMBEDDINGS)]
-    if len(inputs) != 1 or len(outputs) != 1 or inputs[0].shape != outputs[0].shape:
-        return tensors
-    source, dropped = inputs[0], outputs[0]
-    source.aliases.append(dropped.name)
-    notes.append(f"{dropped.name} not written: config.json ties it to {source.name} (tie_word_embeddings)")
-    return [t for t in tensors if t is not by_name[dropped.name]]
+    pairs = []
+    if len(inputs) == 1 and len(outputs) == 1 and inputs[0].shape == outputs[0].shape:
+        pairs.append((inputs[0], outputs[0]))
+    for tensor in outputs:  # a masked-LM decoder's bias is tied to the prediction head's bias
+        bias_name = tensor.name[: -len("decoder.weight")] + "decoder.bias"
+        head_bias = by_name.get(tensor.name[: -len("decoder.weight")] + "bias")
+        if tensor.name.endswith("decoder.weight") and bias_name in by_name and head_bias is not None:
+            if head_bias.shape == by_name[bias_name].shape:
+                pairs.append((head_bias, by_name[bias_name]))
+    for kept, dropped in pairs:
+        kept.aliases.append(dropped.name)
+        notes.append(f"{dropped.name} not written: config.json ties it to {kept.name} (tie_word_embeddings)")
+    dropped_names = {dropped.name for _, dropped in pairs}
+    return [t for t in tensors if t.name not in dropped_names]
 
 
 def _read_config(config_dir: str | None) -> dict:

@@ -5,9 +5,9 @@ import os
 
 from ..errors import BadInput
 from ..plan import MergePlan
-from . import fsdp_ranks, guide_ranks
+from . import dcp, fsdp_ranks, guide_ranks
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks)}
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp)}
 
 
 def detect(folder: str) -> str:
@@ -27,11 +27,16 @@ def detect(folder: str) -> str:
     return found[0]
 
 
-def read_plan(folder: str, layout: str | None = None) -> MergePlan:
+def read_plan(folder: str, layout: str | None = None, prefix: str | None = None) -> MergePlan:
+    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP)."""
     if layout is None:
         layout = detect(folder)
     elif layout not in READERS:
         raise BadInput(f"--layout {layout!r} is not a known layout; known: {', '.join(READERS)}")
     elif not READERS[layout].matches(folder):
         raise BadInput(f"{folder}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
+    if prefix is not None:
+        if layout != dcp.NAME:
+            raise BadInput(f"--prefix applies to {dcp.NAME} checkpoints; {folder} holds {layout}")
+        return dcp.read(folder, prefix)
     return READERS[layout].read(folder)

@@ -59,18 +59,21 @@ class Record:
         obj = object.__new__(cls)
         obj.args = args
         obj.state = {}
+        obj.state_value = None
         return obj
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of slotted classes
-            for part in state:
+        if isinstance(state, dict):
+            self.state.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and any(isinstance(p, dict) for p in state):
+            for part in state:  # (dict, slots) of slotted classes
                 if isinstance(part, dict):
                     self.state.update(part)
-        elif isinstance(state, dict):
-            self.state.update(state)
+        else:  # a class with its own __getstate__, e.g. a tuple of fields
+            self.state_value = state
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.state.get(key, default)

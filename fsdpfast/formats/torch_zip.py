@@ -8,6 +8,7 @@ are left for the engine to map.
 """
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
@@ -19,25 +20,76 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # the 30 fixed bytes of a zip lo
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
+class FileWindow(io.RawIOBase):
+    """Bytes [base, base + length) of a file, as a seekable read-only file of their own.
+
+    DCP's .distcp files hold one torch.save archive per chunk, laid end to end.
+    """
+
+    def __init__(self, path: str, base: int, length: int):
+        self._file = open(path, "rb")
+        self._base, self._length, self._position = base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, origin + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self._length - self._position))
+        self._file.seek(self._base + self._position)
+        data = self._file.read(count)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 class TorchZip:
-    def __init__(self, path: str):
+    """A torch.save archive: a whole file, or the window [base, base + length) of one."""
+
+    def __init__(self, path: str, base: int = 0, length: int | None = None):
         self.path = path
+        self.base = base
         self.file_size = os.path.getsize(path)
+        self.size = self.file_size - base if length is None else length
+        where = path if length is None else f"{path} (bytes {base}..{base + self.size})"
+        self.where = where
+        if base + self.size > self.file_size:
+            raise BadInput(f"{where}: runs past the end of the file; the file is truncated")
+        self._window = None if length is None else FileWindow(path, base, self.size)
         try:
-            self._zip = zipfile.ZipFile(path)
+            self._zip = zipfile.ZipFile(self._window or path)
         except zipfile.BadZipFile as exc:
-            raise BadInput(f"{path}: not a readable torch.save archive ({_zip_problem(path, exc)})") from None
+            self.close()
+            problem = _zip_problem(path, exc) if length is None else f"{exc}; the file is truncated or corrupt"
+            raise BadInput(f"{where}: not a readable torch.save archive ({problem})") from None
         pickles = [i for i in self._zip.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pickles) != 1:
-            raise BadInput(f"{path}: a zip file but not a torch.save archive (no single data.pkl inside)")
+            raise BadInput(f"{where}: a zip file but not a torch.save archive (no single data.pkl inside)")
         self.prefix = pickles[0].filename[: -len("data.pkl")]
         self._pickle_info = pickles[0]
         byteorder = self._read_small("byteorder")
         if byteorder is not None and byteorder.strip() != b"little":
-            raise BadInput(f"{path}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported")
+            raise BadInput(f"{where}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported")
 
     def close(self) -> None:
-        self._zip.close()
+        if getattr(self, "_zip", None) is not None:
+            self._zip.close()
+        if self._window is not None:
+            self._window.close()
 
     def __enter__(self):
         return self
@@ -50,7 +102,7 @@ class TorchZip:
         try:
             return self._zip.read(self._pickle_info)
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise BadInput(f"{self.path}: data.pkl is damaged ({exc}); the file is truncated or corrupt") from None
+            raise BadInput(f"{self.where}: data.pkl is damaged ({exc}); the file is truncated or corrupt") from None
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """(byte offset in the file, byte length) of storage record `key`."""
@@ -58,19 +110,19 @@ class TorchZip:
         try:
             info = self._zip.getinfo(name)
         except KeyError:
-            raise BadInput(f"{self.path}: storage record {name!r} named by the pickle is missing; the file is corrupt") from None
+            raise BadInput(f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt") from None
         if info.compress_type != zipfile.ZIP_STORED:
-            raise BadInput(f"{self.path}: storage record {name!r} is compressed; torch.save never does that")
+            raise BadInput(f"{self.where}: storage record {name!r} is compressed; torch.save never does that")
         with open(self.path, "rb") as f:
-            f.seek(info.header_offset)
+            f.seek(self.base + info.header_offset)
             raw = f.read(_LOCAL_HEADER.size)
         if len(raw) != _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
-            raise BadInput(f"{self.path}: zip header of {name!r} is damaged; the file is corrupt")
+            raise BadInput(f"{self.where}: zip header of {name!r} is damaged; the file is corrupt")
         fields = _LOCAL_HEADER.unpack(raw)
         name_len, extra_len = fields[9], fields[10]
-        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if offset + info.file_size > self.file_size:
-            raise BadInput(f"{self.path}: storage record {name!r} runs past the end of the file; the file is truncated")
+        offset = self.base + info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if offset + info.file_size > self.base + self.size:
+            raise BadInput(f"{self.where}: storage record {name!r} runs past the end of the file; the file is truncated")
         return offset, info.file_size
 
     def _read_small(self, record: str) -> bytes | None:
@@ -79,7 +131,7 @@ class TorchZip:
         except KeyError:
             return None
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise BadInput(f"{self.path}: record {record!r} is damaged ({exc}); the file is truncated or corrupt") from None
+            raise BadInput(f"{self.where}: record {record!r} is damaged ({exc}); the file is truncated or corrupt") from None
 
 
 def _zip_problem(path: str, exc: Exception) -> str:

@@ -1,0 +1,151 @@
+"""PyTorch Distributed Checkpoint folders: `.metadata` plus `__{rank}_{i}.distcp` files.
+
+`.metadata` (read with the restricted unpickler, metadata classes only) lists every tensor's
+global shape, dtype and chunks (offsets and sizes in the global tensor), and where each chunk's
+bytes are: a byte range of a .distcp file. With torch.save serialisation that range is a
+complete torch.save archive of the chunk, whose storage record we locate in place, so the
+engine maps the chunk's bytes straight from the .distcp file.
+
+A nested state dict ({"model": ..., "optim": ...}) is flattened by DCP with "." and recorded
+in planner_data; the model part is picked automatically, or by `prefix`.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from math import prod
+
+from ..dtypes import DTYPES, itemsize
+from ..errors import BadInput
+from ..plan import MergePlan, SourceBuffer, TensorPlan
+from .boxes import box_extents
+from .safe_load import Record, TensorRef, safe_unpickle
+from .torch_zip import TorchZip
+
+NAME = "dcp"
+DESCRIPTION = ".metadata + __{r}_{i}.distcp: torch.distributed.checkpoint folders"
+_METADATA_CLASSES = frozenset({
+    *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
+})
+_MODEL_PREFIXES = ("model", "module", "state_dict")
+_RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def matches(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
+
+
+def read(folder: str, prefix: str | None = None) -> MergePlan:
+    metadata = _read_metadata(os.path.join(folder, ".metadata"))
+    entries = metadata.get("state_dict_metadata") or {}
+    storage = _storage_index(metadata, folder)
+    names = _model_names(entries, metadata.get("planner_data") or {}, prefix, folder)
+    sources: list[SourceBuffer] = []
+    tensors = []
+    for flat_name, name in names.items():
+        tensors.append(_plan_tensor(folder, flat_name, name, entries[flat_name], storage, sources))
+    skipped = [k for k, v in entries.items() if k not in names]
+    ranks = {int(m.group(1)) for f in os.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
+    plan = MergePlan(NAME, len(ranks) or 1, sources, tensors)
+    if skipped:
+        plan.notes.append(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
+    hf = os.path.join(folder, "huggingface")
+    plan.config_dir = hf if os.path.isdir(hf) else None
+    return plan
+
+
+def _read_metadata(path: str) -> Record:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise BadInput(f"{path}: unreadable ({exc.strerror})") from None
+    metadata = safe_unpickle(data, path, _METADATA_CLASSES)
+    if not isinstance(metadata, Record) or not metadata.qualname.endswith(".Metadata"):
+        raise BadInput(f"{path}: not a torch.distributed.checkpoint Metadata object")
+    return metadata
+
+
+def _storage_index(metadata: Record, folder: str) -> dict[tuple[str, tuple[int, ...]], Record]:
+    """(flat name, chunk offsets) -> where that chunk's bytes are (_StorageInfo)."""
+    index = {}
+    for key, info in (metadata.get("storage_data") or {}).items():
+        fqn, offset = key.args[:2] if key.args else (key.get("fqn"), key.get("offset"))
+        if not isinstance(info, Record):
+            raise BadInput(f"{folder}/.metadata: storage entry of {fqn} is not a file range")
+        index[(fqn, tuple(offset or ()))] = info
+    return index
+
+
+def _model_names(entries: dict, planner_data: dict, prefix: str | None, folder: str) -> dict[str, str]:
+    """Flat DCP names of the model's tensors -> their names in the model's state dict."""
+    tensors = {k: v for k, v in entries.items() if isinstance(v, Record) and v.qualname.endswith("TensorStorageMetadata")}
+    paths = {k: tuple(planner_data.get(k, (k,))) for k in tensors}
+    tops = {path[0] for path in paths.values() if len(path) > 1}
+    if prefix is None and not tops:
+        return {k: k for k in tensors}  # a flat model state dict
+    if prefix is None:
+        candidates = [p for p in _MODEL_PREFIXES if p in tops]
+        if len(candidates) != 1:
+            raise BadInput(f"{folder}: the checkpoint nests {sorted(tops)}; choose the model part with --prefix")
+        prefix = candidates[0]
+    chosen = {k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix}
+    if not chosen:
+        raise BadInput(f"{folder}: no tensors under --prefix {prefix!r} (the checkpoint holds {sorted(tops) or 'a flat state dict'})")
+    return chosen
+
+
+def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sources: list[SourceBuffer]) -> TensorPlan:
+    shape = tuple(entry.get("size") or ())
+    dtype = _dtype(entry.get("properties"))
+    if dtype not in DTYPES:
+        raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
+    extents = []
+    for chunk in entry.get("chunks") or ():
+        offsets, sizes = tuple(chunk.get("offsets")), tuple(chunk.get("sizes"))
+        info = storage.get((flat_name, offsets))
+        if info is None:
+            raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
+        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources)
+        extents += box_extents(source, element_offset, shape, offsets, sizes)
+    if sum(e.numel for e in extents) != prod(shape):
+        raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
+    return TensorPlan(name, shape, dtype, dtype, extents)
+
+
+def _dtype(properties) -> str:
+    """TensorProperties pickles its fields as a tuple (dtype first) in current torch, as a dict before."""
+    if not isinstance(properties, Record):
+        return "None"
+    if properties.get("dtype") is not None:
+        return str(properties.get("dtype"))
+    value = properties.state_value
+    return str(value[0]) if isinstance(value, tuple) and value else "None"
+
+
+def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer]) -> tuple[int, int]:
+    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+    relative, offset, length = (info.args[:3] if len(info.args) >= 3
+                                else (info.get("relative_path"), info.get("offset"), info.get("length")))
+    if info.get("transform_descriptors"):
+        raise BadInput(f"{folder}: {flat_name} was saved with transforms {info.get('transform_descriptors')}; not supported yet")
+    path = os.path.join(folder, str(relative))
+    if not os.path.isfile(path):
+        raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
+    with TorchZip(path, int(offset), int(length)) as archive:
+        tensor = safe_unpickle(archive.pickle_bytes, archive.where)
+        if not isinstance(tensor, TensorRef):
+            raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
+            raise BadInput(f"{archive.where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
+                           f".metadata says {dtype}{list(sizes)}")
+        byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+    if (tensor.offset + prod(sizes)) * itemsize(dtype) > byte_length:
+        raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
+    sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))
+    return len(sources) - 1, tensor.offset
