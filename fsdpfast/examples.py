@@ -25,7 +25,7 @@ class CheckpointSpec:
     name: str  # sub-folder of the root folder
     model: str = "llama"  # llama | llama-tied | bert
     dtype: str = "float32"
-    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces) | dcp | dcp-nested
+    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces) | dcp | dcp-nested | dcp-safetensors
     hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
     shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
     wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
@@ -189,7 +189,12 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
 
             model_state, optim_state = get_state_dict(model, model._fsdpfast_optimizer)
             state = {"model": model_state, "optim": optim_state}
-        dcp.save(state, checkpoint_id=folder)
+        writer = None
+        if spec.layout == "dcp-safetensors":  # the other serialisation a .distcp can hold
+            from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+            writer = dcp.FileSystemWriter(folder, serialization_format=SerializationFormat.SAFETENSORS)
+        dcp.save(state, checkpoint_id=folder, storage_writer=writer)
         return
     if spec.layout == "guide-ranks-local":
         state = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}

@@ -34,6 +34,7 @@ _add(3, CheckpointSpec("w3-wrapped-buffer", model="llama-tied", wrappers=True, b
 _add(3, CheckpointSpec("w3-guide-local", model="bert", layout="guide-ranks-local", seed=8))
 _add(2, CheckpointSpec("w2-dcp", layout="dcp", seed=14))
 _add(3, CheckpointSpec("w3-dcp-nested-bert-dim1", model="bert", layout="dcp-nested", shard_dim=1, seed=15))
+_add(3, CheckpointSpec("w3-dcp-safetensors", layout="dcp-safetensors", seed=17))  # untied: safetensors refuses shared storage
 _add(4, CheckpointSpec("w4-dcp-hsdp-tied-bf16", model="llama-tied", dtype="bfloat16", layout="dcp", hsdp=True, seed=16))
 _add(4, CheckpointSpec("w4-hsdp-tied", model="llama-tied", hsdp=True, seed=9))
 _add(4, CheckpointSpec("w4-bf16", dtype="bfloat16", seed=10))

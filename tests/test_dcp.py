@@ -13,10 +13,12 @@ import fsdpfast
 from fsdpfast.errors import BadInput
 from helpers import copy_checkpoint, load_reference, read_merged
 
-DCP_SPECS = ["w2-dcp", "w3-dcp-nested-bert-dim1", "w4-dcp-hsdp-tied-bf16"]
+# torch's dcp_to_torch_save reads torch.save-serialised .distcp files only; the safetensors kind
+# ("w3-dcp-safetensors") is checked against the unsharded model in test_merge_fsdp2 like every spec.
+ORACLE_SPECS = ["w2-dcp", "w3-dcp-nested-bert-dim1", "w4-dcp-hsdp-tied-bf16"]
 
 
-@pytest.mark.parametrize("name", DCP_SPECS)
+@pytest.mark.parametrize("name", ORACLE_SPECS)
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
 def test_equals_torch_dcp_to_torch_save(checkpoints, tmp_path, name, dtype):
     spec, folder = checkpoints.get(name)
@@ -88,3 +90,20 @@ def test_metadata_that_runs_code_is_refused(checkpoints, tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(Exploit()))
     assert "refusing to unpickle" in _refused(folder, tmp_path / "out")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
+    import json
+
+    folder = copy_checkpoint(checkpoints, "w3-dcp-safetensors", tmp_path)
+    shard = folder / "__1_0.distcp"
+    raw = shard.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + size])
+    victim = next(k for k in header if k != "__metadata__")
+    header["x" + victim[1:]] = header.pop(victim)  # same length, another name
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (size - len(text))
+    assert len(text) == size  # the renamed header still fits in place
+    shard.write_bytes(raw[:8] + text + raw[8 + size:])
+    assert f"holds no tensor {victim}" in _refused(folder, tmp_path / "out")

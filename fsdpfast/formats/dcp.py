@@ -1,10 +1,13 @@
 """PyTorch Distributed Checkpoint folders: `.metadata` plus `__{rank}_{i}.distcp` files.
 
 `.metadata` (read with the restricted unpickler, metadata classes only) lists every tensor's
-global shape, dtype and chunks (offsets and sizes in the global tensor), and where each chunk's
-bytes are: a byte range of a .distcp file. With torch.save serialisation that range is a
-complete torch.save archive of the chunk, whose storage record we locate in place, so the
-engine maps the chunk's bytes straight from the .distcp file.
+global shape, dtype and chunks (offsets and sizes in the global tensor), and which .distcp
+file holds each chunk. A .distcp file comes in one of two serialisations:
+- torch.save (the default): the chunk's byte range is a complete torch.save archive, whose
+  storage record is located in place;
+- safetensors (FileSystemWriter(serialization_format=SAFETENSORS)): a safetensors file whose
+  header names each chunk by its flattened name.
+Either way the engine maps the chunk's bytes straight from the .distcp file.
 
 A nested state dict ({"model": ..., "optim": ...}) is flattened by DCP with "." and recorded
 in planner_data; the model part is picked automatically, or by `prefix`.
@@ -12,6 +15,7 @@ in planner_data; the model part is picked automatically, or by `prefix`.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from math import prod
@@ -46,9 +50,10 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     storage = _storage_index(metadata, folder)
     names = _model_names(entries, metadata.get("planner_data") or {}, prefix, folder)
     sources: list[SourceBuffer] = []
+    headers: dict[str, dict | None] = {}
     tensors = []
     for flat_name, name in names.items():
-        tensors.append(_plan_tensor(folder, flat_name, name, entries[flat_name], storage, sources))
+        tensors.append(_plan_tensor(folder, flat_name, name, entries[flat_name], storage, sources, headers))
     skipped = [k for k, v in entries.items() if k not in names]
     ranks = {int(m.group(1)) for f in os.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
     plan = MergePlan(NAME, len(ranks) or 1, sources, tensors)
@@ -100,7 +105,7 @@ def _model_names(entries: dict, planner_data: dict, prefix: str | None, folder: 
     return chosen
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sources: list[SourceBuffer]) -> TensorPlan:
+def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
     shape = tuple(entry.get("size") or ())
     dtype = _dtype(entry.get("properties"))
     if dtype not in DTYPES:
@@ -111,7 +116,7 @@ def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sour
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
-        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources)
+        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources, headers)
         extents += box_extents(source, element_offset, shape, offsets, sizes)
     if sum(e.numel for e in extents) != prod(shape):
         raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
@@ -128,7 +133,7 @@ def _dtype(properties) -> str:
     return str(value[0]) if isinstance(value, tuple) and value else "None"
 
 
-def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer]) -> tuple[int, int]:
+def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers) -> tuple[int, int]:
     """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
     relative, offset, length = (info.args[:3] if len(info.args) >= 3
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
@@ -137,6 +142,10 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     path = os.path.join(folder, str(relative))
     if not os.path.isfile(path):
         raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
+    if path not in headers:
+        headers[path] = _safetensors_header(path)
+    if headers[path] is not None:
+        return _safetensors_chunk(path, headers[path], flat_name, dtype, sizes, sources), 0
     with TorchZip(path, int(offset), int(length)) as archive:
         tensor = safe_unpickle(archive.pickle_bytes, archive.where)
         if not isinstance(tensor, TensorRef):
@@ -149,3 +158,37 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
         raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
     sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))
     return len(sources) - 1, tensor.offset
+
+
+def _safetensors_header(path: str) -> dict | None:
+    """(data start, header entries) of a .distcp written as safetensors; None for torch.save ones."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+        if len(head) < 9 or head[8:9] != b"{":
+            return None
+        size = int.from_bytes(head[:8], "little")
+        if size > os.path.getsize(path) - 8:
+            raise BadInput(f"{path}: safetensors header runs past the end of the file; the file is truncated")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise BadInput(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise BadInput(f"{path}: safetensors header is not a JSON object; the file is corrupt")
+    header.pop("__metadata__", None)
+    return {"start": 8 + size, "entries": header}
+
+
+def _safetensors_chunk(path: str, header: dict, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]) -> int:
+    entry = header["entries"].get(flat_name)
+    if not isinstance(entry, dict):
+        raise BadInput(f"{path}: holds no tensor {flat_name}, which .metadata places there")
+    codes = {code: name for name, (_, code) in DTYPES.items()}
+    begin, end = (entry.get("data_offsets") or [0, -1])[:2]
+    if codes.get(entry.get("dtype")) != dtype or tuple(entry.get("shape") or ()) != tuple(sizes):
+        raise BadInput(f"{path}: {flat_name} is {entry.get('dtype')}{entry.get('shape')}, .metadata says {dtype}{list(sizes)}")
+    if end - begin != prod(sizes) * itemsize(dtype) or header["start"] + end > os.path.getsize(path):
+        raise BadInput(f"{path}: the bytes of {flat_name} are out of place; the file is truncated or corrupt")
+    sources.append(SourceBuffer(path, header["start"] + begin, end - begin, dtype))
+    return len(sources) - 1
