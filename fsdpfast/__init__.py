@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .api import MergeReport, merge, plan_merge  # noqa: E402
+from .api import MergeReport, inspect, merge, plan_merge  # noqa: E402
 
-__all__ = ["merge", "plan_merge", "MergeReport", "__version__"]
+__all__ = ["merge", "inspect", "plan_merge", "MergeReport", "__version__"]

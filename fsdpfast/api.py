@@ -10,7 +10,7 @@ from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
 from .errors import BadInput
 from .finish import StagingFolder, copy_config_files, write_json
-from .layout import DEFAULT_MAX_SHARD_SIZE, index_json, plan_files
+from .layout import DEFAULT_MAX_SHARD_SIZE, index_json, plan_files, tensor_nbytes
 from .plan import MergePlan
 from .prepare import parse_dtype, prepare
 from .writer import write_file
@@ -50,6 +50,24 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
             raise BadInput(f"{config}: --config folder has no config.json")
         plan.config_dir = os.fspath(config)
     return prepare(plan, dtype, plan.config_dir)
+
+
+def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None) -> dict:
+    """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes."""
+    plan = plan_merge(src, layout=layout, config=config, prefix=prefix)
+    tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
+                "tied": list(t.aliases)} for t in plan.tensors]
+    return {
+        "checkpoint": os.fspath(src),
+        "layout": plan.layout,
+        "world_size": plan.world_size,
+        "tensors": tensors,
+        "total_tensors": len(tensors),
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "source_files": sorted({s.path for s in plan.sources}),
+        "config_dir": plan.config_dir,
+        "notes": list(plan.notes),
+    }
 
 
 def merge(

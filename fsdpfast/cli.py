@@ -1,4 +1,4 @@
-"""Command line: `fsdpfast merge`, `fsdpfast demo`. Errors are one line and an exit status."""
+"""Command line: `fsdpfast merge`, `inspect`, `demo`. Errors are one line and an exit status."""
 from __future__ import annotations
 
 import argparse
@@ -30,9 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
     merge.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model (default: found)")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
-    merge.add_argument("--engine", default="auto", help="auto (default) or torch")
+    merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write")
+    inspect.add_argument("checkpoint", help="folder holding the rank files")
+    inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
+    inspect.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model")
+    inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
+    inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
     demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
@@ -45,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.verb == "merge":
             return _merge(args)
+        if args.verb == "inspect":
+            return _inspect(args)
         if args.verb == "demo":
             from .demo import run_demo
 
@@ -71,4 +80,22 @@ def _merge(args) -> int:
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
+    return 0
+
+
+def _inspect(args) -> int:
+    from .api import inspect
+
+    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config)
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    print(f"{found['checkpoint']}: layout {found['layout']}, {found['world_size']} ranks, "
+          f"{found['total_tensors']} tensors, {found['total_bytes'] / 1e9:.3f} GB, {len(found['source_files'])} files")
+    width = max((len(t["name"]) for t in found["tensors"]), default=0)
+    for t in found["tensors"]:
+        tied = f"  (also {', '.join(t['tied'])})" if t["tied"] else ""
+        print(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
+    for note in found["notes"]:
+        print(f"note: {note}")
     return 0
