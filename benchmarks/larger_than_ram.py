@@ -1,6 +1,6 @@
 """Merge a checkpoint bigger than the machine's memory: fsdpfast streams it, an in-RAM merger cannot.
 
-Not part of CI: it needs about 48 GB of free disk and 20-40 minutes. Steps, each its own
+Not part of CI: it needs about 48 GB of free disk and took 5 minutes here. Steps, each its own
 process, measured by benchmarks/measure.py (wall time with time.perf_counter; peak RSS and peak
 RssAnon summed over the process tree, sampled from /proc/<pid>/status every ~20 ms):
 
@@ -14,14 +14,14 @@ RssAnon summed over the process tree, sampled from /proc/<pid>/status every ~20 
                (MALLOC_MMAP_THRESHOLD_) so freed shards go back to the system.
   2. merge     python -m fsdpfast merge CKPT --out OUT --dtype bf16
   3. check     python benchmarks/check_merged.py CKPT OUT: every tensor bit for bit against
-               torch.cat of the rank pieces .to(bf16), one tensor at a time (untimed for the table).
+               torch.cat of the rank pieces .to(bf16), one tensor at a time.
   4. in-RAM    python benchmarks/baselines/verl_style.py CKPT OUT2 (load every rank file whole,
                torch.cat per key, cast, save) under `prlimit --as=LIMIT`, LIMIT = min(20 GB,
                available memory - 3 GB): it must hold the whole 30 GB state, so it fails with an
                allocation error instead of waking the OOM killer for the whole machine.
 
 The inputs cannot all be in the page cache (30 GB > RAM), so the merge reads most of them
-from disk. Results go to benchmarks/results/larger_than_ram.md; then the checkpoint and the
+from disk; the machine's disk counters (psutil) around each step say how much. Results go to benchmarks/results/larger_than_ram.md; then the checkpoint and the
 outputs are deleted (unless --keep). Before starting, it waits (up to 30 min, polling every
 minute) for the rest of the machine to be quiet.
 
@@ -38,6 +38,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -128,40 +129,57 @@ def in_ram_limit() -> int:
     return min(IN_RAM_LIMIT_CAP, psutil.virtual_memory().available - 3_000_000_000)
 
 
-def step(name: str, argv: list[str]) -> Run:
+@dataclass
+class Step:
+    argv: list[str]
+    run: Run
+    disk_read: int  # bytes the whole machine read from / wrote to its disks meanwhile
+    disk_written: int
+
+
+def step(name: str, argv: list[str]) -> Step:
     print(f"{time.strftime('%H:%M:%S')} {name}: {shlex.join(argv)}", flush=True)
+    before = psutil.disk_io_counters()
     run = run_measured(argv)
-    print(f"  exit {run.returncode}, {run.seconds:.1f} s, peak RSS {size(run.peak_rss)}, peak RssAnon "
-          f"{size(run.peak_anon)}\n  {outcome(run)}", flush=True)
-    return run
+    after = psutil.disk_io_counters()
+    done = Step(argv, run, after.read_bytes - before.read_bytes, after.write_bytes - before.write_bytes)
+    print(f"  exit {run.returncode}, {run.seconds:.1f} s, peak RSS {size(run.peak_rss)}, peak RssAnon {size(run.peak_anon)}, "
+          f"disk read {size(done.disk_read)}, written {size(done.disk_written)}\n  {outcome(run)}", flush=True)
+    return done
 
 
 def outcome(run: Run) -> str:
     """What a step said: its output when it worked, the last line of its error when it failed."""
     if run.returncode == 0:
-        return "; ".join(line.strip() for line in run.stdout.splitlines() if line.strip())
+        return "; ".join(line.strip() for line in run.stdout.splitlines() if line.strip()) or "done"
     lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
     return lines[-1] if lines else f"exit status {run.returncode}"
 
 
-def results(runs: dict[str, tuple[list[str], Run]], params: int, ckpt_bytes: int, out_bytes: int, limit: int,
-            paths: dict[str, str]) -> str:
+def shorten(text: str, labels: dict[str, str]) -> str:
+    for path, label in labels.items():
+        text = text.replace(path, label)
+    return text
+
+
+def results(steps: dict[str, Step], params: int, ckpt_bytes: int, out_bytes: int, limit: int, labels: dict[str, str]) -> str:
     memory = psutil.virtual_memory().total
     lines = [
         f"Larger-than-RAM merge, {datetime.date.today()}: {psutil.cpu_count()} CPUs, {size(memory)} ({memory / 2**30:.1f} GiB) RAM, "
         f"swap {size(psutil.swap_memory().total)}. Checkpoint: {params / 1e9:.2f} B parameters, fp32, "
-        f"{ckpt_bytes / 1e9:.1f} GB in rank files ({ckpt_bytes / memory:.2f}x RAM); bf16 output {out_bytes / 1e9:.1f} GB.",
+        f"{ckpt_bytes / 1e9:.1f} GB in rank files ({ckpt_bytes / memory:.2f}x RAM); bf16 output {out_bytes / 1e9:.1f} GB. "
+        f"In-RAM merger's limit (prlimit --as): {size(limit)}. Disk read / written: the whole machine's, during the step; "
+        "others CPU s: CPU time the rest of the machine used meanwhile.",
         "",
-        "| step | command | exit | wall s | peak RSS | peak RssAnon | outcome |",
-        "|---|---|---|---|---|---|---|",
+        "| step | command | exit | wall s | CPU s | others CPU s | disk read | disk written | peak RSS | peak RssAnon | outcome |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, (argv, run) in runs.items():
-        command = shlex.join(argv).replace(sys.executable, "python")
-        for path, label in paths.items():
-            command = command.replace(path, label)
-        lines.append(f"| {name} | `{command}` | {run.returncode} | {run.seconds:.1f} | {size(run.peak_rss)} "
-                     f"| {size(run.peak_anon)} | {outcome(run)[:200].replace('|', '/')} |")
-    lines += ["", f"In-RAM limit (prlimit --as): {size(limit)}."]
+    for name, done in steps.items():
+        run = done.run
+        command = shorten(shlex.join(done.argv), labels)
+        lines.append(f"| {name} | `{command}` | {run.returncode} | {run.seconds:.1f} | {run.cpu_seconds:.1f} "
+                     f"| {run.others_cpu_seconds:.1f} | {size(done.disk_read)} | {size(done.disk_written)} "
+                     f"| {size(run.peak_rss)} | {size(run.peak_anon)} | {shorten(outcome(run), labels)[:200].replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -186,28 +204,28 @@ def main() -> None:
     params = parameter_count(config)
     print(f"{params / 1e9:.2f} B parameters: {params * 4 / 1e9:.1f} GB fp32, {params * 2 / 1e9:.1f} GB bf16", flush=True)
     os.makedirs(args.workdir, exist_ok=True)
-    check_disk(args.workdir, params * 6 + DISK_MARGIN)
     if not args.no_wait:
         wait_for_quiet(max_busy=0.5, max_wait=1800, poll=60)
+    check_disk(args.workdir, params * 6 + DISK_MARGIN)
     me = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--layers", str(args.layers),
           "--world-size", str(args.world_size)]
     commands = {f"generate ({args.world_size} ranks in turn)": me + ["--generate-only"],
                 "fsdpfast merge --dtype bf16": [sys.executable, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", "bf16"],
                 "check, bit for bit": [sys.executable, os.path.join(HERE, "check_merged.py"), ckpt, out]}
-    runs = {}
+    steps = {}
     for name, argv in commands.items():
-        runs[name] = (argv, step(name, argv))
-        if runs[name][1].returncode != 0 and not name.startswith("check"):
-            sys.exit(f"{name} failed:\n{runs[name][1].stderr[-3000:]}")
+        steps[name] = step(name, argv)
+        if steps[name].run.returncode != 0 and not name.startswith("check"):
+            sys.exit(f"{name} failed:\n{steps[name].run.stderr[-3000:]}")
     ckpt_bytes, out_bytes = sum(map(os.path.getsize, rank_files(ckpt, args.world_size))), folder_bytes(out)
     shutil.rmtree(out)
     limit = in_ram_limit()
     argv = ["prlimit", f"--as={limit}", sys.executable, os.path.join(HERE, "baselines", "verl_style.py"), ckpt, out_in_ram]
-    runs["in-RAM merger (verl-style)"] = (argv, step("in-RAM merger", argv))
+    steps["in-RAM merger (verl-style)"] = step("in-RAM merger", argv)
     shutil.rmtree(out_in_ram, ignore_errors=True)
-    text = results(runs, params, ckpt_bytes, out_bytes, limit,
-                   {ckpt: "CKPT", out_in_ram: "OUT2", out: "OUT", os.path.abspath(__file__): "benchmarks/larger_than_ram.py",
-                    HERE + "/": "benchmarks/"})
+    labels = {ckpt: "CKPT", out_in_ram: "OUT2", out: "OUT", sys.executable: "python",
+              os.path.abspath(__file__): "benchmarks/larger_than_ram.py", HERE + "/": "benchmarks/"}
+    text = results(steps, params, ckpt_bytes, out_bytes, limit, labels)
     print("\n" + text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "larger_than_ram.md"), "w") as f:

@@ -29,7 +29,7 @@ Int64Array int64_array(const py::buffer& buffer, const char* what) {
 }
 
 void gather_convert_to_file(const std::vector<py::buffer>& sources, const py::buffer& plan, const py::buffer& offsets,
-                            const py::buffer& sizes, int fd, int64_t chunk_bytes, int threads) {
+                            const py::buffer& sizes, int fd, int64_t chunk_bytes, int threads, bool release_sources) {
   std::vector<const unsigned char*> pointers;
   std::vector<int64_t> bytes;
   std::vector<py::buffer_info> held;  // keeps every view alive while the kernels run
@@ -43,7 +43,7 @@ void gather_convert_to_file(const std::vector<py::buffer>& sources, const py::bu
   if (off.size != size.size) throw std::invalid_argument("offsets and sizes differ in length");
   py::gil_scoped_release unlocked;
   fsdpfast::gather_convert_to_file(pointers, bytes, rows.data, rows.size / fsdpfast::kColumns, off.data, size.data,
-                                   off.size, fd, chunk_bytes, fsdpfast::thread_pool_for(threads));
+                                   off.size, fd, chunk_bytes, fsdpfast::thread_pool_for(threads), release_sources);
 }
 
 }  // namespace
@@ -52,6 +52,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "fsdpfast CPU kernels without torch";
   m.attr("COLUMNS") = int64_t(fsdpfast::kColumns);
   m.def("gather_convert_to_file", &gather_convert_to_file, py::arg("sources"), py::arg("plan"), py::arg("offsets"),
-        py::arg("sizes"), py::arg("fd"), py::arg("chunk_bytes"), py::arg("threads") = 0,
-        "Execute plan rows from source buffers into file `fd` at the destinations' offsets.");
+        py::arg("sizes"), py::arg("fd"), py::arg("chunk_bytes"), py::arg("threads") = 0, py::arg("release_sources") = false,
+        "Execute plan rows from source buffers into file `fd` at the destinations' offsets. release_sources: the "
+        "sources are read-only file mappings whose pages may be dropped once read (never for ordinary memory).");
 }

@@ -1,6 +1,7 @@
 // The CPU kernels: gather pieces of shards, convert element types, write them in place.
 #include "kernels.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -103,8 +104,16 @@ void write_all(int fd, const unsigned char* data, int64_t size, int64_t offset) 
 
 // Fill elements [first, last) of a destination from the rows that land there; returns how many
 // elements were written, so a chunk with a gap is caught before it reaches the file.
+// Drop the whole pages inside [data, data + size) of a file mapping from this process.
+void release_pages(const unsigned char* data, int64_t size) {
+  static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + uintptr_t(size)) & ~(page - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 int64_t fill_chunk(const std::vector<const int64_t*>& rows, int64_t first, int64_t last, unsigned char* buffer,
-                   const std::vector<const unsigned char*>& sources) {
+                   const std::vector<const unsigned char*>& sources, bool release_sources) {
   int64_t written = 0;
   for (const int64_t* row : rows) {
     const int64_t count = row[kCount], runs = row[kRuns], in = row[kSourceItemsize], out = row[kTargetItemsize];
@@ -117,6 +126,7 @@ int64_t fill_chunk(const std::vector<const int64_t*>& rows, int64_t first, int64
       if (lo >= hi) continue;
       const unsigned char* src = sources[row[kSource]] + (row[kSourceOffset] + run * row[kSourceStride] + (lo - run_start)) * in;
       copy_or_convert(row, src, buffer + (lo - first) * out, hi - lo);
+      if (release_sources) release_pages(src, (hi - lo) * in);
       written += hi - lo;
     }
   }
@@ -193,9 +203,21 @@ void convert_run(int64_t from, int64_t to, const unsigned char* src, unsigned ch
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
     return;
   }
-  // Between the 16-bit kinds: element by element through float32 bits.
-  const int64_t in = from == kFloat32 ? 4 : 2, out = to == kFloat32 ? 4 : 2;
-  for (int64_t i = 0; i < n; ++i) convert_element(from, to, src + i * in, dst + i * out);
+  // Between the 16-bit kinds: blocks widened to float32 bits, then narrowed, with the vector paths.
+  auto s = reinterpret_cast<const uint16_t*>(src);
+  auto d = reinterpret_cast<uint16_t*>(dst);
+  uint32_t wide[1024];
+  for (int64_t start = 0; start < n; start += 1024) {
+    const int64_t m = std::min<int64_t>(1024, n - start);
+    if (from == kBFloat16) {
+      for (int64_t i = 0; i < m; ++i) wide[i] = bf16_to_f32(s[start + i]);
+      convert_f32_to_f16(wide, d + start, m);
+    } else {
+      convert_f16_to_f32(s + start, wide, m);
+      for (int64_t i = 0; i < m; ++i)  // torch writes every NaN of this pair as 0x7FC0 (convert.h)
+        d[start + i] = (wide[i] & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0u) : f32_to_bf16(wide[i]);
+    }
+  }
 }
 
 void gather_convert(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
@@ -214,7 +236,8 @@ void gather_convert(const std::vector<const unsigned char*>& sources, const std:
 
 void gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
                             const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
-                            int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for) {
+                            int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for,
+                            bool release_sources) {
   if (chunk_bytes < 64 || chunk_bytes % 8 != 0) fail("chunk_bytes must be a multiple of 8, at least 64");
   check_rows(rows, n, sources.size(), size_t(destinations));
   std::vector<std::vector<const int64_t*>> rows_of(static_cast<size_t>(destinations));
@@ -242,7 +265,7 @@ void gather_convert_to_file(const std::vector<const unsigned char*>& sources, co
       const Chunk& c = chunks[i];
       const int64_t size = itemsize_of[c.destination];
       const int64_t first = c.begin / size, last = c.end / size;
-      const int64_t written = fill_chunk(rows_of[c.destination], first, last, buffer.data(), sources);
+      const int64_t written = fill_chunk(rows_of[c.destination], first, last, buffer.data(), sources, release_sources);
       if (written != last - first)
         fail("the plan leaves a gap in destination " + std::to_string(c.destination) + ": " + std::to_string(written) +
              " of " + std::to_string(last - first) + " elements");

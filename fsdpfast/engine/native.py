@@ -40,7 +40,10 @@ class _FileOutput:
             offsets = array("q", (p.offset for p in native))
             sizes = array("q", (p.nbytes for p in native))
             try:
-                _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes, self.engine.threads)
+                # The views are private, never-written mappings of the input files (SourceFiles),
+                # so their pages can be dropped as soon as they are read.
+                _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes,
+                                                     self.engine.threads, release_sources=True)
             except RuntimeError as exc:  # the kernels' I/O errors, e.g. "writing the output file: No space left on device"
                 raise FsdpfastError(str(exc)) from None
             finally:
