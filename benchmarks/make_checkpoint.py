@@ -39,19 +39,23 @@ def rank_files(out_dir: str, world_size: int) -> list[str]:
     return sorted(files, key=lambda f: int(f.rsplit("_", 1)[1].removesuffix(".pt")))
 
 
-def checkpoint_exists(out_dir: str, world_size: int) -> bool:
-    return (len(rank_files(out_dir, world_size)) == world_size
-            and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json")))
+def checkpoint_exists(out_dir: str, world_size: int, fmt: str = "ranks") -> bool:
+    written = (os.path.isfile(os.path.join(out_dir, ".metadata")) if fmt == "dcp"
+               else len(rank_files(out_dir, world_size)) == world_size)
+    return written and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json"))
 
 
-def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spawn", **sizes) -> bool:
+def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spawn", fmt: str = "ranks", **sizes) -> bool:
     """Write the checkpoint unless it is already there; True if it was written now.
+
+    fmt "ranks": one torch.save file per rank (verl's layout); "dcp": one
+    torch.distributed.checkpoint folder (.metadata + .distcp files), written collectively.
 
     start_method "fork" imports torch, transformers and FSDP once, here, and forks the ranks:
     they share those pages, so many ranks fit where spawned ones (each importing everything
     again, about 300 MB apiece) would not. The files written are the same.
     """
-    if checkpoint_exists(out_dir, world_size):
+    if checkpoint_exists(out_dir, world_size, fmt):
         return False
     import torch.multiprocessing as mp
 
@@ -60,7 +64,7 @@ def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spaw
     if start_method == "fork":  # import once, before the fork
         for module in ("torch.distributed.fsdp", "torch.distributed.device_mesh", "transformers.models.llama.modeling_llama"):
             importlib.import_module(module)
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), out_dir, config), nprocs=world_size, join=True,
+    mp.start_processes(_rank_main, args=(world_size, _free_port(), out_dir, config, fmt), nprocs=world_size, join=True,
                        start_method=start_method)
     return True
 
@@ -71,7 +75,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config) -> None:
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config, fmt: str = "ranks") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -79,7 +83,12 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config) -> N
     try:
         model = sharded_model(config, world_size)
         fill_local_shards(model, seed=1234 + rank)
-        torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        if fmt == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(model.state_dict(), checkpoint_id=out_dir)
+        else:
+            torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
         if rank == 0:
             config.save_pretrained(os.path.join(out_dir, "huggingface"))
         dist.barrier()

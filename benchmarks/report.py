@@ -50,6 +50,11 @@ def verdict(runs: list[dict]) -> str:
     return "-" if runs[0]["check"] == "-" else f"ok ({len(runs)}/{len(runs)})"
 
 
+def succeeded(runs: list[dict]) -> bool:
+    """Every run exited 0 and passed the bit-for-bit check (or had none to pass)."""
+    return all(r["exit"] == "0" and (r["check"] == "-" or r["check"].startswith("ok")) for r in runs)
+
+
 def exits(runs: list[dict]) -> str:
     codes = sorted({int(r["exit"]) for r in runs})
     return ",".join(str(c) for c in codes)
@@ -62,17 +67,31 @@ def table(groups: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (world_size, _), tools in groups.items():
-        floor, base = floor_seconds(tools), seconds(tools[BASE]) if BASE in tools else None
+        floor = floor_seconds(tools)
+        base = seconds(tools[BASE]) if BASE in tools and succeeded(tools[BASE]) else None
         for tool, runs in tools.items():
-            secs = seconds(runs)
+            secs, ok = seconds(runs), succeeded(runs)
             median = statistics.median(secs)
             input_bytes = int(runs[0]["input_bytes"])
             lines.append(
                 f"| {size(input_bytes)} | {world_size} | {tool} | {median:.2f} ({min(secs):.2f}–{max(secs):.2f}) "
-                f"| {input_bytes / median / 1e9:.2f} | {statistics.median(float(r['cpu_seconds']) for r in runs):.1f} "
+                f"| {f'{input_bytes / median / 1e9:.2f}' if ok else '-'} "
+                f"| {statistics.median(float(r['cpu_seconds']) for r in runs):.1f} "
                 f"| {statistics.median(float(r['others_cpu_seconds']) for r in runs):.1f} "
                 f"| {size(peak(runs, 'peak_rss'))} | {size(peak(runs, 'peak_anon'))} | {exits(runs)} | {verdict(runs)} "
-                f"| {ratios(secs, floor) if floor else '-'} | {ratios(secs, base) if base else '-'} |")
+                f"| {ratios(secs, floor) if floor and ok else '-'} | {ratios(secs, base) if base and ok else '-'} |")
+    return lines
+
+
+def pivot(groups: dict) -> list[str]:
+    """One row per world size, one column per tool: median wall seconds and peak RSS; the floor as one column."""
+    tools = list(dict.fromkeys(t for g in groups.values() for t in g if t not in FLOORS))
+    lines = ["| ranks | " + " | ".join(tools) + " | floor |", "|---" * (len(tools) + 2) + "|"]
+    for (world_size, _), group in groups.items():
+        cells = [f"{statistics.median(seconds(group[t])):.2f} ({size(peak(group[t], 'peak_rss'))})" if t in group else "-"
+                 for t in tools]
+        floor = floor_seconds(group)
+        lines.append(f"| {world_size} | " + " | ".join(cells) + (f" | {statistics.median(floor):.2f} |" if floor else " | - |"))
     return lines
 
 
@@ -95,10 +114,12 @@ def targets(groups: dict) -> list[str]:
     largest, smallest = max(sweep), min(sweep)
     tools = sweep[largest]
     base = tools[BASE]
+    if not succeeded(base):
+        return [f"Targets: not computed, fsdpfast-cpu failed at the largest size ({verdict(base)})."]
     lines = [f"Targets, at the largest size ({size(int(base[0]['input_bytes']))} fp32 -> bf16, "
              f"{TARGET_WORLD_SIZE} ranks), per round, median first:", ""]
     verl = verl_name(tools)
-    if verl:
+    if verl and succeeded(tools[verl]):
         time_ratio = per_round_median(seconds(tools[verl]), seconds(base))
         lines.append(f"- {verl} time ÷ fsdpfast-cpu time = {ratios(seconds(tools[verl]), seconds(base))}; "
                      f"target ≥ 3: {met(time_ratio >= 3)}")
@@ -120,12 +141,25 @@ def targets(groups: dict) -> list[str]:
     return lines
 
 
+def sections(groups: dict) -> list[tuple[str, dict]]:
+    """The size sweep (4 ranks), the world-size sweep (~1 GB) and anything else run, as (title, groups)."""
+    by_size = {k: v for k, v in groups.items() if k[0] == TARGET_WORLD_SIZE}
+    by_ranks = {k: v for k, v in groups.items() if k[1] == float(SWEEP_SIZE)}
+    rest = {k: v for k, v in groups.items() if k not in by_size and k not in by_ranks}
+    parts = [(f"By checkpoint size, {TARGET_WORLD_SIZE} ranks", by_size)]
+    if len(by_ranks) > 1:
+        parts.append((f"By number of ranks, {SWEEP_SIZE} GB checkpoint", by_ranks))
+    parts.append(("Other runs", rest))
+    return [(title, part) for title, part in parts if part]
+
+
 def header(rows: list[dict]) -> list[str]:
     dates = sorted({r["date"] for r in rows})
+    versions = sorted({r.get("fsdpfast") or "?" for r in rows})
     rounds = max(int(r["round"]) for r in rows)
     return [
         f"Merges of real FSDP2 fp32 checkpoints to bf16, measured {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} "
-        f"on {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM ({platform.machine()}), "
+        f"(fsdpfast {', '.join(versions)}) on {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM ({platform.machine()}), "
         f"by `python benchmarks/compare.py`. Inputs warm in the page cache; up to {rounds} rounds, every tool in turn "
         "in each round; every run its own process. Ratios are per round (runs made side by side), median first. "
         "\"others CPU s\": CPU time the rest of the machine used during the run. Peaks are over the whole process "
@@ -140,7 +174,12 @@ def render(rows: list[dict], results: str, notes: list[str]) -> str:
     if not rows:
         return "no runs yet\n"
     groups = grouped(rows)
-    lines = header(rows) + table(groups) + [""] + targets(groups)
+    lines = header(rows)
+    for title, part in sections(groups):
+        lines += [f"### {title}", ""] + table(part) + [""]
+        if title.startswith("By number of ranks"):
+            lines += ["Median wall seconds (peak RSS), by ranks:", ""] + pivot(part) + [""]
+    lines += targets(groups)
     lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in plot_all(groups, results))]
     if notes:
         lines += ["", "Notes from the latest run:", ""] + [f"- {note}" for note in notes]
@@ -190,17 +229,27 @@ def style(tool: str) -> dict:
     return dict(marker="^")
 
 
-def finish(fig, ax_list, results: str, name: str) -> str:
-    from matplotlib.ticker import ScalarFormatter
+def finish(fig, axes, results: str, name: str, xs: list[float], y_label) -> str:
+    """Ticks at the measured x values and at 1-2-5 steps of y, labelled plainly; save the PNG."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    for ax in ax_list:
-        ax.grid(True, which="both", alpha=0.3)
-        for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_formatter(ScalarFormatter())
+    for ax in axes:
+        ax.set_xticks(sorted(set(xs)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if ax.get_yscale() == "log":
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: y_label(v)))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(results, name), dpi=110)
     return name
+
+
+def xs_of(data: dict) -> list[float]:
+    return [x for points in data.values() for x, _ in points]
 
 
 def plot_time(data: dict, results: str) -> str:
@@ -213,9 +262,9 @@ def plot_time(data: dict, results: str) -> str:
         lows = [m - min(seconds(runs)) for m, (_, runs) in zip(meds, points)]
         highs = [max(seconds(runs)) - m for m, (_, runs) in zip(meds, points)]
         ax.errorbar(xs, meds, yerr=[lows, highs], label=tool, capsize=3, **style(tool))
-    ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint size, GB (4 ranks)", ylabel="wall seconds (median, min–max)",
-           title="Merge fp32 -> bf16: time vs size")
-    return finish(fig, [ax], results, "compare_time.png")
+    ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint, GB (4 ranks)", ylabel="wall seconds (median, min–max)",
+           title="Merge fp32 -> bf16: time vs checkpoint size")
+    return finish(fig, [ax], results, "compare_time.png", xs_of(data), lambda v: f"{v:g} s")
 
 
 def plot_memory(data: dict, results: str) -> str:
@@ -224,12 +273,11 @@ def plot_memory(data: dict, results: str) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, field, label in ((axes[0], "peak_rss", "peak RSS"), (axes[1], "peak_anon", "peak RssAnon")):
         for tool, points in data.items():
-            if tool == "floor":
-                continue
-            ax.plot([x for x, _ in points], [peak(runs, field) / 1e9 for _, runs in points], label=tool, **style(tool))
-        ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint size, GB (4 ranks)", ylabel=f"{label}, GB (process tree)",
-               title=f"{label} vs size")
-    return finish(fig, list(axes), results, "compare_memory.png")
+            if tool != "floor":
+                ax.plot([x for x, _ in points], [peak(runs, field) for _, runs in points], label=tool, **style(tool))
+        ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint, GB (4 ranks)", ylabel=f"{label} of the process tree",
+               title=f"{label} vs checkpoint size")
+    return finish(fig, list(axes), results, "compare_memory.png", xs_of(data), size)
 
 
 def plot_world_size(data: dict, results: str) -> str:
@@ -240,7 +288,7 @@ def plot_world_size(data: dict, results: str) -> str:
         xs = [x for x, _ in points]
         ys = [int(runs[0]["input_bytes"]) / statistics.median(seconds(runs)) / 1e9 for _, runs in points]
         ax.plot(xs, ys, label=tool, **style(tool))
-    ax.set(xscale="log", xlabel="ranks (rank files)", ylabel="input GB/s (median)",
-           title="Merge of a ~1 GB fp32 checkpoint to bf16: throughput vs ranks")
     ax.set_xscale("log", base=2)
-    return finish(fig, [ax], results, "compare_world_size.png")
+    ax.set(xlabel="ranks (rank files)", ylabel="input GB/s (median)",
+           title="~1 GB fp32 checkpoint to bf16: throughput vs ranks")
+    return finish(fig, [ax], results, "compare_world_size.png", xs_of(data), lambda v: f"{v:g}")

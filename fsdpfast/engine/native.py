@@ -15,7 +15,7 @@ from .outputs import write_through_buffer
 from .rows import build_rows, native_pair
 from .sources import SourceFiles
 
-CHUNK_BYTES = 8 << 20  # per thread
+CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
 
 
 class NativeCpuEngine:
