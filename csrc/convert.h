@@ -84,16 +84,20 @@ FSDPFAST_HD void store_from_f32_bits(int64_t code, uint32_t bits, unsigned char*
   }
 }
 
+// float16 -> bfloat16, given the float16 value widened to float32 bits: torch converts this
+// pair without float32's NaN rule, writing every NaN as 0x7FC0.
+FSDPFAST_HD uint16_t widened_f16_to_bf16(uint32_t bits) {
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0u) : f32_to_bf16(bits);
+}
+
 // One element from code `from` to code `to` (two different float codes).
 FSDPFAST_HD void convert_element(int64_t from, int64_t to, const unsigned char* in, unsigned char* out) {
+  const uint32_t bits = to_f32_bits(from, in);
   if (from == kFloat16 && to == kBFloat16) {
-    uint16_t h = *reinterpret_cast<const uint16_t*>(in);
-    if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu)) {  // torch converts this pair without float32 NaN rules
-      *reinterpret_cast<uint16_t*>(out) = 0x7FC0u;
-      return;
-    }
+    *reinterpret_cast<uint16_t*>(out) = widened_f16_to_bf16(bits);
+    return;
   }
-  store_from_f32_bits(to, to_f32_bits(from, in), out);
+  store_from_f32_bits(to, bits, out);
 }
 
 }  // namespace fsdpfast

@@ -214,8 +214,7 @@ void convert_run(int64_t from, int64_t to, const unsigned char* src, unsigned ch
       convert_f32_to_f16(wide, d + start, m);
     } else {
       convert_f16_to_f32(s + start, wide, m);
-      for (int64_t i = 0; i < m; ++i)  // torch writes every NaN of this pair as 0x7FC0 (convert.h)
-        d[start + i] = (wide[i] & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0u) : f32_to_bf16(wide[i]);
+      for (int64_t i = 0; i < m; ++i) d[start + i] = widened_f16_to_bf16(wide[i]);
     }
   }
 }

@@ -1,8 +1,8 @@
 // The fsdpfast torch ops: schemas, and their CPU implementations over the kernels.
 //
 // gather_convert copies every extent of a plan from byte views of the input files into byte
-// views of the output files, converting element types on the way, in one multithreaded pass;
-// gather_convert_to_file does the same into a file descriptor.
+// views of the output files, converting element types on the way, in one multithreaded pass.
+// (Writing into files is the torch-free module's job: bindings.cpp.)
 #include <Python.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -84,20 +84,6 @@ void gather_convert_cpu(at::TensorList sources, at::TensorList destinations, con
   translated([&] { gather_convert(src, source_bytes, dst, destination_bytes, rows, plan.size(0), aten_parallel_for()); });
 }
 
-void gather_convert_to_file_cpu(at::TensorList sources, const at::Tensor& plan, const at::Tensor& offsets,
-                                const at::Tensor& sizes, int64_t fd, int64_t chunk_bytes) {
-  const int64_t* rows = plan_rows(plan);
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && sizes.scalar_type() == at::kLong && offsets.is_contiguous() &&
-                  sizes.is_contiguous() && offsets.numel() == sizes.numel(),
-              "destination offsets and sizes must be contiguous int64 tensors of one length");
-  std::vector<int64_t> source_bytes;
-  auto src = byte_pointers<const unsigned char*>(sources, source_bytes, "sources");
-  translated([&] {
-    gather_convert_to_file(src, source_bytes, rows, plan.size(0), offsets.data_ptr<int64_t>(), sizes.data_ptr<int64_t>(),
-                           offsets.numel(), int(fd), chunk_bytes, aten_parallel_for());
-  });
-}
-
 // The scalar conversions the CUDA kernels use, run on the CPU so tests can check them anywhere.
 at::Tensor convert_scalar(const at::Tensor& source, int64_t from, int64_t to) {
   TORCH_CHECK(source.device().is_cpu() && source.is_contiguous() && source.scalar_type() == at::kByte,
@@ -116,13 +102,11 @@ at::Tensor convert_scalar(const at::Tensor& source, int64_t from, int64_t to) {
 
 TORCH_LIBRARY(fsdpfast, m) {
   m.def("gather_convert(Tensor[] sources, Tensor(a!)[] destinations, Tensor plan) -> ()");
-  m.def("gather_convert_to_file(Tensor[] sources, Tensor plan, Tensor destination_offsets, Tensor destination_sizes, int fd, int chunk_bytes) -> ()");
   m.def("convert_scalar(Tensor source, int source_code, int target_code) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {
   m.impl("gather_convert", &gather_convert_cpu);
-  m.impl("gather_convert_to_file", &gather_convert_to_file_cpu);
   m.impl("convert_scalar", &convert_scalar);
 }
 

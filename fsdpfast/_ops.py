@@ -69,7 +69,7 @@ def native_cuda_built() -> bool:
 
 def gpu_device_present() -> bool:
     """A cheap look for an NVIDIA device node, so CPU-only machines never import torch to ask."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.environ.get("FSDPFAST_ASSUME_GPU") == "1"
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def native_cuda() -> bool:
@@ -96,14 +96,6 @@ def gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, de
     import torch
 
     torch.ops.fsdpfast.gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, device_in, device_out)
-
-
-def gather_convert_to_file(sources, plan, destination_offsets, destination_sizes, fd: int, chunk_bytes: int) -> None:
-    """The torch op (tensors in); the engine uses native().gather_convert_to_file (buffers in)."""
-    import torch
-
-    torch_ops()
-    torch.ops.fsdpfast.gather_convert_to_file(sources, plan, destination_offsets, destination_sizes, fd, chunk_bytes)
 
 
 def convert_scalar(source, source_code: int, target_code: int):

@@ -24,6 +24,7 @@ class NativeCpuEngine:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, threads: int | None = None):
         self.chunk_bytes = chunk_bytes
         self.threads = threads or _ops.cpu_threads()
+        self.fallback = None  # the torch engine, made on first need (float64 casts)
 
     def output(self, fd: int, size: int) -> "_FileOutput":
         return _FileOutput(self, fd)
@@ -51,9 +52,11 @@ class _FileOutput:
                     view.release()
         for p in placed:
             if not native_pair(p.tensor.source_dtype, p.tensor.target_dtype):  # float64 casts: through torch
-                from .torch_ref import TorchEngine
+                if self.engine.fallback is None:
+                    from .torch_ref import TorchEngine
 
-                write_through_buffer(self.fd, p, TorchEngine().execute, sources)
+                    self.engine.fallback = TorchEngine()
+                write_through_buffer(self.fd, p, self.engine.fallback.execute, sources)
 
     def __enter__(self):
         return self

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import mmap
-import os
 
 from ..plan import SourceBuffer
 
@@ -50,7 +49,3 @@ class SourceFiles:
     def __exit__(self, *exc):
         self.close()
 
-
-def file_identity(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns

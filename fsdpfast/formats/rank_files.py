@@ -67,6 +67,15 @@ class _Sources:
 
 
 def plan_from_ranks(states: list[RankState], layout: str) -> MergePlan:
+    """The plan for these ranks; their archives are closed once it is made (the plan holds paths)."""
+    try:
+        return _plan(states, layout)
+    finally:
+        for state in states:
+            state.archive.close()
+
+
+def _plan(states: list[RankState], layout: str) -> MergePlan:
     world = len(states)
     _check_same_names(states)
     any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())

@@ -67,6 +67,7 @@ class TorchZip:
         self.size = self.file_size - base if length is None else length
         where = path if length is None else f"{path} (bytes {base}..{base + self.size})"
         self.where = where
+        self._file = None
         if base + self.size > self.file_size:
             raise BadInput(f"{where}: runs past the end of the file; the file is truncated")
         self._window = None if length is None else FileWindow(path, base, self.size)
@@ -90,6 +91,9 @@ class TorchZip:
             self._zip.close()
         if self._window is not None:
             self._window.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self):
         return self
@@ -113,9 +117,7 @@ class TorchZip:
             raise BadInput(f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt") from None
         if info.compress_type != zipfile.ZIP_STORED:
             raise BadInput(f"{self.where}: storage record {name!r} is compressed; torch.save never does that")
-        with open(self.path, "rb") as f:
-            f.seek(self.base + info.header_offset)
-            raw = f.read(_LOCAL_HEADER.size)
+        raw = self._read_at(self.base + info.header_offset, _LOCAL_HEADER.size)
         if len(raw) != _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
             raise BadInput(f"{self.where}: zip header of {name!r} is damaged; the file is corrupt")
         fields = _LOCAL_HEADER.unpack(raw)
@@ -124,6 +126,12 @@ class TorchZip:
         if offset + info.file_size > self.base + self.size:
             raise BadInput(f"{self.where}: storage record {name!r} runs past the end of the file; the file is truncated")
         return offset, info.file_size
+
+    def _read_at(self, offset: int, size: int) -> bytes:
+        if self._file is None:  # one handle for every storage's header, opened on first need
+            self._file = open(self.path, "rb")
+        self._file.seek(offset)
+        return self._file.read(size)
 
     def _read_small(self, record: str) -> bytes | None:
         try:
