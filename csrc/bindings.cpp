@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "crc32c.h"
 #include "kernels.h"
 #include "plan_rows.h"
 
@@ -28,22 +29,59 @@ Int64Array int64_array(const py::buffer& buffer, const char* what) {
   return {static_cast<const int64_t*>(info.ptr), int64_t(info.size)};
 }
 
-void gather_convert_to_file(const std::vector<py::buffer>& sources, const py::buffer& plan, const py::buffer& offsets,
-                            const py::buffer& sizes, int fd, int64_t chunk_bytes, int threads, bool release_sources) {
+// Pointers to and sizes of a list of buffers; `held` keeps every view alive while the kernels run.
+std::vector<const unsigned char*> byte_views(const std::vector<py::buffer>& buffers, std::vector<int64_t>& bytes,
+                                             std::vector<py::buffer_info>& held) {
   std::vector<const unsigned char*> pointers;
-  std::vector<int64_t> bytes;
-  std::vector<py::buffer_info> held;  // keeps every view alive while the kernels run
-  for (const auto& source : sources) {
-    held.push_back(source.request());
+  for (const auto& buffer : buffers) {
+    held.push_back(buffer.request());
     pointers.push_back(static_cast<const unsigned char*>(held.back().ptr));
     bytes.push_back(int64_t(held.back().size * held.back().itemsize));
   }
-  Int64Array rows = int64_array(plan, "plan"), off = int64_array(offsets, "offsets"), size = int64_array(sizes, "sizes");
+  return pointers;
+}
+
+Int64Array plan_rows(const py::buffer& plan) {
+  Int64Array rows = int64_array(plan, "plan");
   if (rows.size % fsdpfast::kColumns != 0) throw std::invalid_argument("plan length is not a multiple of the row width");
+  return rows;
+}
+
+std::vector<uint32_t> gather_convert_to_file(const std::vector<py::buffer>& sources, const py::buffer& plan, const py::buffer& offsets,
+                                             const py::buffer& sizes, int fd, int64_t chunk_bytes, int threads, bool release_sources) {
+  std::vector<int64_t> bytes;
+  std::vector<py::buffer_info> held;
+  const auto pointers = byte_views(sources, bytes, held);
+  Int64Array rows = plan_rows(plan), off = int64_array(offsets, "offsets"), size = int64_array(sizes, "sizes");
   if (off.size != size.size) throw std::invalid_argument("offsets and sizes differ in length");
   py::gil_scoped_release unlocked;
-  fsdpfast::gather_convert_to_file(pointers, bytes, rows.data, rows.size / fsdpfast::kColumns, off.data, size.data,
-                                   off.size, fd, chunk_bytes, fsdpfast::thread_pool_for(threads), release_sources);
+  return fsdpfast::gather_convert_to_file(pointers, bytes, rows.data, rows.size / fsdpfast::kColumns, off.data, size.data,
+                                          off.size, fd, chunk_bytes, fsdpfast::thread_pool_for(threads), release_sources);
+}
+
+py::tuple gather_convert_compare(const std::vector<py::buffer>& sources, const py::buffer& plan, const std::vector<py::buffer>& expected,
+                                 int64_t chunk_bytes, int threads, bool release_sources) {
+  std::vector<int64_t> bytes, expected_bytes;
+  std::vector<py::buffer_info> held;
+  const auto pointers = byte_views(sources, bytes, held);
+  const auto wanted = byte_views(expected, expected_bytes, held);
+  Int64Array rows = plan_rows(plan);
+  std::vector<int64_t> first(wanted.size(), -1);
+  std::vector<uint32_t> crcs;
+  {
+    py::gil_scoped_release unlocked;
+    crcs = fsdpfast::gather_convert_compare(pointers, bytes, rows.data, rows.size / fsdpfast::kColumns, wanted,
+                                            expected_bytes.data(), chunk_bytes, fsdpfast::thread_pool_for(threads),
+                                            first.data(), release_sources);
+  }
+  return py::make_tuple(crcs, first);
+}
+
+uint32_t crc32c(const py::buffer& data, uint32_t crc) {
+  py::buffer_info info = data.request();
+  const size_t n = size_t(info.size * info.itemsize);
+  py::gil_scoped_release unlocked;
+  return fsdpfast::crc32c(crc, info.ptr, n);
 }
 
 }  // namespace
@@ -54,5 +92,12 @@ PYBIND11_MODULE(_native, m) {
   m.def("gather_convert_to_file", &gather_convert_to_file, py::arg("sources"), py::arg("plan"), py::arg("offsets"),
         py::arg("sizes"), py::arg("fd"), py::arg("chunk_bytes"), py::arg("threads") = 0, py::arg("release_sources") = false,
         "Execute plan rows from source buffers into file `fd` at the destinations' offsets. release_sources: the "
-        "sources are read-only file mappings whose pages may be dropped once read (never for ordinary memory).");
+        "sources are read-only file mappings whose pages may be dropped once read (never for ordinary memory). "
+        "Returns each destination's CRC-32C.");
+  m.def("gather_convert_compare", &gather_convert_compare, py::arg("sources"), py::arg("plan"), py::arg("expected"),
+        py::arg("chunk_bytes"), py::arg("threads") = 0, py::arg("release_sources") = false,
+        "Recompute plan rows chunk by chunk and compare with the `expected` buffers (one per destination) without "
+        "holding any destination whole. Returns (CRC-32C per destination, first differing byte per destination or -1).");
+  m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
+        "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
 }

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "convert.h"
+#include "crc32c.h"
 #include "plan_rows.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -233,10 +234,16 @@ void gather_convert(const std::vector<const unsigned char*>& sources, const std:
   });
 }
 
-void gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
-                            const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
-                            int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for,
-                            bool release_sources) {
+namespace {
+
+// Validate the rows, cut every destination into chunks, and hand each filled chunk to
+// `sink(destination, begin, data, size)` from the worker threads. Returns each destination's
+// CRC-32C: the chunks' CRCs, taken while they are hot in cache, combined in order.
+template <typename Sink>
+std::vector<uint32_t> for_each_chunk(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                                     const int64_t* rows, int64_t n, const int64_t* sizes, int64_t destinations,
+                                     int64_t chunk_bytes, const ParallelFor& parallel_for, bool release_sources,
+                                     const Sink& sink) {
   if (chunk_bytes < 64 || chunk_bytes % 8 != 0) fail("chunk_bytes must be a multiple of 8, at least 64");
   check_rows(rows, n, sources.size(), size_t(destinations));
   std::vector<std::vector<const int64_t*>> rows_of(static_cast<size_t>(destinations));
@@ -257,6 +264,7 @@ void gather_convert_to_file(const std::vector<const unsigned char*>& sources, co
     if (sizes[d] > 0 && itemsize_of[d] == 0) fail("destination " + std::to_string(d) + " has no rows to fill it");
     for (int64_t begin = 0; begin < sizes[d]; begin += chunk_bytes) chunks.push_back({d, begin, std::min(sizes[d], begin + chunk_bytes)});
   }
+  std::vector<uint32_t> chunk_crc(chunks.size());
   parallel_for(int64_t(chunks.size()), [&](int64_t begin, int64_t end) {
     thread_local std::vector<unsigned char> buffer;
     if (int64_t(buffer.size()) < chunk_bytes) buffer.resize(size_t(chunk_bytes));
@@ -268,9 +276,50 @@ void gather_convert_to_file(const std::vector<const unsigned char*>& sources, co
       if (written != last - first)
         fail("the plan leaves a gap in destination " + std::to_string(c.destination) + ": " + std::to_string(written) +
              " of " + std::to_string(last - first) + " elements");
-      write_all(fd, buffer.data(), c.end - c.begin, offsets[c.destination] + c.begin);
+      chunk_crc[i] = crc32c(0, buffer.data(), size_t(c.end - c.begin));
+      sink(c.destination, c.begin, buffer.data(), c.end - c.begin);
     }
   });
+  std::vector<uint32_t> crcs(static_cast<size_t>(destinations), 0);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const Chunk& c = chunks[i];
+    crcs[c.destination] = crc32c_combine(crcs[c.destination], chunk_crc[i], uint64_t(c.end - c.begin));
+  }
+  return crcs;
+}
+
+}  // namespace
+
+std::vector<uint32_t> gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                                             const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
+                                             int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for,
+                                             bool release_sources) {
+  return for_each_chunk(sources, source_bytes, rows, n, sizes, destinations, chunk_bytes, parallel_for, release_sources,
+                        [&](int64_t d, int64_t begin, const unsigned char* data, int64_t size) {
+                          write_all(fd, data, size, offsets[d] + begin);
+                        });
+}
+
+std::vector<uint32_t> gather_convert_compare(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                                             const int64_t* rows, int64_t n, const std::vector<const unsigned char*>& expected,
+                                             const int64_t* sizes, int64_t chunk_bytes, const ParallelFor& parallel_for,
+                                             int64_t* first_difference, bool release_sources) {
+  const int64_t destinations = int64_t(expected.size());
+  std::vector<std::atomic<int64_t>> first(static_cast<size_t>(destinations));
+  for (auto& f : first) f = -1;
+  auto crcs = for_each_chunk(sources, source_bytes, rows, n, sizes, destinations, chunk_bytes, parallel_for, release_sources,
+                             [&](int64_t d, int64_t begin, const unsigned char* data, int64_t size) {
+                               const unsigned char* want = expected[d] + begin;
+                               if (std::memcmp(data, want, size_t(size)) == 0) return;
+                               int64_t at = 0;
+                               while (data[at] == want[at]) ++at;
+                               at += begin;
+                               int64_t seen = first[d].load();  // keep the smallest offset any thread found
+                               while ((seen < 0 || at < seen) && !first[d].compare_exchange_weak(seen, at)) {
+                               }
+                             });
+  for (int64_t d = 0; d < destinations; ++d) first_difference[d] = first[d].load();
+  return crcs;
 }
 
 }  // namespace fsdpfast

@@ -36,9 +36,18 @@ void gather_convert(const std::vector<const unsigned char*>& sources, const std:
 // release_sources: the sources are read-only mappings of files; drop each page from this process
 // once read (the page cache keeps it), so resident memory stays flat whatever the tensor sizes.
 // Never set it for sources that are ordinary memory: dropping would zero them.
-void gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
-                            const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
-                            int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for,
-                            bool release_sources = false);
+// Returns each destination's CRC-32C (crc32c.h), computed from the chunks as they are written.
+std::vector<uint32_t> gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                                             const int64_t* rows, int64_t n, const int64_t* offsets, const int64_t* sizes,
+                                             int64_t destinations, int fd, int64_t chunk_bytes, const ParallelFor& parallel_for,
+                                             bool release_sources = false);
+
+// The same chunks, compared with `expected[d]` (sizes[d] bytes each) instead of written:
+// first_difference[d] is the byte offset of the first difference in destination d, or -1.
+// Returns each destination's CRC-32C of the recomputed bytes.
+std::vector<uint32_t> gather_convert_compare(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,
+                                             const int64_t* rows, int64_t n, const std::vector<const unsigned char*>& expected,
+                                             const int64_t* sizes, int64_t chunk_bytes, const ParallelFor& parallel_for,
+                                             int64_t* first_difference, bool release_sources = false);
 
 }  // namespace fsdpfast

@@ -81,6 +81,11 @@ def native_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def crc32c(data, crc: int = 0) -> int | None:
+    """CRC-32C of a buffer continuing from `crc` (the manifest's checksum); None without the native module."""
+    return _native.crc32c(data, crc) if _native is not None else None
+
+
 def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

@@ -1,6 +1,7 @@
 """The public functions: plan a merge, run it, report what was done."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -10,10 +11,14 @@ from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
 from .errors import BadInput
 from .finish import StagingFolder, copy_config_files, write_json
-from .layout import DEFAULT_MAX_SHARD_SIZE, index_json, plan_files, tensor_nbytes
+from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
+from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
 from .plan import MergePlan
 from .prepare import parse_dtype, prepare
+from .progress import Progress
 from .writer import write_file
+
+log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
 
 
 @dataclass
@@ -81,11 +86,14 @@ def merge(
     overwrite: bool = False,
     engine: str = "auto",
     prefix: str | None = None,
+    progress: bool = False,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
 
     `dst` appears complete or not at all: everything is written to a hidden sibling folder
-    that is renamed into place at the end.
+    that is renamed into place at the end, with the manifest (fsdpfast-manifest.json). A source
+    file that changes size or modification time during the merge aborts it. `progress`: a bar
+    on stderr when it is a terminal.
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -96,16 +104,25 @@ def merge(
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
+    _log_plan(plan, files, runner.name)
+    identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     staging = StagingFolder(dst, overwrite)
+    bar = Progress(sum(f.size for f in files), enabled=progress)
+    checksums: dict[str, int | None] = {}
     try:
         with SourceFiles(plan.sources) as sources:
             for planned in files:
-                write_file(staging.file(planned.name), planned, runner, sources)
+                checksums.update(write_file(staging.file(planned.name), planned, runner, sources, bar.advance))
+                check_unchanged(src, identity)
         if len(files) > 1:
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
+        write_json(staging.file(MANIFEST_NAME),
+                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix))
+        check_unchanged(src, identity)
         staging.publish()
     finally:
+        bar.close()
         staging.discard()
     return MergeReport(
         out_dir=dst,
@@ -120,6 +137,36 @@ def merge(
         copied=copied,
         notes=list(plan.notes),
     )
+
+
+def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+            layout: str | None = None, config: str | None = None, prefix: str | None = None) -> dict:
+    """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
+    parse_dtype(dtype)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    files = plan_files(plan, max_shard_size)
+    return {
+        "checkpoint": os.fspath(src),
+        "out_dir": os.fspath(dst),
+        "layout": plan.layout,
+        "world_size": plan.world_size,
+        "files": [{"name": f.name, "bytes": f.size, "header_bytes": len(f.header),
+                   "tensors": [{"name": p.tensor.name, "dtype": p.tensor.target_dtype, "shape": list(p.tensor.shape),
+                                "offset": p.offset, "bytes": p.nbytes} for p in f.tensors]} for f in files],
+        "total_bytes": sum(p.nbytes for f in files for p in f.tensors),
+        "notes": list(plan.notes),
+    }
+
+
+def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:
+    log.info("layout %s, world size %d, %d tensors from %d source files", plan.layout, plan.world_size,
+             len(plan.tensors), len({s.path for s in plan.sources}))
+    log.info("engine %s", engine)
+    for f in files:
+        log.info("file %s: %d tensors, %d bytes", f.name, len(f.tensors), f.size)
+        for p in f.tensors:
+            log.info("  %s -> %s at byte %d (%d bytes, %s -> %s)", p.tensor.name, f.name, p.offset, p.nbytes,
+                     p.tensor.source_dtype, p.tensor.target_dtype)
 
 
 def _inside(folder: str, path: str) -> bool:

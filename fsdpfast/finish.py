@@ -8,6 +8,7 @@ import tempfile
 
 from .configs import load_config
 from .errors import BadInput
+from .manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp", ".index.json")
@@ -67,7 +68,7 @@ def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str 
     copied = []
     for entry in sorted(os.listdir(config_dir)):
         source = os.path.join(config_dir, entry)
-        if not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith("."):
+        if not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".") or entry == MANIFEST_NAME:
             continue
         if entry == "config.json" and torch_dtype:
             _write_config_with_dtype(source, staging.file(entry), torch_dtype)

@@ -1,6 +1,7 @@
 """Every engine writes the same bytes; the engine that ran is reported; missing ones fail cleanly."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import fsdpfast
 from fsdpfast import _ops
 from fsdpfast.engine import available_engines
+from fsdpfast.manifest import MANIFEST_NAME
 
 OTHER_ENGINES = [e for e in available_engines() if e != "torch"]
 
@@ -27,6 +29,11 @@ def test_engines_write_identical_files(checkpoints, tmp_path, name, dtype):
         got = {p.name: p.read_bytes() for p in (tmp_path / engine).iterdir()}
         assert got.keys() == expected.keys()
         for file_name in expected:
+            if file_name == MANIFEST_NAME:  # names the engine; every checksum must agree
+                got_manifest, want_manifest = json.loads(got[file_name]), json.loads(expected[file_name])
+                assert got_manifest.pop("engine") == engine and want_manifest.pop("engine") == "torch"
+                assert got_manifest == want_manifest and want_manifest["checksum"] == "crc32c"
+                continue
             assert got[file_name] == expected[file_name], f"{engine} engine: {file_name} differs"
 
 

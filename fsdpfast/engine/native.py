@@ -34,7 +34,9 @@ class _FileOutput:
     def __init__(self, engine: NativeCpuEngine, fd: int):
         self.engine, self.fd = engine, fd
 
-    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> None:
+    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> list[int]:
+        """Write the tensors; their CRC-32Cs, combined from the chunks the threads wrote."""
+        crcs: dict[int, int] = {}
         native = [p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype)]
         if native:
             views, rows = build_rows([p.tensor for p in native], sources)
@@ -43,20 +45,22 @@ class _FileOutput:
             try:
                 # The views are private, never-written mappings of the input files (SourceFiles),
                 # so their pages can be dropped as soon as they are read.
-                _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes,
-                                                     self.engine.threads, release_sources=True)
+                written = _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes,
+                                                               self.engine.threads, release_sources=True)
             except RuntimeError as exc:  # the kernels' I/O errors, e.g. "writing the output file: No space left on device"
                 raise FsdpfastError(str(exc)) from None
             finally:
                 for view in views:
                     view.release()
+            crcs.update(zip(map(id, native), written))
         for p in placed:
             if not native_pair(p.tensor.source_dtype, p.tensor.target_dtype):  # float64 casts: through torch
                 if self.engine.fallback is None:
                     from .torch_ref import TorchEngine
 
                     self.engine.fallback = TorchEngine()
-                write_through_buffer(self.fd, p, self.engine.fallback.execute, sources)
+                crcs[id(p)] = write_through_buffer(self.fd, p, self.engine.fallback.execute, sources)
+        return [crcs[id(p)] for p in placed]
 
     def __enter__(self):
         return self

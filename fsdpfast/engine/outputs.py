@@ -4,6 +4,7 @@ from __future__ import annotations
 import mmap
 import os
 
+from .. import _ops
 from ..layout import PlacedTensor
 from .sources import SourceFiles
 
@@ -16,8 +17,14 @@ class MappedOutput:
         self._view = memoryview(self._mapping)
         self._execute = execute
 
-    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> None:
-        self._execute([(p.tensor, self._view[p.offset: p.offset + p.nbytes]) for p in placed], sources)
+    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> list[int | None]:
+        """Fill the tensors; their CRC-32Cs, taken from the freshly written pages (None without the native module)."""
+        views = [self._view[p.offset: p.offset + p.nbytes] for p in placed]
+        self._execute(list(zip((p.tensor for p in placed), views)), sources)
+        crcs = [_ops.crc32c(view) for view in views]
+        for view in views:
+            view.release()
+        return crcs
 
     def __enter__(self):
         return self
@@ -28,8 +35,9 @@ class MappedOutput:
         self._mapping.close()
 
 
-def write_through_buffer(fd: int, placed: PlacedTensor, execute, sources: SourceFiles) -> None:
-    """Fill one tensor in a buffer of its own size, then write it at its offset (rare dtype pairs)."""
+def write_through_buffer(fd: int, placed: PlacedTensor, execute, sources: SourceFiles) -> int | None:
+    """Fill one tensor in a buffer of its own size, then write it at its offset (rare dtype pairs); its CRC-32C."""
     buffer = bytearray(placed.nbytes)
     execute([(placed.tensor, memoryview(buffer))], sources)
     os.pwrite(fd, buffer, placed.offset)
+    return _ops.crc32c(buffer)
