@@ -1,13 +1,17 @@
-"""Command line: `fsdpfast merge`, `inspect`, `demo`. Errors are one line and an exit status."""
+"""Command line: `fsdpfast merge`, `inspect`, `verify`, `demo`. Errors are one line and an exit status.
+
+Exit status: 0 ok, 2 bad input, 3 verify found a mismatch, 1 anything else (fsdpfast.errors).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict
 
 from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, FsdpfastError
+from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, FsdpfastError
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -33,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
+    merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
+    merge.add_argument("--quiet", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
+    merge.add_argument("-v", "--verbose", action="store_true", help="log each decision (layout, engine, tensor -> file) on stderr")
 
     inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write")
     inspect.add_argument("checkpoint", help="folder holding the rank files")
@@ -40,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+
+    verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch")
+    verify.add_argument("out_dir", help="the merged folder")
+    verify.add_argument("--against", metavar="CKPT_DIR", default=None, help="recompute every tensor from the shards and compare bit for bit")
+    verify.add_argument("--reference", metavar="HF_DIR", default=None, help="compare with another safetensors folder, exact unless --rtol/--atol")
+    verify.add_argument("--rtol", type=float, default=None, help="relative tolerance for --reference (compared in float64)")
+    verify.add_argument("--atol", type=float, default=None, help="absolute tolerance for --reference")
+    verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
+    verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
+    verify.add_argument("--prefix", default=None, help="--against, DCP: the model part of a nested state dict")
+    verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
     demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
     demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
@@ -54,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             return _merge(args)
         if args.verb == "inspect":
             return _inspect(args)
+        if args.verb == "verify":
+            return _verify(args)
         if args.verb == "demo":
             from .demo import run_demo
 
@@ -73,14 +93,50 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _merge(args) -> int:
-    from .api import merge
+    from .api import dry_run, merge
 
+    if args.verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("fsdpfast: %(message)s"))
+        logging.getLogger("fsdpfast").addHandler(handler)
+        logging.getLogger("fsdpfast").setLevel(logging.INFO)
+    if args.dry_run:
+        plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                       layout=args.layout, config=args.config, prefix=args.prefix)
+        print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
+        return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
+        progress=not args.quiet,
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
+
+
+def _plan_text(plan: dict) -> str:
+    lines = [f"dry run: {plan['checkpoint']} [{plan['layout']}, {plan['world_size']} ranks] -> {plan['out_dir']}: "
+             f"{sum(len(f['tensors']) for f in plan['files'])} tensors, {plan['total_bytes']:,d} B in "
+             f"{len(plan['files'])} files; nothing written"]
+    for f in plan["files"]:
+        lines.append(f"{f['name']}  {f['bytes']:,d} B (header {f['header_bytes']:,d} B)")
+        width = max((len(t["name"]) for t in f["tensors"]), default=0)
+        lines += [f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} at {t['offset']:>12,d}  "
+                  f"{t['bytes']:>14,d} B" for t in f["tensors"]]
+    lines += [f"note: {note}" for note in plan["notes"]]
+    return "\n".join(lines)
+
+
+def _verify(args) -> int:
+    from .verify import verify
+
+    report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
+                    smoke=args.smoke, layout=args.layout, prefix=args.prefix)
+    if args.json:
+        print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    else:
+        print(report.summary())
+    return 0 if report.ok else EXIT_MISMATCH
 
 
 def _inspect(args) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
+EXIT_MISMATCH = 3  # verify found a difference
 
 
 class FsdpfastError(Exception):

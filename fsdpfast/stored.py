@@ -1,0 +1,99 @@
+"""Read what a safetensors folder holds from its headers: each tensor's file, byte range, dtype, shape."""
+from __future__ import annotations
+
+import glob
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+from .dtypes import DTYPES
+from .errors import BadInput
+
+_BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    file: str  # file name inside the folder
+    offset: int  # from the start of the file
+    nbytes: int
+    dtype: str  # torch name
+    shape: tuple[int, ...]
+
+
+def read_folder(folder: str) -> dict[str, StoredTensor]:
+    """Every tensor of every *.safetensors file in `folder`, by name."""
+    if not os.path.isdir(folder):
+        raise BadInput(f"{folder}: no such folder")
+    paths = sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    if not paths:
+        raise BadInput(f"{folder}: no .safetensors files; give a merged model folder")
+    found: dict[str, StoredTensor] = {}
+    for path in paths:
+        for tensor in _read_header(path):
+            if tensor.name in found:
+                raise BadInput(f"{folder}: {tensor.name} is in both {found[tensor.name].file} and {tensor.file}")
+            found[tensor.name] = tensor
+    return found
+
+
+def _read_header(path: str) -> list[StoredTensor]:
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            raise BadInput(f"{path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise BadInput(f"{path}: not a safetensors file (header is not JSON)") from None
+    tensors = []
+    for tensor_name, entry in header.items():
+        if tensor_name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            dtype = _BY_CODE[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise BadInput(f"{path}: bad header entry for {tensor_name}") from None
+        if not 0 <= begin <= end or 8 + length + end > size:
+            raise BadInput(f"{path}: {tensor_name} lies outside the file (truncated?)")
+        tensors.append(StoredTensor(tensor_name, name, 8 + length + begin, end - begin, dtype, shape))
+    return tensors
+
+
+class MappedFiles:
+    """Read-only mappings of a folder's files, each opened once; `view(tensor)` is its bytes."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def view(self, tensor: StoredTensor) -> memoryview:
+        mapping = self._maps.get(tensor.file)
+        if mapping is None:
+            with open(os.path.join(self.folder, tensor.file), "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[tensor.file] = mapping
+        return memoryview(mapping)[tensor.offset: tensor.offset + tensor.nbytes]
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            try:
+                mapping.close()
+            except BufferError:  # a view still alive; the mapping goes with it
+                pass
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

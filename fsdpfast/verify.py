@@ -1,0 +1,294 @@
+"""Check a merged folder: against its manifest, against the shards it came from, against a reference.
+
+- manifest (default): every tensor's place and CRC-32C as recorded while it was written; fast,
+  needs no sources.
+- against a checkpoint: every tensor recomputed from the shards chunk by chunk (the merge's own
+  plan and kernels, nothing held whole) and compared byte for byte.
+- against a reference folder: tensor by tensor, exact, or within rtol/atol in float64.
+Each mismatch names the tensor and, where known, the first differing element and byte.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import _ops
+from .dtypes import CASTABLE, itemsize
+from .engine.rows import build_rows, native_pair
+from .engine.sources import SourceFiles
+from .errors import BadInput
+from .manifest import CHECKSUM, changed_sources, read_manifest
+from .plan import TensorPlan
+from .stored import MappedFiles, StoredTensor, read_folder
+
+SLICE_BYTES = 16 << 20  # bytes compared (or converted to float64) at once
+CHUNK_BYTES = 1 << 20  # recomputed per thread at once, as in the native engine
+MAX_LISTED = 20  # mismatches printed one per line; the JSON report holds them all
+
+
+@dataclass
+class Mismatch:
+    tensor: str
+    what: str
+    byte: int | None = None  # first differing byte within the tensor's data
+    element: int | None = None  # first differing element (row-major)
+
+    def line(self) -> str:
+        where = f" (first difference at element {self.element}, byte {self.byte})" if self.byte is not None else ""
+        return f"{self.tensor}: {self.what}{where}"
+
+
+@dataclass
+class VerifyReport:
+    out_dir: str
+    checks: list[str] = field(default_factory=list)  # manifest, against CKPT, reference DIR, smoke
+    tensors: int = 0
+    bytes_checked: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        lines = [f"mismatch: {m.line()}" for m in self.mismatches[:MAX_LISTED]]
+        if len(self.mismatches) > MAX_LISTED:
+            lines.append(f"... and {len(self.mismatches) - MAX_LISTED} more mismatches (--json lists them all)")
+        lines += [f"note: {note}" for note in self.notes]
+        verdict = "OK" if self.ok else f"FAILED, {len(self.mismatches)} mismatches"
+        lines.append(f"verify {self.out_dir}: {verdict}: {self.tensors} tensors, {self.bytes_checked:,d} bytes "
+                     f"checked ({'; '.join(self.checks)})")
+        return "\n".join(lines)
+
+
+def verify(out_dir: str, *, against: str | None = None, reference: str | None = None, rtol: float | None = None,
+           atol: float | None = None, smoke: bool = False, layout: str | None = None, prefix: str | None = None) -> VerifyReport:
+    out_dir = os.fspath(out_dir)
+    stored = read_folder(out_dir)
+    manifest = read_manifest(out_dir)
+    report = VerifyReport(out_dir, tensors=len(stored))
+    if (rtol is not None or atol is not None) and reference is None:
+        raise BadInput("--rtol and --atol apply to --reference")
+    if against is None and reference is None and manifest is None and not smoke:
+        raise BadInput(f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
+                       "check it with --against CKPT_DIR or --reference HF_DIR")
+    with MappedFiles(out_dir) as files:
+        if manifest is not None:
+            _note_source_changes(report, manifest, against)
+        if against is not None:
+            _check_against(report, stored, files, os.fspath(against), manifest, layout, prefix)
+        elif manifest is not None and reference is None:
+            _check_manifest(report, stored, files, manifest)
+        if reference is not None:
+            _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
+    if smoke:
+        from .smoke import smoke_test
+
+        report.checks.append("smoke: transformers forward pass")
+        report.mismatches += [Mismatch("(smoke)", problem) for problem in smoke_test(out_dir)]
+    return report
+
+
+def _note_source_changes(report: VerifyReport, manifest: dict, against: str | None) -> None:
+    root = against or manifest.get("checkpoint")
+    if not root or not os.path.isdir(root):
+        report.notes.append(f"the merge's sources ({manifest.get('checkpoint')}) are not there to compare with")
+        return
+    changes = changed_sources(root, manifest.get("sources", []))
+    if changes:
+        report.notes.append(f"source files changed since the merge ({len(changes)}): {'; '.join(changes[:5])}")
+
+
+# --- against the manifest ---------------------------------------------------------------------
+
+def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict) -> None:
+    report.checks.append("manifest")
+    recorded = manifest.get("tensors", {})
+    _compare_names(report, set(recorded), set(stored), "in the manifest", "the manifest")
+    for name in sorted(set(recorded) & set(stored)):
+        want, have = recorded[name], stored[name]
+        place = (want["file"], want["offset"], want["nbytes"], want["dtype"], tuple(want["shape"]))
+        if place != (have.file, have.offset, have.nbytes, have.dtype, have.shape):
+            report.mismatches.append(Mismatch(name, f"stored as {have.file} byte {have.offset}, {have.dtype} "
+                                              f"{list(have.shape)}; the manifest says {want['file']} byte {want['offset']}, "
+                                              f"{want['dtype']} {want['shape']}"))
+            continue
+        if manifest.get("checksum") != CHECKSUM or want.get(CHECKSUM) is None:
+            continue
+        crc = _crc(files.view(have))
+        report.bytes_checked += have.nbytes
+        if crc != int(want[CHECKSUM], 16):
+            report.mismatches.append(Mismatch(name, f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} "
+                                              "(the file changed after the merge)"))
+    if manifest.get("checksum") != CHECKSUM:
+        report.notes.append("the manifest has no checksums (merged without the native extension); "
+                            "only names, places, dtypes and shapes were checked; use --against CKPT_DIR")
+
+
+def _crc(view: memoryview) -> int:
+    crc = 0
+    for start in range(0, len(view), SLICE_BYTES):
+        crc = _ops.crc32c(view[start: start + SLICE_BYTES], crc)
+        if crc is None:
+            raise BadInput("checking checksums needs fsdpfast's native extension (not built); use --against CKPT_DIR")
+    return crc
+
+
+# --- against the checkpoint -------------------------------------------------------------------
+
+def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, checkpoint: str,
+                   manifest: dict | None, layout: str | None, prefix: str | None) -> None:
+    from .api import plan_merge
+
+    report.checks.append(f"recomputed from {checkpoint}")
+    manifest = manifest or {}
+    has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
+    plan = plan_merge(checkpoint, dtype="keep", layout=layout or manifest.get("layout"),
+                      config=report.out_dir if has_config else None, prefix=prefix or manifest.get("prefix"))
+    _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
+    wanted_dtype = manifest.get("dtype")
+    jobs = []
+    for tensor in plan.tensors:
+        have = stored.get(tensor.name)
+        if have is None:
+            continue
+        # The merge's --dtype: from the manifest, else read off the output (only floating tensors are cast).
+        cast_to = (wanted_dtype or tensor.source_dtype) if manifest else have.dtype
+        if tensor.source_dtype in CASTABLE and cast_to in CASTABLE:
+            tensor.target_dtype = cast_to
+        if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
+            report.mismatches.append(Mismatch(tensor.name, f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
+                                              f"gives {tensor.target_dtype} {list(tensor.shape)}"))
+            continue
+        jobs.append((tensor, have))
+    recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
+    with SourceFiles(plan.sources) as sources:
+        for batch in _batches(jobs):
+            for (tensor, have), (first, crc) in zip(batch, _recompute_and_compare(batch, files, sources)):
+                report.bytes_checked += have.nbytes
+                if first >= 0:
+                    report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
+                                                      first, first // itemsize(have.dtype)))
+                elif crc is not None and tensor.name in recorded and int(recorded[tensor.name][CHECKSUM], 16) != crc:
+                    report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
+            for source in {e.source for tensor, _ in batch for e in tensor.extents}:
+                sources.release(source)
+
+
+def _batches(jobs: list, limit: int = 64 << 20) -> list[list]:
+    batches, current, size = [], [], 0
+    for job in jobs:
+        if current and size + job[1].nbytes > limit:
+            batches.append(current)
+            current, size = [], 0
+        current.append(job)
+        size += job[1].nbytes
+    return batches + ([current] if current else [])
+
+
+def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: MappedFiles,
+                           sources: SourceFiles) -> list[tuple[int, int | None]]:
+    """(first differing byte or -1, CRC-32C of the recomputed bytes) for each job."""
+    results: dict[int, tuple[int, int | None]] = {}
+    native = [i for i, (t, _) in enumerate(batch)
+              if _ops.native_cpu() and native_pair(t.source_dtype, t.target_dtype) and t.numel]
+    if native:
+        views, rows = build_rows([batch[i][0] for i in native], sources)
+        expected = [files.view(batch[i][1]) for i in native]
+        try:
+            crcs, firsts = _ops.native().gather_convert_compare(views, rows, expected, CHUNK_BYTES, _ops.cpu_threads(),
+                                                                release_sources=True)
+        finally:
+            for view in views + expected:
+                view.release()
+        results.update(zip(native, zip(firsts, crcs)))
+    for i, (tensor, have) in enumerate(batch):
+        if i not in results:  # rare dtype pairs, empty tensors, or no native module: one tensor in memory
+            from .engine.torch_ref import TorchEngine
+
+            buffer = bytearray(have.nbytes)
+            TorchEngine().execute([(tensor, memoryview(buffer))], sources)
+            view = files.view(have)
+            results[i] = (_first_difference(memoryview(buffer), view), _ops.crc32c(buffer))
+            view.release()
+    return [results[i] for i in range(len(batch))]
+
+
+# --- against a reference folder ---------------------------------------------------------------
+
+def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, reference: str,
+                     rtol: float | None, atol: float | None) -> None:
+    tolerant = rtol is not None or atol is not None
+    report.checks.append(f"reference {reference}" + (f" (rtol {rtol or 0}, atol {atol or 0})" if tolerant else " (exact)"))
+    theirs = read_folder(reference)
+    _compare_names(report, set(theirs), set(stored), "in the reference", "the reference")
+    with MappedFiles(reference) as reference_files:
+        for name in sorted(set(theirs) & set(stored)):
+            have, want = stored[name], theirs[name]
+            if have.shape != want.shape or (not tolerant and have.dtype != want.dtype):
+                report.mismatches.append(Mismatch(name, f"{have.dtype} {list(have.shape)}, the reference has "
+                                                  f"{want.dtype} {list(want.shape)}"))
+                continue
+            ours, expected = files.view(have), reference_files.view(want)
+            report.bytes_checked += have.nbytes
+            if tolerant:
+                found = _first_not_close(ours, have.dtype, expected, want.dtype, rtol or 0.0, atol or 0.0)
+                if found is not None:
+                    element, detail = found
+                    report.mismatches.append(Mismatch(name, f"not within tolerance ({detail})",
+                                                      element * itemsize(have.dtype), element))
+            else:
+                first = _first_difference(ours, expected)
+                if first >= 0:
+                    report.mismatches.append(Mismatch(name, "bytes differ from the reference", first,
+                                                      first // itemsize(have.dtype)))
+            ours.release()
+            expected.release()
+
+
+def _first_not_close(ours: memoryview, our_dtype: str, theirs: memoryview, their_dtype: str, rtol: float,
+                     atol: float) -> tuple[int, str] | None:
+    """First element where |ours - theirs| > atol + rtol * |theirs| (in float64; NaN equals NaN)."""
+    import torch
+
+    from .dtypes import torch_dtype
+
+    count = len(ours) // itemsize(our_dtype)
+    step = max(1, SLICE_BYTES // 8)
+    for start in range(0, count, step):
+        end = min(count, start + step)
+        a = _as_float64(torch, ours, torch_dtype(our_dtype), start, end)
+        b = _as_float64(torch, theirs, torch_dtype(their_dtype), start, end)
+        close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        if not bool(close.all()):
+            i = int((~close).nonzero()[0, 0])
+            return start + i, f"{float(a[i])!r} vs {float(b[i])!r}, max |difference| {float((a - b).abs().nan_to_num(0).max()):.3g} in this slice"
+    return None
+
+
+def _as_float64(torch, view: memoryview, dtype, start: int, end: int):
+    size = torch.empty(0, dtype=dtype).element_size()
+    piece = bytearray(view[start * size: end * size])  # a private copy: frombuffer wants writable memory
+    return torch.frombuffer(piece, dtype=dtype).to(torch.float64) if piece else torch.empty(0, dtype=torch.float64)
+
+
+def _first_difference(a: memoryview, b: memoryview) -> int:
+    """The first byte offset where a and b differ, or -1 (compared a slice at a time)."""
+    for start in range(0, max(len(a), len(b)), SLICE_BYTES):
+        x, y = bytes(a[start: start + SLICE_BYTES]), bytes(b[start: start + SLICE_BYTES])
+        if x != y:
+            step = 4096
+            while step:
+                while x[:step] == y[:step]:
+                    x, y, start = x[step:], y[step:], start + step
+                step //= 64
+            return start
+    return -1
+
+
+def _compare_names(report: VerifyReport, expected: set[str], present: set[str], where: str, source: str) -> None:
+    for name in sorted(expected - present):
+        report.mismatches.append(Mismatch(name, f"{where} but not in the output"))
+    for name in sorted(present - expected):
+        report.mismatches.append(Mismatch(name, f"in the output but not in {source}"))
