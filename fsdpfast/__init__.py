@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 
 from .api import MergeReport, inspect, merge, plan_merge  # noqa: E402
+from .verify import VerifyReport, verify  # noqa: E402
 
-__all__ = ["merge", "inspect", "plan_merge", "MergeReport", "__version__"]
+__all__ = ["merge", "inspect", "plan_merge", "verify", "MergeReport", "VerifyReport", "__version__"]
