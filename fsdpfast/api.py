@@ -107,7 +107,7 @@ def merge(
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     staging = StagingFolder(dst, overwrite)
-    bar = Progress(sum(f.size for f in files), enabled=progress)
+    bar = Progress(sum(p.nbytes for f in files for p in f.tensors), enabled=progress)
     checksums: dict[str, int | None] = {}
     try:
         with SourceFiles(plan.sources) as sources:

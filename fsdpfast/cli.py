@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--reference", metavar="HF_DIR", default=None, help="compare with another safetensors folder, exact unless --rtol/--atol")
     verify.add_argument("--rtol", type=float, default=None, help="relative tolerance for --reference (compared in float64)")
     verify.add_argument("--atol", type=float, default=None, help="absolute tolerance for --reference")
+    verify.add_argument("--manifest", metavar="FILE_OR_DIR", default=None, help="another merge's manifest (e.g. an earlier merge of the same checkpoint): the checksums must match")
     verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
     verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
     verify.add_argument("--prefix", default=None, help="--against, DCP: the model part of a nested state dict")
@@ -131,7 +132,7 @@ def _verify(args) -> int:
     from .verify import verify
 
     report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
-                    smoke=args.smoke, layout=args.layout, prefix=args.prefix)
+                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest)
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import glob
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 
 from .dtypes import DTYPES
+from .engine.sources import SourceFiles
 from .errors import BadInput
+from .plan import SourceBuffer
 
 _BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -69,31 +70,16 @@ def _read_header(path: str) -> list[StoredTensor]:
     return tensors
 
 
-class MappedFiles:
-    """Read-only mappings of a folder's files, each opened once; `view(tensor)` is its bytes."""
+class MappedFiles(SourceFiles):
+    """A folder's tensors as byte views, each file mapped once (the engine's SourceFiles)."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
-        self._maps: dict[str, mmap.mmap] = {}
+    def __init__(self, folder: str, stored: dict[str, StoredTensor]):
+        self._index = {name: i for i, name in enumerate(stored)}
+        super().__init__([SourceBuffer(os.path.join(folder, t.file), t.offset, t.nbytes, t.dtype) for t in stored.values()])
 
-    def view(self, tensor: StoredTensor) -> memoryview:
-        mapping = self._maps.get(tensor.file)
-        if mapping is None:
-            with open(os.path.join(self.folder, tensor.file), "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[tensor.file] = mapping
-        return memoryview(mapping)[tensor.offset: tensor.offset + tensor.nbytes]
+    def tensor(self, name: str) -> memoryview:
+        return self.view(self._index[name])
 
-    def close(self) -> None:
-        for mapping in self._maps.values():
-            try:
-                mapping.close()
-            except BufferError:  # a view still alive; the mapping goes with it
-                pass
-        self._maps.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def done(self, name: str) -> None:
+        """Drop the tensor's pages from this process, so reading a large folder keeps memory flat."""
+        self.release(self._index[name])

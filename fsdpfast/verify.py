@@ -63,23 +63,28 @@ class VerifyReport:
 
 
 def verify(out_dir: str, *, against: str | None = None, reference: str | None = None, rtol: float | None = None,
-           atol: float | None = None, smoke: bool = False, layout: str | None = None, prefix: str | None = None) -> VerifyReport:
+           atol: float | None = None, smoke: bool = False, layout: str | None = None, prefix: str | None = None,
+           manifest_of: str | None = None) -> VerifyReport:
+    """Check `out_dir` (see the module's docstring); `manifest_of`: another merge's manifest (its file or
+    folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint."""
     out_dir = os.fspath(out_dir)
     stored = read_folder(out_dir)
     manifest = read_manifest(out_dir)
     report = VerifyReport(out_dir, tensors=len(stored))
     if (rtol is not None or atol is not None) and reference is None:
         raise BadInput("--rtol and --atol apply to --reference")
-    if against is None and reference is None and manifest is None and not smoke:
+    if against is None and reference is None and manifest is None and manifest_of is None and not smoke:
         raise BadInput(f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
                        "check it with --against CKPT_DIR or --reference HF_DIR")
-    with MappedFiles(out_dir) as files:
+    with MappedFiles(out_dir, stored) as files:
         if manifest is not None:
             _note_source_changes(report, manifest, against)
         if against is not None:
             _check_against(report, stored, files, os.fspath(against), manifest, layout, prefix)
         elif manifest is not None and reference is None:
             _check_manifest(report, stored, files, manifest)
+        if manifest_of is not None:
+            _check_other_manifest(report, stored, files, os.fspath(manifest_of), manifest)
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
     if smoke:
@@ -102,13 +107,41 @@ def _note_source_changes(report: VerifyReport, manifest: dict, against: str | No
 
 # --- against the manifest ---------------------------------------------------------------------
 
-def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict) -> None:
-    report.checks.append("manifest")
+def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str,
+                          own: dict | None) -> None:
+    other = read_manifest(path) if os.path.isdir(path) else _load_json(path)
+    if other is None:
+        raise BadInput(f"{path}: no fsdpfast-manifest.json there")
+    if own is not None and _identity(own) != _identity(other):
+        report.notes.append(f"the two merges read different source files (or the files changed between them); see {path}")
+    _check_manifest(report, stored, files, other, where=path)
+
+
+def _identity(manifest: dict) -> list:
+    return [(s["path"], s["size"], s["mtime_ns"]) for s in manifest.get("sources", [])]
+
+
+def _load_json(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path}: not a readable manifest ({exc})") from None
+
+
+def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict,
+                    where: str | None = None) -> None:
+    """Against the folder's own manifest (where=None: places must match too) or another merge's (checksums only)."""
+    report.checks.append(f"manifest {where}" if where else "manifest")
     recorded = manifest.get("tensors", {})
     _compare_names(report, set(recorded), set(stored), "in the manifest", "the manifest")
     for name in sorted(set(recorded) & set(stored)):
         want, have = recorded[name], stored[name]
         place = (want["file"], want["offset"], want["nbytes"], want["dtype"], tuple(want["shape"]))
+        if where is not None:  # another merge may have split the files differently
+            place = (have.file, have.offset) + place[2:]
         if place != (have.file, have.offset, have.nbytes, have.dtype, have.shape):
             report.mismatches.append(Mismatch(name, f"stored as {have.file} byte {have.offset}, {have.dtype} "
                                               f"{list(have.shape)}; the manifest says {want['file']} byte {want['offset']}, "
@@ -116,11 +149,14 @@ def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files
             continue
         if manifest.get("checksum") != CHECKSUM or want.get(CHECKSUM) is None:
             continue
-        crc = _crc(files.view(have))
+        view = files.tensor(have.name)
+        crc = _crc(view)
+        view.release()
+        files.done(name)
         report.bytes_checked += have.nbytes
         if crc != int(want[CHECKSUM], 16):
-            report.mismatches.append(Mismatch(name, f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} "
-                                              "(the file changed after the merge)"))
+            report.mismatches.append(Mismatch(name, f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} " +
+                                              ("(the file changed after the merge)" if where is None else f"in {where}")))
     if manifest.get("checksum") != CHECKSUM:
         report.notes.append("the manifest has no checksums (merged without the native extension); "
                             "only names, places, dtypes and shapes were checked; use --against CKPT_DIR")
@@ -174,6 +210,8 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
                     report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
             for source in {e.source for tensor, _ in batch for e in tensor.extents}:
                 sources.release(source)
+            for _, have in batch:
+                files.done(have.name)
 
 
 def _batches(jobs: list, limit: int = 64 << 20) -> list[list]:
@@ -195,7 +233,7 @@ def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: 
               if _ops.native_cpu() and native_pair(t.source_dtype, t.target_dtype) and t.numel]
     if native:
         views, rows = build_rows([batch[i][0] for i in native], sources)
-        expected = [files.view(batch[i][1]) for i in native]
+        expected = [files.tensor(batch[i][1].name) for i in native]
         try:
             crcs, firsts = _ops.native().gather_convert_compare(views, rows, expected, CHUNK_BYTES, _ops.cpu_threads(),
                                                                 release_sources=True)
@@ -209,7 +247,7 @@ def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: 
 
             buffer = bytearray(have.nbytes)
             TorchEngine().execute([(tensor, memoryview(buffer))], sources)
-            view = files.view(have)
+            view = files.tensor(have.name)
             results[i] = (_first_difference(memoryview(buffer), view), _ops.crc32c(buffer))
             view.release()
     return [results[i] for i in range(len(batch))]
@@ -223,14 +261,14 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
     report.checks.append(f"reference {reference}" + (f" (rtol {rtol or 0}, atol {atol or 0})" if tolerant else " (exact)"))
     theirs = read_folder(reference)
     _compare_names(report, set(theirs), set(stored), "in the reference", "the reference")
-    with MappedFiles(reference) as reference_files:
+    with MappedFiles(reference, theirs) as reference_files:
         for name in sorted(set(theirs) & set(stored)):
             have, want = stored[name], theirs[name]
             if have.shape != want.shape or (not tolerant and have.dtype != want.dtype):
                 report.mismatches.append(Mismatch(name, f"{have.dtype} {list(have.shape)}, the reference has "
                                                   f"{want.dtype} {list(want.shape)}"))
                 continue
-            ours, expected = files.view(have), reference_files.view(want)
+            ours, expected = files.tensor(have.name), reference_files.tensor(want.name)
             report.bytes_checked += have.nbytes
             if tolerant:
                 found = _first_not_close(ours, have.dtype, expected, want.dtype, rtol or 0.0, atol or 0.0)
@@ -245,6 +283,8 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
                                                       first // itemsize(have.dtype)))
             ours.release()
             expected.release()
+            files.done(name)
+            reference_files.done(name)
 
 
 def _first_not_close(ours: memoryview, our_dtype: str, theirs: memoryview, their_dtype: str, rtol: float,

@@ -304,3 +304,24 @@ def test_verify_of_a_folder_that_is_not_a_merge_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_cli("verify", tmp_path / "empty")
     assert result.returncode == EXIT_BAD_INPUT and result.stderr.count("\n") == 1 and ".safetensors" in result.stderr
+
+
+@needs_native
+def test_a_later_merge_is_checked_against_an_earlier_manifest(checkpoints, tmp_path):
+    """Split differently and by another engine, a re-merge of the same checkpoint matches the old
+    manifest; a merge of another checkpoint of the same model (other seed) does not."""
+    _, folder = checkpoints.get("w3-llama")
+    _, other = checkpoints.get("w2-llama")
+    fsdpfast.merge(folder, tmp_path / "first", dtype="bf16", max_shard_size="40KB", engine="torch")
+    old_manifest = tmp_path / "first" / MANIFEST_NAME
+    fsdpfast.merge(folder, tmp_path / "again", dtype="bf16", engine="cpu")
+    same = verify(tmp_path / "again", manifest_of=old_manifest)
+    assert same.ok and same.notes == [] and same.bytes_checked > 0, same.summary()
+    fsdpfast.merge(other, tmp_path / "other", dtype="bf16")
+    result = run_cli("verify", tmp_path / "other", "--manifest", tmp_path / "first", "--json")
+    assert result.returncode == EXIT_MISMATCH
+    found = json.loads(result.stdout)
+    ours, theirs = read_merged(str(tmp_path / "first")), read_merged(str(tmp_path / "other"))
+    differing = {n for n in ours if not torch.equal(ours[n].view(torch.uint8), theirs[n].view(torch.uint8))}
+    assert differing and {m["tensor"] for m in found["mismatches"]} == differing  # (norm weights start as ones in both)
+    assert any("different source files" in n for n in found["notes"])
