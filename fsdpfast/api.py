@@ -154,7 +154,7 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
                    "tensors": [{"name": p.tensor.name, "dtype": p.tensor.target_dtype, "shape": list(p.tensor.shape),
                                 "offset": p.offset, "bytes": p.nbytes} for p in f.tensors]} for f in files],
         "total_bytes": sum(p.nbytes for f in files for p in f.tensors),
-        "notes": list(plan.notes),
+        "notes": list(plan.notes) + ([f"{dst} exists: the merge needs --overwrite"] if os.path.exists(dst) else []),
     }
 
 

@@ -16,6 +16,10 @@ _BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
+class DamagedFile(BadInput):
+    """A safetensors file whose header is unreadable or points past the end of the file."""
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
@@ -49,11 +53,11 @@ def _read_header(path: str) -> list[StoredTensor]:
         prefix = f.read(8)
         length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
         if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise BadInput(f"{path}: not a safetensors file (bad header length)")
+            raise DamagedFile(f"{path}: not a safetensors file (bad header length)")
         try:
             header = json.loads(f.read(length))
         except ValueError:
-            raise BadInput(f"{path}: not a safetensors file (header is not JSON)") from None
+            raise DamagedFile(f"{path}: not a safetensors file (header is not JSON)") from None
     tensors = []
     for tensor_name, entry in header.items():
         if tensor_name == "__metadata__":
@@ -63,9 +67,9 @@ def _read_header(path: str) -> list[StoredTensor]:
             dtype = _BY_CODE[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])
         except (KeyError, TypeError, ValueError):
-            raise BadInput(f"{path}: bad header entry for {tensor_name}") from None
+            raise DamagedFile(f"{path}: bad header entry for {tensor_name}") from None
         if not 0 <= begin <= end or 8 + length + end > size:
-            raise BadInput(f"{path}: {tensor_name} lies outside the file (truncated?)")
+            raise DamagedFile(f"{path}: {tensor_name} lies outside the file (truncated?)")
         tensors.append(StoredTensor(tensor_name, name, 8 + length + begin, end - begin, dtype, shape))
     return tensors
 

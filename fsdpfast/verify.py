@@ -19,7 +19,7 @@ from .engine.sources import SourceFiles
 from .errors import BadInput
 from .manifest import CHECKSUM, changed_sources, read_manifest
 from .plan import TensorPlan
-from .stored import MappedFiles, StoredTensor, read_folder
+from .stored import DamagedFile, MappedFiles, StoredTensor, read_folder
 
 SLICE_BYTES = 16 << 20  # bytes compared (or converted to float64) at once
 CHUNK_BYTES = 1 << 20  # recomputed per thread at once, as in the native engine
@@ -68,7 +68,10 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
     """Check `out_dir` (see the module's docstring); `manifest_of`: another merge's manifest (its file or
     folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint."""
     out_dir = os.fspath(out_dir)
-    stored = read_folder(out_dir)
+    try:
+        stored = read_folder(out_dir)
+    except DamagedFile as exc:  # a damaged output is a failed check, not a usage error
+        return VerifyReport(out_dir, checks=["headers"], mismatches=[Mismatch("(file)", str(exc))])
     manifest = read_manifest(out_dir)
     report = VerifyReport(out_dir, tensors=len(stored))
     if (rtol is not None or atol is not None) and reference is None:

@@ -325,3 +325,13 @@ def test_a_later_merge_is_checked_against_an_earlier_manifest(checkpoints, tmp_p
     differing = {n for n in ours if not torch.equal(ours[n].view(torch.uint8), theirs[n].view(torch.uint8))}
     assert differing and {m["tensor"] for m in found["mismatches"]} == differing  # (norm weights start as ones in both)
     assert any("different source files" in n for n in found["notes"])
+
+
+def test_a_truncated_output_file_fails_verify(checkpoints, tmp_path):
+    _, folder = checkpoints.get("w2-llama")
+    out = tmp_path / "out"
+    fsdpfast.merge(folder, out)
+    path = out / "model.safetensors"
+    os.truncate(path, path.stat().st_size - 100)
+    result = run_cli("verify", out)
+    assert result.returncode == EXIT_MISMATCH and "truncated" in result.stdout, result.stdout + result.stderr
