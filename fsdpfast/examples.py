@@ -203,8 +203,8 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
             if spec.layout == "dcp-hf-split":
                 split = {k: 2 if ".layers." in k or ".layer." in k else 1 for k in state}
             writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=split, save_distributed=True)
-            for name in _tied_names(model):  # safetensors refuses two names over one storage: save it once
-                state.pop(name)
+            for name in _tied_names(model):  # safetensors refuses two names over one storage: a copy each
+                state[name] = state[name].detach().clone()
         dcp.save(state, checkpoint_id=folder, storage_writer=writer)
         return
     if spec.layout == "guide-ranks-local":
