@@ -19,6 +19,8 @@ tool in turn, so the ratios compare runs made side by side. fsdpfast fsyncs its 
 timed run; torch's converters do not.
 
     python benchmarks/compare_dcp.py [--cases dcp,dcp-hf] [--size default|0.25|1|3] [--repeat 3] [--workdir benchmarks/work]
+
+Tables: benchmarks/results/compare_dcp.md and compare_dcp_hf.md (--results: another folder).
 """
 from __future__ import annotations
 
@@ -181,16 +183,19 @@ def main() -> None:
                         help="model: default (~1.3 GB of fp32) or compare.py's 0.25, 1, 3 (GB)")
     parser.add_argument("--workdir", default=os.path.join(HERE, "work"))
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--results", default=os.path.join(HERE, "results", "compare_dcp.md"))
+    parser.add_argument("--results", default=os.path.join(HERE, "results"),
+                        help="folder for the tables: compare_dcp.md (dcp) and compare_dcp_hf.md (dcp-hf)")
     args = parser.parse_args()
     cases = args.cases.split(",")
     for case in cases:
         if case not in ("dcp", "dcp-hf"):
             raise SystemExit(f"--cases: unknown case {case!r} (dcp, dcp-hf)")
-    text = "\n".join(measure_case(case, args.size, args) for case in cases)
-    print(text)
-    with open(args.results, "w") as f:
-        f.write(text)
+    os.makedirs(args.results, exist_ok=True)
+    for case in cases:
+        text = measure_case(case, args.size, args)
+        print(text)
+        with open(os.path.join(args.results, f"compare_{case.replace('-', '_')}.md"), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":
