@@ -67,8 +67,8 @@ MODELS = {
 }
 TOOLS_HELP = ("comma-separated, in run order: fsdpfast-cpu, fsdpfast-torch, fsdpfast-cuda (with a GPU), guide, "
               "verl-style, floor (default: every fsdpfast engine available here, then guide, verl-style, floor). "
-              "DCP folders against torch's dcp_to_torch_save: benchmarks/compare_dcp.py. Still to come, once fsdpfast "
-              "reads HuggingFaceStorageWriter output: consolidate-safetensors (torch's consolidate_safetensors_files).")
+              "DCP folders against torch's dcp_to_torch_save, and HuggingFaceStorageWriter folders against torch's "
+              "consolidate_safetensors_files: benchmarks/compare_dcp.py.")
 FIELDS = ["date", "fsdpfast", "size", "input_bytes", "world_size", "tool", "round", "seconds", "cpu_seconds",
           "others_cpu_seconds", "peak_rss", "peak_anon", "exit", "check", "busy_cpus_before"]
 RANK_MEMORY_GUESS = 100e6  # bytes a forked generating rank costs beyond its shard, until a generation is measured

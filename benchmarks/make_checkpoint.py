@@ -39,9 +39,23 @@ def rank_files(out_dir: str, world_size: int) -> list[str]:
     return sorted(files, key=lambda f: int(f.rsplit("_", 1)[1].removesuffix(".pt")))
 
 
+def hf_shard_files(out_dir: str) -> list[str]:
+    """The safetensors files HuggingFaceStorageWriter(save_distributed=True) wrote, one per rank."""
+    return sorted(glob.glob(os.path.join(out_dir, "shard-*-model-*-of-*.safetensors")))
+
+
+def checkpoint_files(out_dir: str, world_size: int, fmt: str = "ranks") -> list[str]:
+    """The files holding the tensors, in the checkpoint's format."""
+    if fmt == "dcp":
+        return sorted(glob.glob(os.path.join(out_dir, "*.distcp")))
+    return hf_shard_files(out_dir) if fmt == "dcp-hf" else rank_files(out_dir, world_size)
+
+
 def checkpoint_exists(out_dir: str, world_size: int, fmt: str = "ranks") -> bool:
-    written = (os.path.isfile(os.path.join(out_dir, ".metadata")) if fmt == "dcp"
-               else len(rank_files(out_dir, world_size)) == world_size)
+    if fmt == "dcp":
+        written = os.path.isfile(os.path.join(out_dir, ".metadata"))
+    else:
+        written = len(checkpoint_files(out_dir, world_size, fmt)) == world_size
     return written and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json"))
 
 
@@ -49,7 +63,9 @@ def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spaw
     """Write the checkpoint unless it is already there; True if it was written now.
 
     fmt "ranks": one torch.save file per rank (verl's layout); "dcp": one
-    torch.distributed.checkpoint folder (.metadata + .distcp files), written collectively.
+    torch.distributed.checkpoint folder (.metadata + .distcp files), written collectively;
+    "dcp-hf": the same save through HuggingFaceStorageWriter(save_distributed=True), one
+    `shard-{r}-model-00001-of-00001.safetensors` per rank with the chunks' offsets in its header.
 
     start_method "fork" imports torch, transformers and FSDP once, here, and forks the ranks:
     they share those pages, so many ranks fit where spawned ones (each importing everything
@@ -83,10 +99,11 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config, fmt:
     try:
         model = sharded_model(config, world_size)
         fill_local_shards(model, seed=1234 + rank)
-        if fmt == "dcp":
+        if fmt in ("dcp", "dcp-hf"):
             import torch.distributed.checkpoint as dcp
 
-            dcp.save(model.state_dict(), checkpoint_id=out_dir)
+            writer = dcp.HuggingFaceStorageWriter(out_dir, save_distributed=True) if fmt == "dcp-hf" else None
+            dcp.save(model.state_dict(), checkpoint_id=out_dir, storage_writer=writer)
         else:
             torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
         if rank == 0:
@@ -135,13 +152,17 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
                         help="fork: the ranks share the parent's imports (less memory for many ranks)")
+    parser.add_argument("--format", choices=("ranks", "dcp", "dcp-hf"), default="ranks",
+                        help="ranks: a torch.save file per rank (default); dcp: torch.distributed.checkpoint.save; "
+                             "dcp-hf: the same with HuggingFaceStorageWriter")
     args = parser.parse_args()
     start = time.perf_counter()
-    written = make_checkpoint(args.out_dir, args.world_size, args.start_method, hidden=args.hidden, layers=args.layers,
-                              intermediate=args.intermediate, vocab=args.vocab, heads=args.heads)
-    size = sum(os.path.getsize(f) for f in rank_files(args.out_dir, args.world_size))
+    written = make_checkpoint(args.out_dir, args.world_size, args.start_method, fmt=args.format, hidden=args.hidden,
+                              layers=args.layers, intermediate=args.intermediate, vocab=args.vocab, heads=args.heads)
+    files = checkpoint_files(args.out_dir, args.world_size, args.format)
+    size = sum(os.path.getsize(f) for f in files)
     verb = f"wrote in {time.perf_counter() - start:.1f} s" if written else "already there"
-    print(f"{args.out_dir}: {args.world_size} rank files, {size / 1e9:.2f} GB, {verb}")
+    print(f"{args.out_dir}: {args.world_size} ranks, {len(files)} files, {size / 1e9:.2f} GB, {verb}")
 
 
 if __name__ == "__main__":

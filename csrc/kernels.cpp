@@ -103,8 +103,6 @@ void write_all(int fd, const unsigned char* data, int64_t size, int64_t offset) 
   }
 }
 
-// Fill elements [first, last) of a destination from the rows that land there; returns how many
-// elements were written, so a chunk with a gap is caught before it reaches the file.
 // Drop the whole pages inside [data, data + size) of a file mapping from this process.
 void release_pages(const unsigned char* data, int64_t size) {
   static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
@@ -113,6 +111,26 @@ void release_pages(const unsigned char* data, int64_t size) {
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
+// Source bytes converted between two releases of their pages (below: convert_and_release).
+constexpr int64_t kReleaseSliceBytes = int64_t(512) << 10;
+
+// Convert n elements from a file mapping, dropping the source pages slice by slice as they are
+// read: the pages a thread holds mapped stay about one slice, whatever the run's length. Slices
+// end on slice-aligned source addresses, so no page is split between two of them.
+void convert_and_release(const int64_t* row, const unsigned char* src, unsigned char* dst, int64_t n) {
+  const int64_t in = row[kSourceItemsize], out = row[kTargetItemsize], slice = kReleaseSliceBytes;
+  for (int64_t done = 0; done < n;) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(src + done * in);
+    const uintptr_t boundary = (at / uintptr_t(slice) + 1) * uintptr_t(slice);
+    const int64_t m = std::min<int64_t>(n - done, int64_t((boundary - at + uintptr_t(in) - 1) / uintptr_t(in)));
+    copy_or_convert(row, src + done * in, dst + done * out, m);
+    release_pages(src + done * in, m * in);
+    done += m;
+  }
+}
+
+// Fill elements [first, last) of a destination from the rows that land there; returns how many
+// elements were written, so a chunk with a gap is caught before it reaches the file.
 int64_t fill_chunk(const std::vector<const int64_t*>& rows, int64_t first, int64_t last, unsigned char* buffer,
                    const std::vector<const unsigned char*>& sources, bool release_sources) {
   int64_t written = 0;
@@ -126,8 +144,11 @@ int64_t fill_chunk(const std::vector<const int64_t*>& rows, int64_t first, int64
       const int64_t lo = std::max(first, run_start), hi = std::min(last, run_start + count);
       if (lo >= hi) continue;
       const unsigned char* src = sources[row[kSource]] + (row[kSourceOffset] + run * row[kSourceStride] + (lo - run_start)) * in;
-      copy_or_convert(row, src, buffer + (lo - first) * out, hi - lo);
-      if (release_sources) release_pages(src, (hi - lo) * in);
+      if (release_sources) {
+        convert_and_release(row, src, buffer + (lo - first) * out, hi - lo);
+      } else {
+        copy_or_convert(row, src, buffer + (lo - first) * out, hi - lo);
+      }
       written += hi - lo;
     }
   }

@@ -33,8 +33,8 @@ void gather_convert(const std::vector<const unsigned char*>& sources, const std:
 // Every row from source byte views into the file `fd`: destination d is the byte range
 // [offsets[d], offsets[d] + sizes[d]). Chunks of each destination are assembled in per-thread
 // buffers and written with pwrite; a chunk the rows do not fill completely is an error.
-// release_sources: the sources are read-only mappings of files; drop each page from this process
-// once read (the page cache keeps it), so resident memory stays flat whatever the tensor sizes.
+// release_sources: the sources are read-only mappings of files; drop their pages from this process
+// every 512 KB as they are read (the page cache keeps them), so resident memory stays flat whatever the tensor sizes.
 // Never set it for sources that are ordinary memory: dropping would zero them.
 // Returns each destination's CRC-32C (crc32c.h), computed from the chunks as they are written.
 std::vector<uint32_t> gather_convert_to_file(const std::vector<const unsigned char*>& sources, const std::vector<int64_t>& source_bytes,

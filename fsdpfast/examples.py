@@ -25,7 +25,9 @@ class CheckpointSpec:
     name: str  # sub-folder of the root folder
     model: str = "llama"  # llama | llama-tied | bert
     dtype: str = "float32"
-    layout: str = "fsdp-ranks"  # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces) | dcp | dcp-nested | dcp-safetensors
+    # fsdp-ranks | guide-ranks | guide-ranks-local (plain to_local() pieces) | dcp | dcp-nested | dcp-safetensors
+    # | dcp-hf (HuggingFaceStorageWriter, save_distributed) | dcp-hf-split (the same, two model files per rank)
+    layout: str = "fsdp-ranks"
     hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
     shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
     wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
@@ -194,6 +196,15 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
             from torch.distributed.checkpoint.filesystem import SerializationFormat
 
             writer = dcp.FileSystemWriter(folder, serialization_format=SerializationFormat.SAFETENSORS)
+        if spec.layout.startswith("dcp-hf"):  # every rank writes its chunks as safetensors, offsets in the header
+            from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+            split = None  # dcp-hf-split: layers in model file 2, everything else in file 1
+            if spec.layout == "dcp-hf-split":
+                split = {k: 2 if ".layers." in k or ".layer." in k else 1 for k in state}
+            writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=split, save_distributed=True)
+            for name in _tied_names(model):  # safetensors refuses two names over one storage: a copy each
+                state[name] = state[name].detach().clone()
         dcp.save(state, checkpoint_id=folder, storage_writer=writer)
         return
     if spec.layout == "guide-ranks-local":

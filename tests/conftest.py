@@ -37,6 +37,9 @@ _add(3, CheckpointSpec("w3-dcp-nested-bert-dim1", model="bert", layout="dcp-nest
 _add(3, CheckpointSpec("w3-dcp-safetensors", layout="dcp-safetensors", seed=17))  # untied: safetensors refuses shared storage
 _add(4, CheckpointSpec("w4-dcp-hsdp-tied-bf16", model="llama-tied", dtype="bfloat16", layout="dcp", hsdp=True, seed=16))
 _add(4, CheckpointSpec("w4-hsdp-tied", model="llama-tied", hsdp=True, seed=9))
+_add(2, CheckpointSpec("w2-dcp-hf", layout="dcp-hf", seed=18))  # HuggingFaceStorageWriter(save_distributed=True)
+_add(2, CheckpointSpec("w2-dcp-hf-split-dim1", layout="dcp-hf-split", shard_dim=1, seed=19))
+_add(4, CheckpointSpec("w4-dcp-hf-hsdp-tied-bf16", model="llama-tied", dtype="bfloat16", layout="dcp-hf", hsdp=True, seed=20))
 _add(4, CheckpointSpec("w4-bf16", dtype="bfloat16", seed=10))
 _add(4, CheckpointSpec("w4-hsdp-bert-dim1", model="bert", hsdp=True, shard_dim=1, seed=11))
 _add(8, CheckpointSpec("w8-tied", model="llama-tied", seed=12))

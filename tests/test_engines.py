@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fsdpfast
 from fsdpfast import _ops
@@ -117,3 +118,29 @@ def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tm
     assert len(notes) == 1 and "pure-torch engine" in notes[0]
     fsdpfast.merge(folder, tmp_path / "reference", engine="torch")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "reference" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
+@pytest.mark.parametrize("target", ["bfloat16", "float32"])
+def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, target):
+    """A 3 MB run at an odd offset of a file, in 4 MB chunks: converted slice by slice, each slice's
+    pages dropped after use (the kernel's release_sources), every byte as torch's .to() writes it."""
+    from fsdpfast.engine.native import NativeCpuEngine
+    from fsdpfast.engine.sources import SourceFiles
+    from fsdpfast.layout import PlacedTensor
+    from fsdpfast.plan import Extent, SourceBuffer, TensorPlan
+
+    values = torch.randn(3 << 18, generator=torch.Generator().manual_seed(0))
+    values[::997] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40]).repeat(1000)[: values[::997].numel()]
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"\x01" * 4100 + values.numpy().tobytes() + b"\x02" * 10)
+    tensor = TensorPlan("x", tuple(values.shape), "float32", target, [Extent(0, 0, values.numel(), 0)])
+    expected = values.to(getattr(torch, target)).view(torch.uint8).numpy().tobytes()
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, len(expected))
+        with SourceFiles([SourceBuffer(str(source), 4100, values.numel() * 4, "float32")]) as sources:
+            NativeCpuEngine(chunk_bytes=4 << 20).output(fd, len(expected)).write([PlacedTensor(tensor, 0, len(expected))], sources)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out.bin").read_bytes() == expected

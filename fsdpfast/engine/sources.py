@@ -5,6 +5,8 @@ import mmap
 
 from ..plan import SourceBuffer
 
+_FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped together on a read fault
+
 
 class SourceFiles:
     """Maps each input file at most once. Private copy-on-write mappings give writable views
@@ -25,13 +27,21 @@ class SourceFiles:
         return memoryview(mapping)[buffer.byte_offset: buffer.byte_offset + buffer.nbytes]
 
     def release(self, index: int) -> None:
-        """Drop the pages of a consumed buffer from this process (the page cache keeps them)."""
+        """Drop the pages of a consumed buffer from this process (the page cache keeps them).
+
+        Reading a mapped file page makes the kernel map its neighbours too (fault-around: the
+        aligned 64 KB window around it), so reading a buffer also maps the tail of the buffer
+        before it, already released, and the head of the one after it. The release therefore
+        covers the whole windows the buffer touches; otherwise those pages stay mapped until
+        the end, a few for every tensor of every rank file, and RSS grows with the tensor count.
+        Neighbours dropped early are mapped again from the page cache if still needed.
+        """
         buffer = self.buffers[index]
         mapping = self._maps.get(buffer.path)
         if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = buffer.byte_offset - buffer.byte_offset % mmap.PAGESIZE
-        end = min(len(mapping), buffer.byte_offset + buffer.nbytes)
+        start = buffer.byte_offset - buffer.byte_offset % _FAULT_AROUND
+        end = min(len(mapping), -(-(buffer.byte_offset + buffer.nbytes) // _FAULT_AROUND) * _FAULT_AROUND)
         if end > start:
             mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 

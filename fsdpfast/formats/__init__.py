@@ -5,9 +5,9 @@ import os
 
 from ..errors import BadInput
 from ..plan import MergePlan
-from . import dcp, fsdp_ranks, guide_ranks
+from . import dcp, dcp_hf, fsdp_ranks, guide_ranks
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp)}
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf)}
 
 
 def detect(folder: str) -> str:

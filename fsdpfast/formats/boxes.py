@@ -46,3 +46,28 @@ def _row_major_strides(shape) -> list[int]:
         strides.append(step)
         step *= size
     return strides[::-1]
+
+
+def first_overlap(boxes: list[tuple[tuple, tuple]]) -> tuple[int, int] | None:
+    """Indices of two boxes (offsets, sizes) that share an element, or None; empty boxes share nothing.
+
+    A sweep along the dimension where the boxes start at the most different places: the usual
+    sharding along one dimension costs a sort instead of comparing every pair.
+    """
+    live = [i for i, (_, sizes) in enumerate(boxes) if prod(sizes)]
+    if len(live) < 2:
+        return None
+    ndim = len(boxes[live[0]][0])
+    if ndim == 0:
+        return live[0], live[1]
+    d = max(range(ndim), key=lambda k: len({boxes[i][0][k] for i in live}))
+    active: list[int] = []
+    for i in sorted(live, key=lambda i: boxes[i][0][d]):
+        offsets, sizes = boxes[i]
+        active = [j for j in active if boxes[j][0][d] + boxes[j][1][d] > offsets[d]]
+        for j in active:
+            other, other_sizes = boxes[j]
+            if all(offsets[k] < other[k] + other_sizes[k] and other[k] < offsets[k] + sizes[k] for k in range(ndim)):
+                return j, i
+        active.append(i)
+    return None

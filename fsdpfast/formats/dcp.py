@@ -15,7 +15,6 @@ in planner_data; the model part is picked automatically, or by `prefix`.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 from math import prod
@@ -25,6 +24,7 @@ from ..errors import BadInput
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
 from .safe_load import Record, TensorRef, safe_unpickle
+from .safetensors_input import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .torch_zip import TorchZip
 
 NAME = "dcp"
@@ -50,7 +50,7 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     storage = _storage_index(metadata, folder)
     names = _model_names(entries, metadata.get("planner_data") or {}, prefix, folder)
     sources: list[SourceBuffer] = []
-    headers: dict[str, dict | None] = {}
+    headers: dict[str, SafetensorsHeader | None] = {}
     tensors = []
     for flat_name, name in names.items():
         tensors.append(_plan_tensor(folder, flat_name, name, entries[flat_name], storage, sources, headers))
@@ -143,9 +143,9 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     if not os.path.isfile(path):
         raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
     if path not in headers:
-        headers[path] = _safetensors_header(path)
+        headers[path] = read_header(path) if looks_like_safetensors(path) else None
     if headers[path] is not None:
-        return _safetensors_chunk(path, headers[path], flat_name, dtype, sizes, sources), 0
+        return _safetensors_chunk(headers[path], flat_name, dtype, sizes, sources), 0
     with TorchZip(path, int(offset), int(length)) as archive:
         tensor = safe_unpickle(archive.pickle_bytes, archive.where)
         if not isinstance(tensor, TensorRef):
@@ -160,35 +160,11 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     return len(sources) - 1, tensor.offset
 
 
-def _safetensors_header(path: str) -> dict | None:
-    """(data start, header entries) of a .distcp written as safetensors; None for torch.save ones."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-        if len(head) < 9 or head[8:9] != b"{":
-            return None
-        size = int.from_bytes(head[:8], "little")
-        if size > os.path.getsize(path) - 8:
-            raise BadInput(f"{path}: safetensors header runs past the end of the file; the file is truncated")
-        f.seek(8)
-        try:
-            header = json.loads(f.read(size))
-        except ValueError as exc:
-            raise BadInput(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from None
-    if not isinstance(header, dict):
-        raise BadInput(f"{path}: safetensors header is not a JSON object; the file is corrupt")
-    header.pop("__metadata__", None)
-    return {"start": 8 + size, "entries": header}
-
-
-def _safetensors_chunk(path: str, header: dict, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]) -> int:
-    entry = header["entries"].get(flat_name)
-    if not isinstance(entry, dict):
-        raise BadInput(f"{path}: holds no tensor {flat_name}, which .metadata places there")
-    codes = {code: name for name, (_, code) in DTYPES.items()}
-    begin, end = (entry.get("data_offsets") or [0, -1])[:2]
-    if codes.get(entry.get("dtype")) != dtype or tuple(entry.get("shape") or ()) != tuple(sizes):
-        raise BadInput(f"{path}: {flat_name} is {entry.get('dtype')}{entry.get('shape')}, .metadata says {dtype}{list(sizes)}")
-    if end - begin != prod(sizes) * itemsize(dtype) or header["start"] + end > os.path.getsize(path):
-        raise BadInput(f"{path}: the bytes of {flat_name} are out of place; the file is truncated or corrupt")
-    sources.append(SourceBuffer(path, header["start"] + begin, end - begin, dtype))
+def _safetensors_chunk(header: SafetensorsHeader, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]) -> int:
+    if flat_name not in header.entries:
+        raise BadInput(f"{header.path}: holds no tensor {flat_name}, which .metadata places there")
+    stored = stored_tensor(header, flat_name)
+    if stored.dtype != dtype or stored.shape != tuple(sizes):
+        raise BadInput(f"{header.path}: {flat_name} is {stored.dtype}{list(stored.shape)}, .metadata says {dtype}{list(sizes)}")
+    sources.append(SourceBuffer(header.path, stored.byte_offset, stored.nbytes, dtype))
     return len(sources) - 1
