@@ -3,7 +3,8 @@
 Each rank is a spawned process; `deepspeed.init_distributed` joins a gloo group, the same tiny
 transformers model as the FSDP2 examples is wrapped by `deepspeed.initialize` (ZeRO stage 1, 2
 or 3, bf16 or fp32, AdamW through torch so nothing is compiled), trains one step and is saved
-with `engine.save_checkpoint`. Rank 0 then writes:
+with `engine.save_checkpoint` (plus config.json beside it, as a Hugging Face Trainer does). Rank 0
+then writes:
 
 - `<name>.reference.pt`: what the checkpoint must merge to, gathered from the live engine
   (fp32 master weights of every trained parameter with deepspeed.utils.safe_get_full_fp32_param,
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, build_model
+from .examples import CheckpointSpec, _free_port, build_model, model_config
 
 # Parameters frozen (requires_grad False) when a spec asks for frozen parameters: one 2-D
 # weight and one norm, so both land outside the optimizer's flat groups.
@@ -44,8 +45,8 @@ class DeepSpeedSpec:
     def root(self, base: str) -> str:
         return os.path.join(base, self.name)
 
-    def reference_path(self, base: str) -> str:
-        return os.path.join(base, f"{self.name}.reference.pt")
+    def reference_path(self, base: str, tag: str | None = None) -> str:
+        return os.path.join(base, f"{self.name}{'.' + tag if tag else ''}.reference.pt")
 
     def oracle_path(self, base: str) -> str:
         return os.path.join(base, f"{self.name}.oracle.pt")
@@ -91,8 +92,8 @@ def _ds_config(spec: DeepSpeedSpec) -> dict:
 def _write_one(rank: int, base: str, spec: DeepSpeedSpec) -> None:
     import deepspeed
 
-    model = build_model(CheckpointSpec(spec.name, model="llama-tied" if spec.tied else "llama",
-                                       buffer=spec.buffer, seed=spec.seed))
+    example = CheckpointSpec(spec.name, model="llama-tied" if spec.tied else "llama", buffer=spec.buffer, seed=spec.seed)
+    model = build_model(example)
     if spec.frozen:
         for name, param in model.named_parameters():
             if name in FROZEN:
@@ -103,11 +104,15 @@ def _write_one(rank: int, base: str, spec: DeepSpeedSpec) -> None:
     _train_step(engine, spec, step=0)
     if spec.extra_tag:  # an older checkpoint under another tag; `latest` names the last one saved
         engine.save_checkpoint(spec.root(base), tag=spec.extra_tag)
+        reference = _gather_reference(engine)
+        if rank == 0:
+            torch.save(reference, spec.reference_path(base, spec.extra_tag))
         _train_step(engine, spec, step=1)
     engine.save_checkpoint(spec.root(base))
     reference = _gather_reference(engine)
     if rank == 0:
         torch.save(reference, spec.reference_path(base))
+        model_config(example).save_pretrained(spec.root(base))  # as a Hugging Face Trainer's checkpoint-N/ holds it
 
 
 def _train_step(engine, spec: DeepSpeedSpec, step: int) -> None:

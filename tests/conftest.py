@@ -61,3 +61,4 @@ class Checkpoints:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Checkpoints:
     return Checkpoints(str(tmp_path_factory.mktemp("checkpoints")))
+from deepspeed_checkpoints import deepspeed_checkpoints  # noqa: E402,F401  (session fixture: DeepSpeed ZeRO checkpoints)
