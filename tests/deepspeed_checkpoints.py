@@ -6,7 +6,6 @@ for any of them. The tests skip only where deepspeed is not installed (CI instal
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 

@@ -8,6 +8,7 @@ weights) the tests show what fsdpfast does instead.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -117,8 +118,6 @@ def test_plan_never_reads_the_adam_moments(deepspeed_checkpoints):
     plan = fsdpfast.plan_merge(root)
     optim = [s for s in plan.sources if s.path.endswith("_optim_states.pt")]
     assert len(optim) == 4
-    import os
-
     trained = sum(t.numel for t in plan.tensors if t.name not in FROZEN and t.name != BUFFER) * 4
     assert sum(s.nbytes for s in optim) == trained  # the partitions, exactly (no padding at world size 4 here)
     assert sum(os.path.getsize(p) for p in {s.path for s in optim}) > 3 * trained  # the moments stay on disk
