@@ -136,11 +136,10 @@ def _gather_reference(engine) -> dict:
             continue
         seen[id(param)] = name
         if param.requires_grad:
-            value = safe_get_full_fp32_param(param)
-        else:
+            state[name] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        else:  # copied while gathered: stage 3 frees the full tensor on leaving the context
             with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
-                value = param.data
-        state[name] = value.detach().cpu().clone()
+                state[name] = param.data.detach().cpu().clone()
     params = set(seen.values()) | set(tied)
     for name, value in module.state_dict().items():
         if name not in params:  # persistent buffers
