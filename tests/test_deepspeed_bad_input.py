@@ -53,7 +53,7 @@ def cut_in_half(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-# Each damage changes the copy and returns (what the error must mention, extra merge options).
+# Each damage changes the copy and returns what the error must mention.
 
 def remove_optim_rank_1(root: Path, others) -> list:
     victim = optim_file(root, 1)
@@ -144,7 +144,6 @@ def add_dcp_files(root: Path, others) -> list:
 class Damage:
     checkpoint: str
     damage: Callable[[Path, object], list]
-    options: tuple = ()  # extra CLI options
 
 
 DAMAGES = {
@@ -173,16 +172,11 @@ def damaged_copy(deepspeed_checkpoints, tmp_path: Path, case: str) -> tuple[Path
     return copy, DAMAGES[case].damage(copy, deepspeed_checkpoints)
 
 
+@pytest.mark.parametrize("refuses", [cli_refuses, api_refuses], ids=["cli", "api"])
 @pytest.mark.parametrize("case", DAMAGES)
-def test_damaged_checkpoint_is_refused_by_the_cli(deepspeed_checkpoints, tmp_path, case):
+def test_damaged_checkpoint_is_refused(deepspeed_checkpoints, tmp_path, case, refuses):
     root, mentions = damaged_copy(deepspeed_checkpoints, tmp_path, case)
-    cli_refuses(root, tmp_path / "out", mentions=mentions)
-
-
-@pytest.mark.parametrize("case", DAMAGES)
-def test_damaged_checkpoint_is_refused_by_the_api(deepspeed_checkpoints, tmp_path, case):
-    root, mentions = damaged_copy(deepspeed_checkpoints, tmp_path, case)
-    api_refuses(root, tmp_path / "out", mentions=mentions)
+    refuses(root, tmp_path / "out", mentions=mentions)
 
 
 def test_two_layouts_merge_with_layout_chosen(deepspeed_checkpoints, tmp_path):
