@@ -120,7 +120,7 @@ def merge(
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
         write_json(staging.file(MANIFEST_NAME),
-                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix))
+                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix, tag))
         check_unchanged(src, identity)
         staging.publish()
     finally:
@@ -142,10 +142,10 @@ def merge(
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, prefix: str | None = None) -> dict:
+            layout: str | None = None, config: str | None = None, prefix: str | None = None, tag: str | None = None) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, tag=tag)
     files = plan_files(plan, max_shard_size)
     return {
         "checkpoint": os.fspath(src),

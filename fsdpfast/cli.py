@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
     verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
     verify.add_argument("--prefix", default=None, help="--against, DCP: the model part of a nested state dict")
+    verify.add_argument("--tag", default=None, help="--against, DeepSpeed: the checkpoint tag (default: the merge's, else `latest`'s)")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
     demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
@@ -105,7 +106,7 @@ def _merge(args) -> int:
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, prefix=args.prefix)
+                       layout=args.layout, config=args.config, prefix=args.prefix, tag=args.tag)
         print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         return 0
     report = merge(
@@ -134,7 +135,7 @@ def _verify(args) -> int:
     from .verify import verify
 
     report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
-                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest)
+                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest, tag=args.tag)
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:

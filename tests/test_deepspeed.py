@@ -94,6 +94,11 @@ def test_tag_picks_the_older_checkpoint(deepspeed_checkpoints, tmp_path):
     assert_bit_exact(read_merged(str(tmp_path / "latest-folder")), latest["state_dict"])
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(older["state_dict"][q], latest["state_dict"][q])  # the two tags really differ
+    # the merge's manifest records the tag: verify --against the root recomputes that tag, not `latest`'s
+    assert fsdpfast.verify(tmp_path / "by-tag", against=root).ok
+    assert not fsdpfast.verify(tmp_path / "by-tag", against=root, tag="global_step2").ok
+    planned = fsdpfast.api.dry_run(root, tmp_path / "dry", tag="first")
+    assert "ZeRO stage 2, tag first (--tag)" in planned["notes"][0] and not (tmp_path / "dry").exists()
 
 
 def test_inspect_shows_stage_world_size_and_tag(deepspeed_checkpoints):
