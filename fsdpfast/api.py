@@ -47,9 +47,9 @@ class MergeReport:
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               prefix: str | None = None) -> MergePlan:
+               prefix: str | None = None, tag: str | None = None) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes."""
-    plan = formats.read_plan(os.fspath(src), layout, prefix)
+    plan = formats.read_plan(os.fspath(src), layout, prefix, tag)
     if config is not None:
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
@@ -57,9 +57,10 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     return prepare(plan, dtype, plan.config_dir)
 
 
-def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None) -> dict:
+def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None,
+            tag: str | None = None) -> dict:
     """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes."""
-    plan = plan_merge(src, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, layout=layout, config=config, prefix=prefix, tag=tag)
     tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
                 "tied": list(t.aliases)} for t in plan.tensors]
     return {
@@ -87,6 +88,7 @@ def merge(
     engine: str = "auto",
     prefix: str | None = None,
     progress: bool = False,
+    tag: str | None = None,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
 
@@ -101,7 +103,7 @@ def merge(
     check_engine_name(engine)
     if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, tag=tag)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
@@ -118,7 +120,7 @@ def merge(
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
         write_json(staging.file(MANIFEST_NAME),
-                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix))
+                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix, tag))
         check_unchanged(src, identity)
         staging.publish()
     finally:
@@ -140,10 +142,10 @@ def merge(
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, prefix: str | None = None) -> dict:
+            layout: str | None = None, config: str | None = None, prefix: str | None = None, tag: str | None = None) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, tag=tag)
     files = plan_files(plan, max_shard_size)
     return {
         "checkpoint": os.fspath(src),

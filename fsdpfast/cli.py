@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
     merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
     merge.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model (default: found)")
+    merge.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag to merge (default: the one `latest` names)")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", help="folder holding the rank files")
     inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
     inspect.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model")
+    inspect.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag (default: the one `latest` names)")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
     verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
     verify.add_argument("--prefix", default=None, help="--against, DCP: the model part of a nested state dict")
+    verify.add_argument("--tag", default=None, help="--against, DeepSpeed: the checkpoint tag (default: the merge's, else `latest`'s)")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
     demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
@@ -103,13 +106,13 @@ def _merge(args) -> int:
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, prefix=args.prefix)
+                       layout=args.layout, config=args.config, prefix=args.prefix, tag=args.tag)
         print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
-        progress=not args.quiet,
+        progress=not args.quiet, tag=args.tag,
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
@@ -132,7 +135,7 @@ def _verify(args) -> int:
     from .verify import verify
 
     report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
-                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest)
+                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest, tag=args.tag)
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:
@@ -143,7 +146,7 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config)
+    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config, tag=args.tag)
     if args.json:
         print(json.dumps(found, indent=2))
         return 0

@@ -59,7 +59,7 @@ def check_unchanged(checkpoint: str, identity: list[dict]) -> None:
 
 
 def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], checksums: dict,
-                   identity: list[dict], engine: str, dtype: str | None, prefix: str | None) -> dict:
+                   identity: list[dict], engine: str, dtype: str | None, prefix: str | None, tag: str | None = None) -> dict:
     have_checksums = all(checksums.get(p.tensor.name) is not None for f in files for p in f.tensors)
     return {
         "fsdpfast_version": __version__,
@@ -68,6 +68,7 @@ def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], ch
         "dtype": dtype,
         "layout": plan.layout,
         "prefix": prefix,
+        "tag": tag,
         "world_size": plan.world_size,
         "checkpoint": os.path.abspath(checkpoint),
         "sources": identity,

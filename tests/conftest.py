@@ -13,6 +13,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling cha
 
 from fsdpfast.examples import CheckpointSpec, write_checkpoints  # noqa: E402
 
+pytest_plugins = ["deepspeed_checkpoints"]  # the DeepSpeed ZeRO checkpoints' session fixture
+
 # name -> (world size, spec). Sizes are tiny; uneven splits are on purpose (vocab 101 over
 # 3 or 8 ranks, BERT's 2 token-type rows leave trailing ranks empty).
 SPECS: dict[str, tuple[int, CheckpointSpec]] = {}

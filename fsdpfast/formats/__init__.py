@@ -5,9 +5,9 @@ import os
 
 from ..errors import BadInput
 from ..plan import MergePlan
-from . import dcp, dcp_hf, fsdp_ranks, guide_ranks
+from . import dcp, dcp_hf, deepspeed_zero, fsdp_ranks, guide_ranks
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf)}
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero)}
 
 
 def detect(folder: str) -> str:
@@ -27,8 +27,8 @@ def detect(folder: str) -> str:
     return found[0]
 
 
-def read_plan(folder: str, layout: str | None = None, prefix: str | None = None) -> MergePlan:
-    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP)."""
+def read_plan(folder: str, layout: str | None = None, prefix: str | None = None, tag: str | None = None) -> MergePlan:
+    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP), `tag` a DeepSpeed tag."""
     if layout is None:
         layout = detect(folder)
     elif layout not in READERS:
@@ -39,4 +39,8 @@ def read_plan(folder: str, layout: str | None = None, prefix: str | None = None)
         if layout != dcp.NAME:
             raise BadInput(f"--prefix applies to {dcp.NAME} checkpoints; {folder} holds {layout}")
         return dcp.read(folder, prefix)
+    if tag is not None:
+        if layout != deepspeed_zero.NAME:
+            raise BadInput(f"--tag applies to {deepspeed_zero.NAME} checkpoints; {folder} holds {layout}")
+        return deepspeed_zero.read(folder, tag)
     return READERS[layout].read(folder)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable
 
-from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput
 from ..plan import Extent, MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
@@ -55,14 +54,8 @@ class _Sources:
     def index(self, state: RankState, tensor: TensorRef) -> int:
         key = (state.path, tensor.storage.key)
         if key not in self._index:
-            if tensor.storage.dtype not in DTYPES:
-                raise BadInput(f"{state.path}: dtype {tensor.storage.dtype} is not supported")
-            offset, length = state.archive.storage_span(tensor.storage.key)
-            nbytes = tensor.storage.numel * itemsize(tensor.storage.dtype)
-            if length < nbytes:
-                raise BadInput(f"{state.path}: storage {tensor.storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt")
             self._index[key] = len(self.buffers)
-            self.buffers.append(SourceBuffer(state.path, offset, nbytes, tensor.storage.dtype))
+            self.buffers.append(state.archive.storage_buffer(tensor.storage))
         return self._index[key]
 
 

@@ -14,7 +14,9 @@ import struct
 import zipfile
 from functools import cached_property
 
+from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput
+from ..plan import SourceBuffer
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # the 30 fixed bytes of a zip local file header
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -126,6 +128,16 @@ class TorchZip:
         if offset + info.file_size > self.base + self.size:
             raise BadInput(f"{self.where}: storage record {name!r} runs past the end of the file; the file is truncated")
         return offset, info.file_size
+
+    def storage_buffer(self, storage) -> SourceBuffer:
+        """The bytes of `storage` (a safe_load.StorageRef), in place in this file, for the engine to map."""
+        if storage.dtype not in DTYPES:
+            raise BadInput(f"{self.where}: dtype {storage.dtype} is not supported")
+        offset, length = self.storage_span(storage.key)
+        nbytes = storage.numel * itemsize(storage.dtype)
+        if length < nbytes:
+            raise BadInput(f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt")
+        return SourceBuffer(self.path, offset, nbytes, storage.dtype)
 
     def _read_at(self, offset: int, size: int) -> bytes:
         if self._file is None:  # one handle for every storage's header, opened on first need

@@ -1,0 +1,328 @@
+"""DeepSpeed ZeRO stage 1, 2 and 3 checkpoints: the fp32 master weights, read in place.
+
+Where each parameter's elements sit (the same arithmetic as DeepSpeed's zero_to_fp32):
+- stage 1/2: per parameter group, the ranks' saved partitions laid end to end form one flat vector
+  (DeepSpeed strips the alignment padding at its end before saving); the group's parameters follow
+  each other in `param_shapes` order, each followed by its `param_alignment_paddings` entry;
+- stage 3: every parameter is partitioned on its own: rank r holds elements
+  [r * ceil(n / W), (r + 1) * ceil(n / W)) (the last piece padded), and each rank's flat groups
+  hold its pieces one after another in `param_shapes` order.
+Frozen parameters come from the model-states files (stage 2: whole, stage 3: per-rank pieces laid
+out like trained ones; stage 1 saves none, so they are read whole from the module state dict),
+buffers from the module state dict, and `shared_params` names become aliases of what they share.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from math import ceil, prod
+
+from ..errors import BadInput
+from ..plan import Extent, MergePlan, SourceBuffer, TensorPlan
+from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
+from .safe_load import TensorRef
+from .torch_zip import TorchZip
+
+NAME = "deepspeed-zero"
+DESCRIPTION = "latest + global_stepN/ with *_model_states.pt and *_optim_states.pt: DeepSpeed ZeRO stage 1/2/3"
+
+
+def matches(folder: str) -> bool:
+    if is_tag_folder(folder):
+        return True
+    return os.path.isfile(os.path.join(folder, "latest")) or bool(tags_in(folder))
+
+
+def read(folder: str, tag: str | None = None) -> MergePlan:
+    tag_dir, tag, how = resolve_tag(folder, tag)
+    files = read_rank_files(tag_dir)
+    sources = _Sources()
+    try:
+        trained = (_stage12_trained if files.stage < 3 else _stage3_trained)(files, sources)
+        frozen, frozen_from = _frozen(files, sources, set(trained))
+        buffers = _buffers(files, sources)
+    finally:
+        sources.close()
+    model_path, model = files.model[0]
+    planned = {**trained, **frozen, **buffers}
+    order = [str(name) for name in model["module"] if name in planned] + [n for n in planned if n not in model["module"]]
+    tensors = [planned[name] for name in order]
+    notes = [f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
+             f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"]
+    tensors += _aliases(model.get("shared_params") or {}, planned, notes)
+    leftover = [str(n) for n in model["module"] if n not in planned and n not in (model.get("shared_params") or {})]
+    notes.append(f"{len(trained)} trained parameters: the fp32 master weights from the *_optim_states.pt files "
+                 "(their Adam moments are never read)")
+    if frozen:
+        notes.append(f"{len(frozen)} frozen parameters as the model held them ({_dtypes(frozen)}), {frozen_from}")
+    if buffers:
+        notes.append(f"{len(buffers)} buffers as saved ({_dtypes(buffers)}), from {os.path.basename(model_path)}")
+    if leftover:
+        notes.append(f"not merged: {len(leftover)} module entries with no saved data ({', '.join(leftover[:3])}"
+                     f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?")
+    plan = MergePlan(NAME, files.world, sources.buffers, tensors, notes)
+    plan.config_dir = _config_dir(tag_dir, folder)
+    return plan
+
+
+class _Sources:
+    """Source buffers by (file, storage record), each archive opened once while planning."""
+
+    def __init__(self):
+        self.buffers: list[SourceBuffer] = []
+        self._index: dict[tuple[str, str], int] = {}
+        self._archives: dict[str, TorchZip] = {}
+
+    def index(self, path: str, tensor: TensorRef) -> int:
+        key = (path, tensor.storage.key)
+        if key not in self._index:
+            if path not in self._archives:
+                self._archives[path] = TorchZip(path)
+            self._index[key] = len(self.buffers)
+            self.buffers.append(self._archives[path].storage_buffer(tensor.storage))
+        return self._index[key]
+
+    def close(self) -> None:
+        for archive in self._archives.values():
+            archive.close()
+
+
+class _FlatRuns:
+    """Pieces laid end to end as one flat vector; a run of it becomes extents into the pieces' storages."""
+
+    def __init__(self, pieces: list[tuple[int, int, int]]):  # (source, element offset, length)
+        self.pieces = pieces
+        self.starts = [0]
+        for _, _, length in pieces:
+            self.starts.append(self.starts[-1] + length)
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def extents(self, start: int, count: int, dst: int) -> list[Extent]:
+        out = []
+        index = bisect.bisect_right(self.starts, start) - 1
+        while count > 0:
+            source, offset, length = self.pieces[index]
+            skip = start - self.starts[index]
+            take = min(count, length - skip)
+            if take > 0:
+                out.append(Extent(source, offset + skip, take, dst))
+                start, count, dst = start + take, count - take, dst + take
+            index += 1
+        return out
+
+
+def _group_shapes(model: dict, path: str) -> list[dict[str, tuple[int, ...]]]:
+    groups = []
+    for group in model["param_shapes"]:
+        if not isinstance(group, dict):
+            raise BadInput(f"{path}: param_shapes is not a list of name -> shape maps; the file is corrupt")
+        groups.append({str(name): _shape(shape, path, name) for name, shape in group.items()})
+    return groups
+
+
+def _shape(shape, path: str, name) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise BadInput(f"{path}: the shape of {name} is {shape!r}, not a list of sizes; the file is corrupt")
+    return tuple(shape)
+
+
+def _rank_groups(files: RankFiles, key: str, sources: _Sources) -> list[list[tuple[int, int, int]]]:
+    """Per rank, per group: (source, offset, length) of the saved flat fp32 partition."""
+    out = []
+    for path, state in files.optim:
+        groups = state.get(key)
+        if not isinstance(groups, (list, tuple)):
+            raise BadInput(f"{path}: no {key} list; not a ZeRO stage {files.stage} optimizer file or a corrupt one")
+        pieces = []
+        for g, tensor in enumerate(groups):
+            tensor = flat_partition(tensor, path, f"{key}[{g}]")
+            pieces.append((sources.index(path, tensor), tensor.offset, tensor.shape[0]))
+        if out and len(pieces) != len(out[0]):
+            raise BadInput(f"{path}: {len(pieces)} parameter groups but {files.optim[0][0]} has {len(out[0])}")
+        out.append(pieces)
+    return out
+
+
+def _stage12_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+    model_path, model = files.model[0]
+    shapes = _group_shapes(model, model_path)
+    ranks = _rank_groups(files, "single_partition_of_fp32_groups", sources)
+    if len(shapes) != len(ranks[0]):
+        raise BadInput(f"{model_path}: param_shapes lists {len(shapes)} groups but the optimizer files hold {len(ranks[0])}")
+    dtype = _partition_dtype(files, "single_partition_of_fp32_groups")
+    alignment = files.optim[0][1].get("param_alignment_paddings")
+    out = {}
+    for g, group in enumerate(shapes):
+        _check_partition_sizes(files, g, [rank[g][2] for rank in ranks])
+        flat = _FlatRuns([rank[g] for rank in ranks])
+        paddings = alignment[g] if isinstance(alignment, (list, tuple)) else [0] * len(group)
+        if len(paddings) != len(group):
+            raise BadInput(f"{files.optim[0][0]}: {len(paddings)} alignment paddings for the {len(group)} parameters of group {g}; the file is corrupt")
+        offset = 0
+        for (name, shape), padding in zip(group.items(), paddings):
+            numel = prod(shape)
+            if offset + numel > flat.numel:
+                raise _mismatch(files, model_path, f"group {g} ends at element {flat.numel}, inside {name}")
+            out[name] = TensorPlan(name, shape, dtype, dtype, flat.extents(offset, numel, 0))
+            offset += numel + padding
+        if offset != flat.numel:
+            raise _mismatch(files, model_path, f"its parameters of group {g} fill {offset} elements, the partitions hold {flat.numel}")
+    return out
+
+
+def _check_partition_sizes(files: RankFiles, group: int, saved: list[int]) -> None:
+    """Stage 1/2: every rank's partition is the same size once its end padding (stripped when saving) is counted."""
+    full = []
+    for (path, state), length in zip(files.optim, saved):
+        paddings = state.get("group_paddings")
+        padding = paddings[group] if isinstance(paddings, (list, tuple)) and len(paddings) > group else 0
+        full.append(length + (padding if isinstance(padding, int) else 0))
+    if len(set(full)) != 1:
+        rank = next(r for r, size in enumerate(full) if size != full[0])
+        raise BadInput(f"{files.optim[rank][0]}: its partition of group {group} holds {full[rank]} elements with padding, "
+                       f"rank 0's {full[0]}; partition sizes disagree, the files come from different runs or are corrupt")
+
+
+def _stage3_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+    model_path, model = files.model[0]
+    shapes = {}
+    for group in _group_shapes(model, model_path):
+        for name, shape in group.items():
+            if name in shapes:
+                raise BadInput(f"{model_path}: {name} is listed in two parameter groups; the file is corrupt")
+            shapes[name] = shape
+    ranks = [_FlatRuns(pieces) for pieces in _rank_groups(files, "fp32_flat_groups", sources)]
+    for rank, flat in enumerate(ranks):
+        if flat.numel != ranks[0].numel:
+            raise BadInput(f"{files.optim[rank][0]}: holds {flat.numel} fp32 elements, rank 0 holds {ranks[0].numel}; "
+                           "partition sizes disagree, the files come from different runs or are corrupt")
+    dtype = _partition_dtype(files, "fp32_flat_groups")
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        numel = prod(shape)
+        piece = ceil(numel / files.world)
+        if offset + piece > ranks[0].numel:
+            raise _mismatch(files, model_path, f"each rank's partition ends at element {ranks[0].numel}, inside {name}")
+        extents = []
+        for rank, flat in enumerate(ranks):
+            count = max(0, min(piece, numel - rank * piece))
+            extents += flat.extents(offset, count, rank * piece)
+        out[name] = TensorPlan(name, shape, dtype, dtype, extents)
+        offset += piece
+    if offset != ranks[0].numel:
+        raise _mismatch(files, model_path, f"its parameters fill {offset} elements of each rank's partition, which holds {ranks[0].numel}")
+    return out
+
+
+def _mismatch(files: RankFiles, model_path: str, detail: str) -> BadInput:
+    return BadInput(f"{model_path}: param_shapes disagrees with the partitions in the optimizer files ({detail}); "
+                    "the files come from different runs or are corrupt")
+
+
+def _partition_dtype(files: RankFiles, key: str) -> str:
+    dtypes = {t.dtype for _, state in files.optim for t in state[key] if isinstance(t, TensorRef)}
+    if len(dtypes) != 1:
+        raise BadInput(f"{files.optim[0][0]}: {key} mixes dtypes {sorted(dtypes)}; the files are corrupt")
+    return dtypes.pop()
+
+
+def _frozen(files: RankFiles, sources: _Sources, trained: set[str]) -> tuple[dict[str, TensorPlan], str]:
+    model_path, model = files.model[0]
+    shapes = model.get("frozen_param_shapes")
+    if isinstance(shapes, dict) and shapes:
+        shapes = {str(name): _shape(shape, model_path, name) for name, shape in shapes.items()}
+        if files.stage == 3:
+            return _stage3_frozen(files, sources, shapes), "from each rank's frozen_param_fragments"
+        return _whole_tensors(model_path, model.get("frozen_param_fragments"), shapes, sources, "frozen_param_fragments"), \
+            "from frozen_param_fragments"
+    if files.stage == 3:
+        return {}, ""
+    # Stage 1 saves no frozen fragments; the module state dict holds every parameter whole.
+    skip = trained | set(model.get("buffer_names") or ()) | set(model.get("shared_params") or {})
+    module = model["module"]
+    names = {str(n): tuple(t.shape) for n, t in module.items() if str(n) not in skip and isinstance(t, TensorRef)}
+    found = _whole_tensors(model_path, module, names, sources, "module")
+    return found, (f"from the module state dict (stage {files.stage} saves no frozen fragments; "
+                   "DeepSpeed's zero_to_fp32 leaves them out)")
+
+
+def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], sources: _Sources, what: str) -> dict[str, TensorPlan]:
+    out = {}
+    for name, shape in shapes.items():
+        tensor = holder.get(name) if isinstance(holder, dict) else None
+        if not isinstance(tensor, TensorRef):
+            raise BadInput(f"{path}: {what} has no tensor for {name}; the file is corrupt")
+        if prod(tensor.shape) != prod(shape) or not tensor.is_contiguous():
+            raise BadInput(f"{path}: {what}[{name}] is {list(tensor.shape)}, not the {list(shape)} recorded; the file is corrupt")
+        if tensor.offset + prod(shape) > tensor.storage.numel:
+            raise BadInput(f"{path}: {name} reaches past the end of its storage; the file is corrupt")
+        extents = [Extent(sources.index(path, tensor), tensor.offset, prod(shape), 0)] if prod(shape) else []
+        out[name] = TensorPlan(name, shape, tensor.dtype, tensor.dtype, extents)
+    return out
+
+
+def _stage3_frozen(files: RankFiles, sources: _Sources, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorPlan]:
+    out = {}
+    for name, shape in shapes.items():
+        numel = prod(shape)
+        piece = ceil(numel / files.world)
+        extents, dtypes = [], set()
+        for rank, (path, model) in enumerate(files.model):
+            fragments = model.get("frozen_param_fragments")
+            tensor = fragments.get(name) if isinstance(fragments, dict) else None
+            if not isinstance(tensor, TensorRef):
+                raise BadInput(f"{path}: frozen_param_fragments has no piece of {name}; the file is corrupt")
+            tensor = flat_partition(tensor, path, f"the frozen piece of {name}")
+            if tensor.shape[0] != piece:
+                raise BadInput(f"{path}: the frozen piece of {name} holds {tensor.shape[0]} elements; ceil({numel} / {files.world}) "
+                               f"is {piece}; partition sizes disagree, the files come from different runs or are corrupt")
+            count = max(0, min(piece, numel - rank * piece))
+            if count:
+                extents.append(Extent(sources.index(path, tensor), tensor.offset, count, rank * piece))
+            dtypes.add(tensor.dtype)
+        if len(dtypes) != 1:
+            raise BadInput(f"{files.model[0][0]}: the pieces of frozen {name} differ in dtype {sorted(dtypes)}")
+        dtype = dtypes.pop()
+        out[name] = TensorPlan(name, shape, dtype, dtype, extents)
+    return out
+
+
+def _buffers(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+    path, model = files.model[0]
+    names = [str(n) for n in model.get("buffer_names") or ()]
+    module = model["module"]
+    shapes = {}
+    for name in names:
+        if not isinstance(module.get(name), TensorRef):
+            raise BadInput(f"{path}: buffer {name} is named in buffer_names but missing from the module state dict; the file is corrupt")
+        shapes[name] = tuple(module[name].shape)
+    return _whole_tensors(path, module, shapes, sources, "module")
+
+
+def _aliases(shared: dict, planned: dict[str, TensorPlan], notes: list[str]) -> list[TensorPlan]:
+    """Each shared name reads its partner's bytes; prepare writes such names once and lists them as tied."""
+    out = []
+    for alias, owner in shared.items():
+        alias, owner = str(alias), str(owner)
+        if owner not in planned:
+            notes.append(f"not merged: {alias}, shared with {owner}, which the checkpoint does not hold")
+            continue
+        source = planned[owner]
+        out.append(TensorPlan(alias, source.shape, source.source_dtype, source.target_dtype, list(source.extents)))
+    return out
+
+
+def _dtypes(tensors: dict[str, TensorPlan]) -> str:
+    return ", ".join(sorted({t.source_dtype for t in tensors.values()}))
+
+
+def _config_dir(tag_dir: str, folder: str) -> str | None:
+    """config.json next to the tag folder (a Hugging Face Trainer's checkpoint-N/), or in a huggingface/ there."""
+    for base in dict.fromkeys([os.path.dirname(os.path.normpath(tag_dir)), folder, tag_dir]):
+        for candidate in (base, os.path.join(base, "huggingface")):
+            if os.path.isfile(os.path.join(candidate, "config.json")):
+                return candidate
+    return None

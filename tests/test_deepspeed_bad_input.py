@@ -1,0 +1,238 @@
+"""Damaged DeepSpeed ZeRO checkpoints: one line, exit 2, nothing written, the checkpoint untouched.
+
+Each case damages a private copy of a real checkpoint written by DeepSpeed (the session fixture):
+files removed or cut, `latest` rewritten, model states edited with real torch, pickles tampered with.
+"""
+from __future__ import annotations
+
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import fsdpfast
+from fsdpfast.errors import UnsafeCheckpoint
+from helpers import assert_bit_exact, read_merged
+from test_bad_input import api_refuses, cli_refuses
+from test_unsafe_pickles import payload_bytes, rewrite_data_pkl
+
+Z2 = "ds-w2-z2-bf16-frozen-tags"  # root: latest -> global_step2, and an older tag `first`
+Z3 = "ds-w2-z3-fp32-tied-frozen"
+UP_PROJ = "model.layers.0.mlp.up_proj.weight"  # frozen in both
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def tag_dir(root: Path) -> Path:
+    return root / (root / "latest").read_text().strip()
+
+
+def optim_file(root: Path, rank: int) -> Path:
+    (path,) = tag_dir(root).glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return path
+
+
+def model_states(root: Path, rank: int = 0) -> Path:
+    (path,) = [p for p in tag_dir(root).glob("*model_states.pt") if p.name in (
+        "mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")]
+    return path
+
+
+def edit_model_states(path: Path, edit: Callable[[dict], None]) -> None:
+    """Model-states files pickle only torch types: real torch loads, edits and saves them."""
+    whole = torch.load(path, weights_only=True)
+    edit(whole)
+    torch.save(whole, path)
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# Each damage changes the copy and returns what the error must mention.
+
+def remove_optim_rank_1(root: Path, others) -> list:
+    victim = optim_file(root, 1)
+    victim.unlink()
+    return [victim, "missing"]
+
+
+def remove_optim_rank_0(root: Path, others) -> list:
+    victim = optim_file(root, 0)
+    victim.unlink()
+    return [victim, "missing"]
+
+
+def remove_stage3_model_states_rank_1(root: Path, others) -> list:
+    victim = model_states(root, 1)
+    victim.unlink()
+    return [victim, "missing"]
+
+
+def remove_model_states(root: Path, others) -> list:
+    victim = model_states(root)
+    victim.unlink()
+    return [victim, "missing"]
+
+
+def latest_names_a_missing_tag(root: Path, others) -> list:
+    (root / "latest").write_text("global_step9")
+    return ["latest", "global_step9", "is missing", "tags present: first, global_step2", "--tag"]
+
+
+def no_latest_and_two_tags(root: Path, others) -> list:
+    (root / "latest").unlink()
+    return ["no `latest` file", "first, global_step2", "--tag"]
+
+
+def truncate_optim_rank_1(root: Path, others) -> list:
+    victim = optim_file(root, 1)
+    cut_in_half(victim)
+    return [victim, "truncated"]
+
+
+def truncate_model_states(root: Path, others) -> list:
+    victim = model_states(root)
+    cut_in_half(victim)
+    return [victim, "truncated"]
+
+
+def resize_q_proj_in_param_shapes(rows: int):
+    def damage(root: Path, others) -> list:
+        def edit(whole):
+            group = next(g for g in whole["param_shapes"] if Q_PROJ in g)
+            group[Q_PROJ] = torch.Size([rows, 64])
+
+        victim = model_states(root)
+        edit_model_states(victim, edit)
+        return [victim, "param_shapes disagrees with the partitions"]
+    return damage
+
+
+def shrink_a_stage3_frozen_piece(root: Path, others) -> list:
+    victim = model_states(root, 1)
+    edit_model_states(victim, lambda whole: whole["frozen_param_fragments"].update(
+        {UP_PROJ: whole["frozen_param_fragments"][UP_PROJ][:-1].clone()}))
+    return [victim, UP_PROJ, "partition sizes disagree"]
+
+
+def optim_file_of_another_stage(root: Path, others) -> list:
+    other_root = Path(others.get(Z3)[1])
+    victim = optim_file(root, 1)
+    victim.unlink()
+    shutil.copy(optim_file(other_root, 1), victim)
+    return [victim, "stage 3", "stage 2", "different runs"]
+
+
+def model_states_as_optim_file(root: Path, others) -> list:
+    victim = optim_file(root, 1)
+    shutil.copy(model_states(root), victim)
+    return [victim, "not a DeepSpeed ZeRO optimizer file"]
+
+
+def add_dcp_files(root: Path, others) -> list:
+    (root / ".metadata").write_bytes(b"")
+    (root / "__0_0.distcp").write_bytes(b"")
+    return ["several layouts", "deepspeed-zero", "dcp", "--layout"]
+
+
+@dataclass(frozen=True)
+class Damage:
+    checkpoint: str
+    damage: Callable[[Path, object], list]
+
+
+DAMAGES = {
+    "missing optimizer rank": Damage(Z2, remove_optim_rank_1),
+    "missing optimizer rank 0": Damage(Z2, remove_optim_rank_0),
+    "missing stage 3 model states rank": Damage(Z3, remove_stage3_model_states_rank_1),
+    "missing model states": Damage(Z2, remove_model_states),
+    "latest names a missing folder": Damage(Z2, latest_names_a_missing_tag),
+    "no latest, two tags": Damage(Z2, no_latest_and_two_tags),
+    "truncated optimizer file": Damage(Z2, truncate_optim_rank_1),
+    "truncated model states": Damage(Z3, truncate_model_states),
+    "stage 1/2 partitions shorter than param_shapes": Damage(Z2, resize_q_proj_in_param_shapes(65)),
+    "stage 1/2 partitions longer than param_shapes": Damage(Z2, resize_q_proj_in_param_shapes(63)),
+    "stage 3 partitions shorter than param_shapes": Damage(Z3, resize_q_proj_in_param_shapes(65)),
+    "stage 3 partitions longer than param_shapes": Damage(Z3, resize_q_proj_in_param_shapes(63)),
+    "stage 3 frozen piece of the wrong size": Damage(Z3, shrink_a_stage3_frozen_piece),
+    "optimizer file of another run": Damage(Z2, optim_file_of_another_stage),
+    "not an optimizer file": Damage(Z2, model_states_as_optim_file),
+    "two layouts in one folder": Damage(Z2, add_dcp_files),
+}
+
+
+def damaged_copy(deepspeed_checkpoints, tmp_path: Path, case: str) -> tuple[Path, list]:
+    _, root = deepspeed_checkpoints.get(DAMAGES[case].checkpoint)
+    copy = Path(shutil.copytree(root, tmp_path / "ckpt"))
+    return copy, DAMAGES[case].damage(copy, deepspeed_checkpoints)
+
+
+@pytest.mark.parametrize("refuses", [cli_refuses, api_refuses], ids=["cli", "api"])
+@pytest.mark.parametrize("case", DAMAGES)
+def test_damaged_checkpoint_is_refused(deepspeed_checkpoints, tmp_path, case, refuses):
+    root, mentions = damaged_copy(deepspeed_checkpoints, tmp_path, case)
+    refuses(root, tmp_path / "out", mentions=mentions)
+
+
+def test_two_layouts_merge_with_layout_chosen(deepspeed_checkpoints, tmp_path):
+    root, _ = damaged_copy(deepspeed_checkpoints, tmp_path, "two layouts in one folder")
+    spec, _ = deepspeed_checkpoints.get(Z2)
+    fsdpfast.merge(root, tmp_path / "out", layout="deepspeed-zero")
+    reference = torch.load(spec.reference_path(deepspeed_checkpoints.base), weights_only=True)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"])
+
+
+def test_wrong_tag(deepspeed_checkpoints, tmp_path):
+    _, root = deepspeed_checkpoints.get(Z2)
+    mentions = ["--tag 'global_step7'", "no such checkpoint", "tags present: first, global_step2"]
+    cli_refuses(root, tmp_path / "out", "--tag", "global_step7", mentions=mentions)
+    api_refuses(root, tmp_path / "out", mentions=mentions, tag="global_step7")
+
+
+def test_tag_that_disagrees_with_the_tag_folder_given(deepspeed_checkpoints, tmp_path):
+    _, root = deepspeed_checkpoints.get(Z2)
+    cli_refuses(f"{root}/first", tmp_path / "out", "--tag", "global_step2", mentions=["tag 'first'", "checkpoint root"])
+
+
+def test_tag_on_another_layout(tmp_path):
+    folder = tmp_path / "fsdp"
+    folder.mkdir()
+    for rank in range(2):
+        (folder / f"model_world_size_2_rank_{rank}.pt").write_bytes(b"")
+    cli_refuses(folder, tmp_path / "out", "--tag", "global_step1", mentions=["--tag applies to deepspeed-zero", "fsdp-ranks"])
+
+
+# --- tampered pickles: DeepSpeed's classes are allow-listed by exact name, nothing else runs ----
+
+@pytest.mark.parametrize("replacement", ["os\nsystem", "deepspeed.runtime.engine\nDeepSpeedEngine",
+                                         "deepspeed.runtime.fp16.loss_scaler\nLossScalerBase"])
+def test_tampered_class_in_an_optimizer_file_is_refused(deepspeed_checkpoints, tmp_path, replacement):
+    _, root = deepspeed_checkpoints.get(Z2)
+    copy = Path(shutil.copytree(root, tmp_path / "ckpt"))
+    victim = optim_file(copy, 1)
+    with zipfile.ZipFile(victim) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        pickled = archive.read(name)
+    original = b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n"
+    assert original in pickled  # torch.save's protocol 2 names the class with a GLOBAL opcode
+    rewrite_data_pkl(victim, pickled.replace(original, f"c{replacement}\n".encode()))
+    qualname = replacement.replace("\n", ".")
+    line = cli_refuses(copy, tmp_path / "out", mentions=["refusing to unpickle", victim])
+    assert qualname in line or (qualname == "os.system" and "posix.system" in line)
+    with pytest.raises(UnsafeCheckpoint):
+        fsdpfast.merge(copy, tmp_path / "out")
+
+
+def test_live_payload_in_an_optimizer_file_never_runs(deepspeed_checkpoints, tmp_path):
+    _, root = deepspeed_checkpoints.get(Z3)
+    copy = Path(shutil.copytree(root, tmp_path / "ckpt"))
+    marker = tmp_path / "MARKER"
+    victim = optim_file(copy, 1)
+    rewrite_data_pkl(victim, payload_bytes("os.system", marker))
+    cli_refuses(copy, tmp_path / "out", mentions=["refusing to unpickle", victim])
+    assert not marker.exists()
