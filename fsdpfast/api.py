@@ -47,9 +47,14 @@ class MergeReport:
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               prefix: str | None = None) -> MergePlan:
-    """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes."""
-    plan = formats.read_plan(os.fspath(src), layout, prefix)
+               prefix: str | None = None, wrap: str | list[str] | None = None, use_orig_params: bool | None = None) -> MergePlan:
+    """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
+
+    `wrap` (module class names) and `use_orig_params` describe how FSDP1 wrapped the model, for
+    fsdp1-flat checkpoints; left None they are the model's decoder-layer class and detected.
+    """
+    fsdp1 = {"wrap": wrap, "use_orig_params": use_orig_params, "config": os.fspath(config) if config else None}
+    plan = formats.read_plan(os.fspath(src), layout, prefix, fsdp1)
     if config is not None:
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
@@ -57,9 +62,11 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     return prepare(plan, dtype, plan.config_dir)
 
 
-def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None) -> dict:
-    """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes."""
-    plan = plan_merge(src, layout=layout, config=config, prefix=prefix)
+def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None,
+            wrap: str | list[str] | None = None, use_orig_params: bool | None = None) -> dict:
+    """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes,
+    and what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order)."""
+    plan = plan_merge(src, layout=layout, config=config, prefix=prefix, wrap=wrap, use_orig_params=use_orig_params)
     tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
                 "tied": list(t.aliases)} for t in plan.tensors]
     return {
@@ -72,6 +79,7 @@ def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, c
         "source_files": sorted({s.path for s in plan.sources}),
         "config_dir": plan.config_dir,
         "notes": list(plan.notes),
+        "assumed": plan.assumed,
     }
 
 
@@ -87,6 +95,8 @@ def merge(
     engine: str = "auto",
     prefix: str | None = None,
     progress: bool = False,
+    wrap: str | list[str] | None = None,
+    use_orig_params: bool | None = None,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
 
@@ -101,7 +111,7 @@ def merge(
     check_engine_name(engine)
     if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, wrap=wrap, use_orig_params=use_orig_params)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
@@ -140,10 +150,11 @@ def merge(
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, prefix: str | None = None) -> dict:
+            layout: str | None = None, config: str | None = None, prefix: str | None = None,
+            wrap: str | list[str] | None = None, use_orig_params: bool | None = None) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, wrap=wrap, use_orig_params=use_orig_params)
     files = plan_files(plan, max_shard_size)
     return {
         "checkpoint": os.fspath(src),

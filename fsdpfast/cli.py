@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model (default: found)")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
+    _add_fsdp1_options(merge)
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
     inspect.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
+    _add_fsdp1_options(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch")
@@ -64,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     demo.add_argument("--world-size", type=int, default=4)
     return parser
+
+
+def _add_fsdp1_options(verb) -> None:
+    verb.add_argument("--wrap", default=None, help="fsdp1-flat: module classes FSDP1 wrapped, comma-separated "
+                      "(default: the model's decoder-layer class, its _no_split_modules; 'none': the root only)")
+    verb.add_argument("--use-orig-params", action=argparse.BooleanOptionalAction, default=None,
+                      help="fsdp1-flat: whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,13 +112,15 @@ def _merge(args) -> int:
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, prefix=args.prefix)
+                       layout=args.layout, config=args.config, prefix=args.prefix, wrap=args.wrap,
+                       use_orig_params=args.use_orig_params)
         print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
         progress=not args.quiet,
+        wrap=args.wrap, use_orig_params=args.use_orig_params,
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
@@ -143,7 +154,8 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config)
+    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config,
+                    wrap=args.wrap, use_orig_params=args.use_orig_params)
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
@@ -155,4 +167,19 @@ def _inspect(args) -> int:
         print(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
     for note in found["notes"]:
         print(f"note: {note}")
+    _print_assumed(found["assumed"])
     return 0
+
+
+def _print_assumed(assumed: dict) -> None:
+    """fsdp1-flat: the model, wrap classes, units and each unit's parameter order that were assumed."""
+    if not assumed.get("units"):
+        return
+    print(f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
+          f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})")
+    for unit in assumed["units"]:
+        print(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
+              f"{unit['padding']:,} padding, {len(unit['params'])} parameters in this order:")
+        for param in unit["params"]:
+            tied = f"  (also {', '.join(param['tied'])})" if param["tied"] else ""
+            print(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")

@@ -68,6 +68,8 @@ def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], ch
         "dtype": dtype,
         "layout": plan.layout,
         "prefix": prefix,
+        **({"fsdp1": {"wrap": ",".join(plan.assumed["wrap"]) or "none", "use_orig_params": plan.assumed["use_orig_params"]}}
+           if plan.layout == "fsdp1-flat" else {}),  # what verify --against needs to unflatten again
         "world_size": plan.world_size,
         "checkpoint": os.path.abspath(checkpoint),
         "sources": identity,

@@ -183,8 +183,10 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     report.checks.append(f"recomputed from {checkpoint}")
     manifest = manifest or {}
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
+    fsdp1 = manifest.get("fsdp1") or {}  # how the merge unflattened FSDP1 flat parameters
     plan = plan_merge(checkpoint, dtype="keep", layout=layout or manifest.get("layout"),
-                      config=report.out_dir if has_config else None, prefix=prefix or manifest.get("prefix"))
+                      config=report.out_dir if has_config else None, prefix=prefix or manifest.get("prefix"),
+                      wrap=fsdp1.get("wrap"), use_orig_params=fsdp1.get("use_orig_params"))
     _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
     wanted_dtype = manifest.get("dtype")
     jobs = []

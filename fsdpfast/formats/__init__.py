@@ -5,9 +5,9 @@ import os
 
 from ..errors import BadInput
 from ..plan import MergePlan
-from . import dcp, dcp_hf, fsdp_ranks, guide_ranks
+from . import dcp, dcp_hf, fsdp1_flat, fsdp_ranks, guide_ranks
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf)}
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, fsdp1_flat)}
 
 
 def detect(folder: str) -> str:
@@ -27,8 +27,9 @@ def detect(folder: str) -> str:
     return found[0]
 
 
-def read_plan(folder: str, layout: str | None = None, prefix: str | None = None) -> MergePlan:
-    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP)."""
+def read_plan(folder: str, layout: str | None = None, prefix: str | None = None, fsdp1: dict | None = None) -> MergePlan:
+    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP); `fsdp1`
+    holds fsdp1-flat's options (wrap, use_orig_params, config)."""
     if layout is None:
         layout = detect(folder)
     elif layout not in READERS:
@@ -39,4 +40,9 @@ def read_plan(folder: str, layout: str | None = None, prefix: str | None = None)
         if layout != dcp.NAME:
             raise BadInput(f"--prefix applies to {dcp.NAME} checkpoints; {folder} holds {layout}")
         return dcp.read(folder, prefix)
+    fsdp1 = fsdp1 or {}
+    if layout == fsdp1_flat.NAME:
+        return fsdp1_flat.read(folder, **fsdp1)
+    if fsdp1.get("wrap") is not None or fsdp1.get("use_orig_params") is not None:
+        raise BadInput(f"--wrap and --use-orig-params apply to {fsdp1_flat.NAME} checkpoints; {folder} holds {layout}")
     return READERS[layout].read(folder)
