@@ -28,7 +28,7 @@ SPECS = {spec.name: (world, spec) for world, spec in [
     (2, Fsdp1Spec("w2-llama", seed=21)),
     (2, Fsdp1Spec("w2-tied-orig", model="llama-tied", use_orig_params=True, seed=22)),
     (2, Fsdp1Spec("w2-verl-names", file_name="model_world_size_2_rank_{rank}.pt", seed=23)),
-    (2, Fsdp1Spec("w2-root-only", model="bert", wrap=("none",), seed=31)),
+    (2, Fsdp1Spec("w2-root-only", wrap=("none",), seed=31)),
     (3, Fsdp1Spec("w3-orig", use_orig_params=True, seed=24)),
     (3, Fsdp1Spec("w3-tied", model="llama-tied", seed=25)),
     (3, Fsdp1Spec("w3-mlp-units", wrap=DECODER_AND_MLP, seed=26)),
@@ -256,7 +256,7 @@ def test_wrong_wrap_suggests_the_files_units(fsdp1, tmp_path):
     with pytest.raises(BadInput, match="--wrap GPT2Block: no module of that class in LlamaForCausalLM"):
         fsdpfast.inspect(folder, wrap="GPT2Block")
     with pytest.raises(BadInput, match=r"\(the files' units are the root only: --wrap none\)"):
-        fsdpfast.inspect(fsdp1.get("w2-root-only")[1])  # BERT's default wraps its embeddings and layers
+        fsdpfast.inspect(fsdp1.get("w2-root-only")[1])  # the default wraps the decoder layers
 
 
 def test_flat_size_not_matching_the_model(fsdp1, tmp_path):
