@@ -47,9 +47,15 @@ class MergeReport:
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               prefix: str | None = None, tag: str | None = None) -> MergePlan:
-    """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes."""
-    plan = formats.read_plan(os.fspath(src), layout, prefix, tag)
+               **options) -> MergePlan:
+    """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
+
+    `options`, each for one layout (formats.LAYOUT_OPTIONS), None meaning not given:
+    `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
+    tag, default the one `latest` names; `wrap` (fsdp1-flat) the module class names FSDP1 wrapped,
+    default the model's decoder-layer class; `use_orig_params` (fsdp1-flat), default detected.
+    """
+    plan = formats.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
     if config is not None:
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
@@ -57,10 +63,10 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     return prepare(plan, dtype, plan.config_dir)
 
 
-def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, config: str | None = None,
-            tag: str | None = None) -> dict:
-    """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes."""
-    plan = plan_merge(src, layout=layout, config=config, prefix=prefix, tag=tag)
+def inspect(src: str, *, layout: str | None = None, config: str | None = None, **options) -> dict:
+    """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes,
+    and what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order)."""
+    plan = plan_merge(src, layout=layout, config=config, **options)
     tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
                 "tied": list(t.aliases)} for t in plan.tensors]
     return {
@@ -73,6 +79,7 @@ def inspect(src: str, *, layout: str | None = None, prefix: str | None = None, c
         "source_files": sorted({s.path for s in plan.sources}),
         "config_dir": plan.config_dir,
         "notes": list(plan.notes),
+        "assumed": plan.assumed,
     }
 
 
@@ -86,16 +93,15 @@ def merge(
     config: str | None = None,
     overwrite: bool = False,
     engine: str = "auto",
-    prefix: str | None = None,
     progress: bool = False,
-    tag: str | None = None,
+    **options,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
 
     `dst` appears complete or not at all: everything is written to a hidden sibling folder
     that is renamed into place at the end, with the manifest (fsdpfast-manifest.json). A source
     file that changes size or modification time during the merge aborts it. `progress`: a bar
-    on stderr when it is a terminal.
+    on stderr when it is a terminal. `options`: the layout options of `plan_merge`.
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -103,7 +109,7 @@ def merge(
     check_engine_name(engine)
     if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, tag=tag)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
@@ -120,7 +126,7 @@ def merge(
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
         write_json(staging.file(MANIFEST_NAME),
-                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype), prefix, tag))
+                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype)))
         check_unchanged(src, identity)
         staging.publish()
     finally:
@@ -142,10 +148,10 @@ def merge(
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, prefix: str | None = None, tag: str | None = None) -> dict:
+            layout: str | None = None, config: str | None = None, **options) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, prefix=prefix, tag=tag)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
     files = plan_files(plan, max_shard_size)
     return {
         "checkpoint": os.fspath(src),

@@ -32,10 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", default="keep", help="keep (default), bf16, fp16 or fp32; only floating tensors are cast")
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
     merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
-    merge.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model (default: found)")
-    merge.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag to merge (default: the one `latest` names)")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
+    _add_layout_options(merge)
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
@@ -45,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write")
     inspect.add_argument("checkpoint", help="folder holding the rank files")
     inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
-    inspect.add_argument("--prefix", default=None, help="DCP: the part of a nested state dict that is the model")
-    inspect.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag (default: the one `latest` names)")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
+    _add_layout_options(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch")
@@ -59,14 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--manifest", metavar="FILE_OR_DIR", default=None, help="another merge's manifest (e.g. an earlier merge of the same checkpoint): the checksums must match")
     verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
     verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
-    verify.add_argument("--prefix", default=None, help="--against, DCP: the model part of a nested state dict")
-    verify.add_argument("--tag", default=None, help="--against, DeepSpeed: the checkpoint tag (default: the merge's, else `latest`'s)")
+    _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
     demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
     demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     demo.add_argument("--world-size", type=int, default=4)
     return parser
+
+
+def _add_layout_options(verb, purpose: str = "") -> None:
+    """The options of one layout each (formats.LAYOUT_OPTIONS); verify's default is what the merge recorded."""
+    verb.add_argument("--prefix", default=None, help=f"{purpose}dcp: the part of a nested state dict that is the model (default: found)")
+    verb.add_argument("--tag", default=None, help=f"{purpose}deepspeed-zero: the checkpoint tag (default: the one `latest` names)")
+    verb.add_argument("--wrap", default=None, help=f"{purpose}fsdp1-flat: module classes FSDP1 wrapped, comma-separated "
+                      "(default: the model's decoder-layer class, its _no_split_modules; 'none': the root only)")
+    verb.add_argument("--use-orig-params", action=argparse.BooleanOptionalAction, default=None,
+                      help=f"{purpose}fsdp1-flat: whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)")
+
+
+def _layout_options(args) -> dict:
+    return {"prefix": args.prefix, "tag": args.tag, "wrap": args.wrap, "use_orig_params": args.use_orig_params}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,13 +117,13 @@ def _merge(args) -> int:
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, prefix=args.prefix, tag=args.tag)
+                       layout=args.layout, config=args.config, **_layout_options(args))
         print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine, prefix=args.prefix,
-        progress=not args.quiet, tag=args.tag,
+        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
+        progress=not args.quiet, **_layout_options(args),
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
@@ -135,7 +146,7 @@ def _verify(args) -> int:
     from .verify import verify
 
     report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
-                    smoke=args.smoke, layout=args.layout, prefix=args.prefix, manifest_of=args.manifest, tag=args.tag)
+                    smoke=args.smoke, layout=args.layout, manifest_of=args.manifest, **_layout_options(args))
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:
@@ -146,7 +157,7 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    found = inspect(args.checkpoint, layout=args.layout, prefix=args.prefix, config=args.config, tag=args.tag)
+    found = inspect(args.checkpoint, layout=args.layout, config=args.config, **_layout_options(args))
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
@@ -158,4 +169,19 @@ def _inspect(args) -> int:
         print(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
     for note in found["notes"]:
         print(f"note: {note}")
+    _print_assumed(found["assumed"])
     return 0
+
+
+def _print_assumed(assumed: dict) -> None:
+    """fsdp1-flat: the model, wrap classes, units and each unit's parameter order that were assumed."""
+    if not assumed.get("units"):
+        return
+    print(f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
+          f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})")
+    for unit in assumed["units"]:
+        print(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
+              f"{unit['padding']:,} padding, {len(unit['params'])} parameters in this order:")
+        for param in unit["params"]:
+            tied = f"  (also {', '.join(param['tied'])})" if param["tied"] else ""
+            print(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")

@@ -59,7 +59,7 @@ def check_unchanged(checkpoint: str, identity: list[dict]) -> None:
 
 
 def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], checksums: dict,
-                   identity: list[dict], engine: str, dtype: str | None, prefix: str | None, tag: str | None = None) -> dict:
+                   identity: list[dict], engine: str, dtype: str | None) -> dict:
     have_checksums = all(checksums.get(p.tensor.name) is not None for f in files for p in f.tensors)
     return {
         "fsdpfast_version": __version__,
@@ -67,8 +67,7 @@ def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], ch
         "engine": engine,
         "dtype": dtype,
         "layout": plan.layout,
-        "prefix": prefix,
-        "tag": tag,
+        "layout_options": plan.options,  # what verify --against needs to read the same plan again
         "world_size": plan.world_size,
         "checkpoint": os.path.abspath(checkpoint),
         "sources": identity,

@@ -64,3 +64,7 @@ class MergePlan:
     tensors: list[TensorPlan]
     notes: list[str] = field(default_factory=list)  # what else the checkpoint holds, what was assumed
     config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any
+    assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect)
+    # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
+    # recorded in the manifest so that verify --against reads the same plan again.
+    options: dict = field(default_factory=dict)

@@ -63,10 +63,11 @@ class VerifyReport:
 
 
 def verify(out_dir: str, *, against: str | None = None, reference: str | None = None, rtol: float | None = None,
-           atol: float | None = None, smoke: bool = False, layout: str | None = None, prefix: str | None = None,
-           manifest_of: str | None = None, tag: str | None = None) -> VerifyReport:
+           atol: float | None = None, smoke: bool = False, layout: str | None = None,
+           manifest_of: str | None = None, **options) -> VerifyReport:
     """Check `out_dir` (see the module's docstring); `manifest_of`: another merge's manifest (its file or
-    folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint."""
+    folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint.
+    `options`: layout options for --against (api.plan_merge), by default those the merge recorded."""
     out_dir = os.fspath(out_dir)
     try:
         stored = read_folder(out_dir)
@@ -83,7 +84,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         if manifest is not None:
             _note_source_changes(report, manifest, against)
         if against is not None:
-            _check_against(report, stored, files, os.fspath(against), manifest, layout, prefix, tag)
+            _check_against(report, stored, files, os.fspath(against), manifest, layout, options)
         elif manifest is not None and reference is None:
             _check_manifest(report, stored, files, manifest)
         if manifest_of is not None:
@@ -177,15 +178,16 @@ def _crc(view: memoryview) -> int:
 # --- against the checkpoint -------------------------------------------------------------------
 
 def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, checkpoint: str,
-                   manifest: dict | None, layout: str | None, prefix: str | None, tag: str | None) -> None:
+                   manifest: dict | None, layout: str | None, options: dict) -> None:
     from .api import plan_merge
 
     report.checks.append(f"recomputed from {checkpoint}")
     manifest = manifest or {}
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
-    plan = plan_merge(checkpoint, dtype="keep", layout=layout or manifest.get("layout"),
-                      config=report.out_dir if has_config else None, prefix=prefix or manifest.get("prefix"),
-                      tag=tag or manifest.get("tag"))
+    layout = layout or manifest.get("layout")
+    recorded = (manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {}
+    plan = plan_merge(checkpoint, dtype="keep", layout=layout, config=report.out_dir if has_config else None,
+                      **{**recorded, **{name: value for name, value in options.items() if value is not None}})
     _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
     wanted_dtype = manifest.get("dtype")
     jobs = []

@@ -5,9 +5,18 @@ import os
 
 from ..errors import BadInput
 from ..plan import MergePlan
-from . import dcp, dcp_hf, deepspeed_zero, fsdp_ranks, guide_ranks
+from . import dcp, dcp_hf, deepspeed_zero, fsdp1_flat, fsdp_ranks, guide_ranks
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero)}
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat)}
+
+# Options a user may give beyond the folder, and the one layout each belongs to; a reader's
+# read(folder, **options) takes its own.
+LAYOUT_OPTIONS = {
+    "prefix": dcp.NAME,  # the model part of a nested state dict
+    "tag": deepspeed_zero.NAME,  # which checkpoint tag
+    "wrap": fsdp1_flat.NAME,  # the module classes FSDP1 wrapped
+    "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
+}
 
 
 def detect(folder: str) -> str:
@@ -27,20 +36,25 @@ def detect(folder: str) -> str:
     return found[0]
 
 
-def read_plan(folder: str, layout: str | None = None, prefix: str | None = None, tag: str | None = None) -> MergePlan:
-    """The reader's plan; `prefix` picks the model part of a nested checkpoint (DCP), `tag` a DeepSpeed tag."""
+def read_plan(folder: str, layout: str | None = None, config: str | None = None, **options) -> MergePlan:
+    """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
+    one given for another layout is an error. `config` is passed to readers that rebuild the model."""
+    given = {name: value for name, value in options.items() if value is not None}
+    for name in given:
+        if name not in LAYOUT_OPTIONS:
+            raise BadInput(f"unknown layout option {name!r}; known: {', '.join(LAYOUT_OPTIONS)}")
     if layout is None:
         layout = detect(folder)
     elif layout not in READERS:
         raise BadInput(f"--layout {layout!r} is not a known layout; known: {', '.join(READERS)}")
     elif not READERS[layout].matches(folder):
         raise BadInput(f"{folder}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
-    if prefix is not None:
-        if layout != dcp.NAME:
-            raise BadInput(f"--prefix applies to {dcp.NAME} checkpoints; {folder} holds {layout}")
-        return dcp.read(folder, prefix)
-    if tag is not None:
-        if layout != deepspeed_zero.NAME:
-            raise BadInput(f"--tag applies to {deepspeed_zero.NAME} checkpoints; {folder} holds {layout}")
-        return deepspeed_zero.read(folder, tag)
-    return READERS[layout].read(folder)
+    for name in given:
+        if LAYOUT_OPTIONS[name] != layout:
+            raise BadInput(f"--{name.replace('_', '-')} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
+    if layout == fsdp1_flat.NAME:
+        given["config"] = config
+    plan = READERS[layout].read(folder, **given)
+    plan.options = {**given, **plan.options}
+    plan.options.pop("config", None)
+    return plan

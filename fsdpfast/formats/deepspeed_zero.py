@@ -62,6 +62,7 @@ def read(folder: str, tag: str | None = None) -> MergePlan:
                      f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?")
     plan = MergePlan(NAME, files.world, sources.buffers, tensors, notes)
     plan.config_dir = _config_dir(tag_dir, folder)
+    plan.options = {"tag": tag}  # the tag read, so verify reads it again even after `latest` moves on
     return plan
 
 

@@ -16,7 +16,7 @@ from ..errors import BadInput
 from ..plan import Extent, MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
 from .placements import chunk_span, read_layout
-from .safe_load import DTensorRef, TensorRef, safe_unpickle
+from .safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .torch_zip import TorchZip
 
 
@@ -30,7 +30,9 @@ class RankState:
     whole: Any  # the whole unpickled object, for readers that report what else it holds
 
 
-def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict]) -> list[RankState]:
+def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
+                     sharded_tensors: bool = False) -> list[RankState]:
+    """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself."""
     states = []
     for rank, path in rank_paths:
         archive = TorchZip(path)
@@ -40,6 +42,11 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
         for name, value in state_dict.items():
             if isinstance(value, (TensorRef, DTensorRef)):
                 tensors[str(name)] = value
+            elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
+                archive.close()
+                hint = ("FSDP1 flat parameters: read them with --layout fsdp1-flat" if str(name).endswith("_flat_param")
+                        else "FSDP1 SHARDED_STATE_DICT rank files are not supported yet")
+                raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
             else:
                 skipped.append(str(name))
         states.append(RankState(rank, path, archive, tensors, skipped, whole))

@@ -50,6 +50,19 @@ class DTensorRef:
     spec: "Record"  # DTensorSpec stand-in; formats.placements interprets it
 
 
+@dataclass(frozen=True)
+class ShardedTensorRef:
+    """A ShardedTensor (FSDP1 state dicts): global shape, dtype and its pickled state.
+
+    `state` is ShardedTensor.__getstate__'s tuple: (local shards, ShardedTensorMetadata,
+    ProcessGroupState, sharding spec, init_rrefs), as records; formats.fsdp1_flat reads it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    state: tuple
+
+
 class Record:
     """Stand-in for an allowed class: keeps constructor arguments and pickled state."""
 
@@ -97,12 +110,16 @@ class _TensorClass:
 
 
 _DTENSOR = _TensorClass("DTensor")
+_SHARDED_TENSOR = _TensorClass("ShardedTensor")
 _PLAIN_TENSOR = _TensorClass("Tensor")
 
-# DTensor metadata classes: any module under torch.distributed (they moved between releases).
+# DTensor and ShardedTensor metadata classes: any module under torch.distributed (they moved
+# between releases).
 _DISTRIBUTED_RECORDS = {
     "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
     "Shard", "Replicate", "Partial", "_StridedShard", "_NormPartial", "_Partial", "_MaskPartial",
+    "ShardMetadata", "ShardedTensorMetadata", "TensorProperties", "MEM_FORMAT_ENCODING", "_remote_device",
+    "EnumerableShardingSpec", "ChunkShardingSpec",
 }
 
 
@@ -136,6 +153,10 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     obj = func(*args)
+    if isinstance(obj, _WrapperShell) and obj.cls is _SHARDED_TENSOR:
+        if not isinstance(state, tuple) or len(state) < 2:
+            raise BadInput("a ShardedTensor in this checkpoint lacks its local shards or metadata")
+        return ShardedTensorRef(obj.shape, obj.dtype, state)
     if isinstance(state, tuple):  # (dict, slots) when the class has __slots__
         state = {k: v for part in state if isinstance(part, dict) for k, v in part.items()}
     if isinstance(obj, _WrapperShell) and obj.cls is _DTENSOR:
@@ -147,6 +168,14 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         return obj
     name = getattr(new_type, "qualname", new_type)
     raise BadInput(f"tensor subclass {name} is not supported; only plain tensors and DTensors are")
+
+
+def _getattr(owner, name):
+    # ShardedTensor pickles its ProcessGroupState as getattr(ShardedTensor, "ProcessGroupState");
+    # getattr on anything else could reach live objects, so nothing else is allowed.
+    if owner is _SHARDED_TENSOR and name == "ProcessGroupState":
+        return _record_class("torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState")
+    raise UnsafeCheckpoint(f"getattr({getattr(owner, 'qualname', type(owner).__name__)}, {name!r}) is not allowed")
 
 
 def _encode(text, encoding="latin1"):
@@ -187,6 +216,9 @@ _ALLOWED: dict[str, Any] = {
     "torch.distributed.tensor.DTensor": _DTENSOR,
     "torch.distributed.tensor._api.DTensor": _DTENSOR,
     "torch.distributed._tensor.api.DTensor": _DTENSOR,
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
+    "builtins.getattr": _getattr,
+    "__builtin__.getattr": _getattr,  # protocol 2 names builtins this way
 }
 _ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
 _ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
