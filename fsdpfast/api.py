@@ -10,10 +10,11 @@ from . import formats
 from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
 from .errors import BadInput
-from .finish import StagingFolder, copy_config_files, write_json
+from .finish import StagingFolder, check_outside_sources, copy_config_files, write_json
 from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
 from .plan import MergePlan
+from .plan_checks import check_plan
 from .prepare import parse_dtype, prepare
 from .progress import Progress
 from .writer import write_file
@@ -56,6 +57,7 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     default the model's decoder-layer class; `use_orig_params` (fsdp1-flat), default detected.
     """
     plan = formats.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
+    check_plan(plan)  # every element of every tensor exactly once, inside its file
     if config is not None:
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
@@ -109,6 +111,7 @@ def merge(
     check_engine_name(engine)
     if _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
+    check_outside_sources(dst, src, config)
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)

@@ -5,6 +5,7 @@ import os
 
 from . import _ops
 from .engine.sources import SourceFiles
+from .errors import FsdpfastError
 from .layout import OutputFile, PlacedTensor
 
 BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input pages are dropped after
@@ -15,21 +16,36 @@ def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles, pro
     checksums = {p.tensor.name: _ops.crc32c(b"") for p in planned.tensors if not p.nbytes}
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, planned.size)
-        os.pwrite(fd, planned.header, 0)
-        tensors = [p for p in planned.tensors if p.nbytes]
-        if tensors:
-            with engine.output(fd, planned.size) as output:
-                for batch in _batches(tensors):
-                    checksums.update(zip((p.tensor.name for p in batch), output.write(batch, sources)))
-                    if progress is not None:
-                        progress(sum(p.nbytes for p in batch))
-                    for source in {e.source for p in batch for e in p.tensor.extents}:
-                        sources.release(source)
-        os.fsync(fd)
+        _write(fd, planned, engine, sources, checksums, progress)
+    except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error
+        if exc.filename:  # an input file, named by the error itself
+            raise
+        raise _write_failed(path, exc.strerror or str(exc)) from None
+    except FsdpfastError as exc:  # the native kernels' I/O errors ("writing the output file: ...")
+        raise _write_failed(path, str(exc)) from None
     finally:
         os.close(fd)
     return checksums
+
+
+def _write_failed(path: str, reason: str) -> FsdpfastError:
+    return FsdpfastError(f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
+                         "free space on that disk (or raise the file size limit) or choose another output folder, then run again")
+
+
+def _write(fd: int, planned: OutputFile, engine, sources: SourceFiles, checksums: dict, progress) -> None:
+    os.ftruncate(fd, planned.size)
+    os.pwrite(fd, planned.header, 0)
+    tensors = [p for p in planned.tensors if p.nbytes]
+    if tensors:
+        with engine.output(fd, planned.size) as output:
+            for batch in _batches(tensors):
+                checksums.update(zip((p.tensor.name for p in batch), output.write(batch, sources)))
+                if progress is not None:
+                    progress(sum(p.nbytes for p in batch))
+                for source in {e.source for p in batch for e in p.tensor.extents}:
+                    sources.release(source)
+    os.fsync(fd)
 
 
 def _batches(placed: list[PlacedTensor]) -> list[list[PlacedTensor]]:

@@ -1,6 +1,7 @@
 """How engines reach an output file: through a shared mapping, or by writing chunks at offsets."""
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 
@@ -13,6 +14,7 @@ class MappedOutput:
     """The output file mapped writable; `execute(jobs, sources)` fills (tensor, byte view) jobs."""
 
     def __init__(self, fd: int, size: int, execute):
+        _reserve(fd, size)
         self._mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
         self._view = memoryview(self._mapping)
         self._execute = execute
@@ -33,6 +35,16 @@ class MappedOutput:
         self._view.release()
         self._mapping.flush()
         self._mapping.close()
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's blocks before mapping it: storing into a mapped page the disk has no
+    room for kills the process with SIGBUS, while posix_fallocate fails cleanly with ENOSPC."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a filesystem without it: map anyway
+            raise
 
 
 def write_through_buffer(fd: int, placed: PlacedTensor, execute, sources: SourceFiles) -> int | None:

@@ -20,9 +20,10 @@ import re
 from math import prod
 
 from ..dtypes import DTYPES, itemsize
-from ..errors import BadInput
+from ..errors import BadInput, UnsafeCheckpoint
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
+from .discover import check_not_broken_link
 from .safe_load import Record, TensorRef, safe_unpickle
 from .safetensors_input import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .torch_zip import TorchZip
@@ -139,7 +140,11 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
     if info.get("transform_descriptors"):
         raise BadInput(f"{folder}: {flat_name} was saved with transforms {info.get('transform_descriptors')}; not supported yet")
+    if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
+        # else a crafted .metadata could copy any readable file (a key, a password file) into the output
+        raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
     path = os.path.join(folder, str(relative))
+    check_not_broken_link(path)
     if not os.path.isfile(path):
         raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
     if path not in headers:

@@ -1,0 +1,330 @@
+"""Faults around a merge: killed runs, a full disk, unwritable or misplaced outputs, concurrent
+merges, symbolic links. Each checks the contract: OUT_DIR complete or absent, nothing left
+beside it, the checkpoint byte for byte as it was, and one clear line for the user.
+
+A merge is paused deterministically by running the real command line in a child process
+whose `fsdpfast.api.write_file` (or `os.rename`, for the --overwrite swap) is wrapped to
+stop after the real call and wait: test-only wrapping in the child, nothing in fsdpfast.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fsdpfast
+from fsdpfast.errors import EXIT_FAILURE
+from fsdpfast.output_guard import STAGING_MARKER, lock_path
+from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
+from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
+
+# The real CLI, held after the first output file is written (`file`) or after the previous
+# OUT_DIR was moved aside by --overwrite (`swap`), until the test deletes the ready file.
+HELD_CLI = r"""
+import os, sys, time
+import fsdpfast.api as api
+from fsdpfast.cli import main
+
+ready, point = os.environ["FSDPFAST_TEST_READY"], os.environ["FSDPFAST_TEST_HOLD_AT"]
+
+def hold():
+    open(ready, "w").close()
+    while os.path.exists(ready):
+        time.sleep(0.01)
+
+if point == "file":
+    real_write_file = api.write_file
+    def write_file_then_hold(*args, **kwargs):
+        real_write_file(*args, **kwargs)
+        api.write_file = real_write_file
+        hold()
+    api.write_file = write_file_then_hold
+else:
+    real_rename = os.rename
+    def rename_then_hold(src, dst):
+        real_rename(src, dst)
+        if str(dst).endswith(os.sep + "previous"):
+            hold()
+    os.rename = rename_then_hold
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class HeldMerge:
+    """`fsdpfast merge SRC --out OUT ...` in a child, paused at `point` once it gets there."""
+
+    def __init__(self, tmp_path: Path, src, out, *options, point: str = "file"):
+        self.ready = tmp_path / f"ready-{out.name}"
+        env = {**os.environ, "FSDPFAST_TEST_READY": str(self.ready), "FSDPFAST_TEST_HOLD_AT": point}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HELD_CLI, "merge", str(src), "--out", str(out), *map(str, options)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 120
+        while not self.ready.exists():
+            if self.process.poll() is not None:
+                raise AssertionError(f"the merge ended before pausing: {self.process.communicate()}")
+            assert time.monotonic() < deadline, "the merge never reached the pause"
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        assert self.process.wait(timeout=60) == -signal.SIGKILL
+
+    def resume(self) -> subprocess.CompletedProcess:
+        self.ready.unlink()
+        stdout, stderr = self.process.communicate(timeout=300)
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+
+
+def reference_of(checkpoints, name: str):
+    spec, _ = checkpoints.get(name)
+    return load_reference(spec.reference_path(checkpoints.root))
+
+
+def staging_folders(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.glob(f".{out.name}.fsdpfast-*") if p.is_dir())
+
+
+# --- killed mid-merge -------------------------------------------------------------------------
+
+def test_killed_mid_merge_leaves_no_output_and_the_next_run_cleans_up(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    before = tree_digest(folder)
+    out = tmp_path / "merged"
+    held = HeldMerge(tmp_path, folder, out, "--max-shard-size", "20KB")  # several files: killed between them
+    (staging,) = staging_folders(out)
+    assert any(name.endswith(".safetensors") for name in os.listdir(staging)), "killed before any file was written"
+    held.kill()
+
+    assert not out.exists()
+    assert staging.is_dir() and (staging / STAGING_MARKER).is_file()  # SIGKILL leaves these behind
+    assert os.path.exists(lock_path(str(out)))  # and the lock file, whose lock died with the process
+
+    result = run_cli("merge", folder, "--out", out, "--max-shard-size", "20KB")
+    assert result.returncode == 0, result.stderr
+    assert leftovers(out) == [out.name]  # the killed run's staging folder and lock file are gone
+    assert not (out / STAGING_MARKER).exists()
+    reference, tied = reference_of(checkpoints, "w2-llama")
+    assert_bit_exact(read_merged(out), reference, tied=tied)
+    assert tree_digest(folder) == before
+
+
+def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier merge")
+    earlier = tree_digest(out)
+    held = HeldMerge(tmp_path, folder, out, "--overwrite", point="swap")
+    held.kill()
+    assert not out.exists()  # killed between moving the old folder aside and renaming the new one in
+
+    # The next run puts the earlier output back before anything else; without --overwrite it then stops.
+    line = the_error_line(run_cli("merge", folder, "--out", out))
+    assert_mentions(line, [out, "already exists"])
+    assert tree_digest(out) == earlier
+    assert leftovers(out) == [out.name]
+
+
+def test_leftovers_that_are_not_our_own_are_never_removed(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    unmarked = tmp_path / f".{out.name}.fsdpfast-made-by-hand"  # our name pattern, no marker
+    unmarked.mkdir()
+    (unmarked / "keep.txt").write_text("mine")
+    foreign = tmp_path / f".{out.name}.fsdpfast-x.fsdpfast-abc"  # a real staging folder of OUT_DIR "merged.fsdpfast-x"
+    foreign.mkdir()
+    (foreign / STAGING_MARKER).write_text(str(tmp_path / f"{out.name}.fsdpfast-x"))
+    linked = tmp_path / f".{out.name}.fsdpfast-link"  # a link to a marked folder is not followed
+    linked.symlink_to(foreign)
+    old_lookalike = tmp_path / f".{out.name}.old-lookalike"
+    old_lookalike.mkdir()
+
+    result = run_cli("merge", folder, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert (unmarked / "keep.txt").read_text() == "mine"
+    assert (foreign / STAGING_MARKER).is_file()
+    assert linked.is_symlink() and old_lookalike.is_dir()
+    assert (out / "model.safetensors").is_file() and not os.path.exists(lock_path(str(out)))
+
+
+# --- two merges into one folder ---------------------------------------------------------------
+
+def test_a_second_merge_into_the_same_folder_is_refused_while_the_first_runs(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    before = tree_digest(folder)
+    out = tmp_path / "merged"
+    held = HeldMerge(tmp_path, folder, out)
+    staging = staging_folders(out)
+
+    line = the_error_line(run_cli("merge", folder, "--out", out))
+    assert_mentions(line, [out, "another fsdpfast merge into this folder is running"])
+    with pytest.raises(fsdpfast.errors.BadInput, match="another fsdpfast merge"):
+        fsdpfast.merge(folder, out, overwrite=True)
+    assert staging_folders(out) == staging  # the refused runs did not touch the running one's folder
+
+    other = tmp_path / "merged-elsewhere"  # the lock is per output folder
+    assert run_cli("merge", folder, "--out", other).returncode == 0
+
+    finished = held.resume()
+    assert finished.returncode == 0, finished.stderr
+    assert leftovers(out) == [out.name]
+    reference, tied = reference_of(checkpoints, "w2-llama")
+    assert_bit_exact(read_merged(out), reference, tied=tied)
+    assert read_merged(other).keys() == read_merged(out).keys()
+    assert tree_digest(folder) == before
+
+
+# --- the disk fills up ------------------------------------------------------------------------
+
+def _limit_file_size(limit: int):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so writes past the limit fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def assert_write_failure(result: subprocess.CompletedProcess, mentions) -> str:
+    lines = result.stderr.splitlines()
+    assert result.returncode == EXIT_FAILURE, f"exit {result.returncode}:\n{result.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("fsdpfast: error: cannot write "), result.stderr
+    assert_mentions(lines[0], ["nothing was published", *mentions])
+    assert result.stdout == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "torch"])
+def test_file_size_limit_during_the_write(checkpoints, tmp_path, engine):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    before = tree_digest(folder)
+    out = tmp_path / "merged"
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), "--engine", engine],
+        capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size(64 << 10),
+    )
+    assert_write_failure(result, ["File too large"])
+    assert not leftovers(out), leftovers(out)
+    assert tree_digest(folder) == before
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 256 KB tmpfs (needs root to mount; skipped elsewhere, the file size limit test still runs)."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "torch"])
+def test_disk_full_during_the_write(checkpoints, tmp_path, small_filesystem, engine):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)  # ~400 KB of model: more than the disk holds
+    before = tree_digest(folder)
+    out = small_filesystem / "merged"
+    assert_write_failure(run_cli("merge", folder, "--out", out, "--engine", engine), ["No space left on device"])
+    assert os.listdir(small_filesystem) == []  # no OUT_DIR, staging folder or lock file
+    assert tree_digest(folder) == before
+    # With room again, the same command succeeds.
+    big_enough = tmp_path / "merged"
+    assert run_cli("merge", folder, "--out", big_enough, "--engine", engine).returncode == 0
+
+
+# --- where the output goes --------------------------------------------------------------------
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder this process cannot write in: chmod for a normal user, a read-only mount for root."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"root, and cannot mount a read-only tmpfs: {made.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_read_only_output_parent(checkpoints, tmp_path, read_only_folder):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = read_only_folder / "merged"
+    cli_refuses(folder, out, mentions=["cannot write in", read_only_folder])
+    assert os.listdir(read_only_folder) == []
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "checkpoint/huggingface", "checkpoint/sub/deeper"])
+def test_output_inside_the_checkpoint_is_refused(checkpoints, tmp_path, where):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = folder / where.partition("/")[2] / "merged" if "/" in where else folder / "merged"
+    (folder / "sub").mkdir()
+    line = cli_refuses(folder, out, "--overwrite", mentions=["inside the checkpoint folder", folder])
+    assert "outside" in line
+
+
+def test_output_inside_or_equal_to_the_config_folder_is_refused(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    config = tmp_path / "base-model"
+    shutil.copytree(folder / "huggingface", config)
+    before = tree_digest(config)
+    for out in (config, config / "merged", config / "."):
+        line = the_error_line(run_cli("merge", folder, "--out", out, "--config", config, "--overwrite"))
+        assert_mentions(line, ["inside the --config folder"])
+        assert tree_digest(config) == before
+        assert not leftovers(config / "merged")
+
+
+# --- symbolic links ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["w2-llama", "w2-dcp"])
+def test_shard_files_that_are_symbolic_links_are_read_through(checkpoints, tmp_path, name):
+    _, original = checkpoints.get(name)
+    real = Path(shutil.copytree(original, tmp_path / "real"))
+    before = tree_digest(real)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for entry in real.iterdir():
+        (linked / entry.name).symlink_to(entry)  # every file and the huggingface folder a link
+    out = tmp_path / "merged"
+    result = run_cli("merge", linked, "--out", out)
+    assert result.returncode == 0, result.stderr
+    reference, tied = reference_of(checkpoints, name)
+    assert_bit_exact(read_merged(out), reference, tied=tied)
+    assert tree_digest(real) == before
+    assert all(entry.is_symlink() for entry in linked.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_broken_shard_links_are_named(checkpoints, tmp_path, kind):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    victim = rank_file(folder, 1)
+    victim.unlink()
+    if kind == "dangling":
+        victim.symlink_to(tmp_path / "moved-away.pt")
+        problem = "points to nothing"
+    else:
+        (tmp_path / "b.pt").symlink_to(victim)
+        victim.symlink_to(tmp_path / "b.pt")
+        problem = "loop"
+    cli_refuses(folder, tmp_path / "merged", mentions=[victim, "symbolic link", problem])
+
+
+def test_broken_distcp_link_is_named(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
+    victim = sorted(folder.glob("*.distcp"))[-1]
+    victim.unlink()
+    victim.symlink_to(tmp_path / "elsewhere.distcp")
+    cli_refuses(folder, tmp_path / "merged", mentions=[victim, "symbolic link", "points to nothing"])
