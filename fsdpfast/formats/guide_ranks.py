@@ -76,18 +76,27 @@ def _other_contents(whole: dict) -> list[str]:
 
 
 def _tensor_totals(value) -> tuple[int, int]:
+    """(tensors, bytes) under `value`, each object counted once: a pickle may share containers
+    (a crafted one could nest shared lists so that walking them as a tree never ends)."""
     from ..dtypes import DTYPES
 
-    if isinstance(value, DTensorRef):
-        value = value.local
-    if isinstance(value, TensorRef):
-        numel = 1
-        for size in value.shape:
-            numel *= size
-        return 1, numel * DTYPES.get(value.dtype, (0,))[0]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
     count = nbytes = 0
-    for item in items:
-        c, n = _tensor_totals(item)
-        count, nbytes = count + c, nbytes + n
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, DTensorRef):
+            item = item.local
+        if isinstance(item, TensorRef):
+            numel = 1
+            for size in item.shape:
+                numel *= size
+            count, nbytes = count + 1, nbytes + numel * DTYPES.get(item.dtype, (0,))[0]
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
     return count, nbytes

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +92,8 @@ class Record:
     def get(self, key: str, default: Any = None) -> Any:
         return self.state.get(key, default)
 
-    def __repr__(self) -> str:
+    @reprlib.recursive_repr()
+    def __repr__(self) -> str:  # a crafted pickle can make a record contain itself
         return f"<{self.qualname} {self.args or ''}{self.state or ''}>"
 
 
@@ -130,17 +132,35 @@ class _WrapperShell:
     shape: tuple[int, ...]
 
 
+def _tensor_ref(storage, storage_offset, size, stride, dtype: str) -> TensorRef:
+    """A TensorRef whose fields are what the readers may assume: whole numbers, a storage record."""
+    if not isinstance(storage, StorageRef):
+        raise BadInput(f"a tensor's storage is {type(storage).__name__}, not a storage record")
+    size, stride = _dims(size), _dims(stride)
+    if size is None or stride is None or len(size) != len(stride) or not _is_count(storage_offset):
+        raise BadInput("a tensor's shape, strides or offset are not lists of whole numbers")
+    return TensorRef(storage, storage_offset, size, stride, dtype)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _dims(value) -> tuple[int, ...] | None:
+    return tuple(value) if isinstance(value, (tuple, list)) and all(_is_count(v) for v in value) else None
+
+
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+    return _tensor_ref(storage, storage_offset, size, stride, getattr(storage, "dtype", None))
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
-    if storage.dtype == "uint8" and dtype != "uint8":
+    if isinstance(storage, StorageRef) and storage.dtype == "uint8" and dtype != "uint8":
         if dtype not in DTYPES:
             raise BadInput(f"tensor of dtype {dtype} is not supported")
         numel = storage.numel // DTYPES[dtype][0]
         storage = StorageRef(storage.key, str(dtype), numel)
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), str(dtype))
+    return _tensor_ref(storage, storage_offset, size, stride, str(dtype))
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
@@ -185,6 +205,16 @@ def _encode(text, encoding="latin1"):
     return text.encode(encoding)
 
 
+def _bytearray(data=b"", encoding=None):
+    # pickle stores bytearrays as bytearray(bytes) or, below protocol 3, bytearray(str, "latin-1");
+    # bytearray(10**10) would allocate whatever size the file asks for.
+    if isinstance(data, str) and encoding in ("latin1", "latin-1"):
+        return bytearray(data, encoding)
+    if isinstance(data, (bytes, bytearray)) and encoding is None:
+        return bytearray(data)
+    raise UnsafeCheckpoint("builtins.bytearray called with unexpected arguments")
+
+
 _PARAMETER = _TensorClass("Parameter")
 
 _STORAGE_CLASSES = {
@@ -199,7 +229,7 @@ _ALLOWED: dict[str, Any] = {
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": bytearray,
+    "builtins.bytearray": _bytearray,
     "_codecs.encode": _encode,
     "torch.Size": lambda dims=(): tuple(dims),
     "torch.device": lambda *args: str(args[0]) if args else "cpu",
@@ -232,7 +262,11 @@ def _record_class(qualname: str) -> type:
     return _RECORD_CLASSES[qualname]
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class _RestrictedUnpickler(pickle._Unpickler):
+    """pickle's Python implementation, on purpose: its memo is a dict. The C unpickler grows its
+    memo array to twice the largest index a PUT opcode names, so five bytes of a crafted file
+    make it allocate and clear tens of GB. Checkpoint pickles are small; the cost is a few ms."""
+
     def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
         super().__init__(io.BytesIO(data))
         self.where = where
@@ -258,7 +292,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if not isinstance(kind, _StorageKind):
             raise UnsafeCheckpoint(f"{self.where}: persistent id names {kind!r}, not a storage class")
         key = key.decode() if isinstance(key, bytes) else str(key)
-        return StorageRef(key, kind.dtype, int(numel))
+        if not _is_count(numel):
+            raise BadInput(f"{self.where}: storage {key!r} has size {numel!r}, not a whole number")
+        return StorageRef(key, kind.dtype, numel)
 
 
 def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
@@ -267,10 +303,42 @@ def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = froze
     `extra_records`: further fully qualified class names a reader accepts as inert records.
     """
     try:
-        return _RestrictedUnpickler(data, where, extra_records).load()
+        value = _RestrictedUnpickler(data, where, extra_records).load()
     except (UnsafeCheckpoint, BadInput):
         raise
     except RecursionError:
         raise BadInput(f"{where}: the pickle nests too deeply to be a checkpoint") from None
     except Exception as exc:  # malformed pickles raise many kinds of errors
         raise BadInput(f"{where}: the pickle is damaged ({type(exc).__name__}: {exc}); the file is corrupt") from None
+    if _depth_exceeds(value, _MAX_DEPTH):  # readers and messages walk what they read recursively
+        raise BadInput(f"{where}: the pickle nests more than {_MAX_DEPTH} levels deep; not a checkpoint")
+    return value
+
+
+_MAX_DEPTH = 100  # a DTensor in an optimizer state in a dict nests about 10 levels
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Iteratively, each container once (pickles can share and even cycle through containers)."""
+    seen: set[int] = set()
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Record):
+            children = [*item.args, *item.state.values(), item.state_value]
+        elif isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        elif isinstance(item, (DTensorRef, _WrapperShell)):
+            children = list(vars(item).values())
+        else:
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if depth >= limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+

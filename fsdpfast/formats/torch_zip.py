@@ -12,6 +12,7 @@ import io
 import os
 import struct
 import zipfile
+import zlib
 from functools import cached_property
 
 from ..dtypes import DTYPES, itemsize
@@ -20,6 +21,10 @@ from ..plan import SourceBuffer
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # the 30 fixed bytes of a zip local file header
 _LOCAL_MAGIC = b"PK\x03\x04"
+# What zipfile raises on damaged archives besides BadZipFile: bad UTF-8 names (ValueError),
+# unsupported or encrypted members, bad deflate data, fields that do not unpack.
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, NotImplementedError, RuntimeError, EOFError, OSError,
+               OverflowError, struct.error)
 
 
 class FileWindow(io.RawIOBase):
@@ -75,18 +80,25 @@ class TorchZip:
         self._window = None if length is None else FileWindow(path, base, self.size)
         try:
             self._zip = zipfile.ZipFile(self._window or path)
-        except zipfile.BadZipFile as exc:
+        except _ZIP_ERRORS as exc:
             self.close()
             problem = _zip_problem(path, exc) if length is None else f"{exc}; the file is truncated or corrupt"
             raise BadInput(f"{where}: not a readable torch.save archive ({problem})") from None
+        try:
+            self._check_archive()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_archive(self) -> None:
         pickles = [i for i in self._zip.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pickles) != 1:
-            raise BadInput(f"{where}: a zip file but not a torch.save archive (no single data.pkl inside)")
+            raise BadInput(f"{self.where}: a zip file but not a torch.save archive (no single data.pkl inside)")
         self.prefix = pickles[0].filename[: -len("data.pkl")]
         self._pickle_info = pickles[0]
         byteorder = self._read_small("byteorder")
         if byteorder is not None and byteorder.strip() != b"little":
-            raise BadInput(f"{where}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported")
+            raise BadInput(f"{self.where}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported")
 
     def close(self) -> None:
         if getattr(self, "_zip", None) is not None:
@@ -106,8 +118,10 @@ class TorchZip:
     @cached_property
     def pickle_bytes(self) -> bytes:
         try:
+            if self._pickle_info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses; no zip bombs
+                raise zipfile.BadZipFile("data.pkl is compressed")
             return self._zip.read(self._pickle_info)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except _ZIP_ERRORS as exc:
             raise BadInput(f"{self.where}: data.pkl is damaged ({exc}); the file is truncated or corrupt") from None
 
     def storage_span(self, key: str) -> tuple[int, int]:
@@ -147,10 +161,13 @@ class TorchZip:
 
     def _read_small(self, record: str) -> bytes | None:
         try:
-            return self._zip.read(self.prefix + record)
+            info = self._zip.getinfo(self.prefix + record)
+            if info.file_size > 64:  # a few bytes in any torch.save archive
+                raise zipfile.BadZipFile(f"{info.file_size} bytes long")
+            return self._zip.read(info)
         except KeyError:
             return None
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except _ZIP_ERRORS as exc:
             raise BadInput(f"{self.where}: record {record!r} is damaged ({exc}); the file is truncated or corrupt") from None
 
 

@@ -1,0 +1,314 @@
+"""Fuzz every metadata parser the readers use: only fsdpfast's own errors may come out.
+
+    python tests/fuzz_parsers.py --minutes 10          # the long run (README: "How it is tested")
+    python -m pytest -q tests/test_fuzz.py             # the short run, part of the suite and CI
+
+Targets, each fed by hypothesis from real files (mutated: bits flipped, bytes set, inserted,
+deleted, cut, spliced between files, little-endian integers replaced by edge values) or built
+from scratch:
+  unpickle         formats.safe_load.safe_unpickle on data.pkl and .metadata pickles
+  pickle_opcodes   safe_unpickle on opcode streams made of the globals and opcodes checkpoints use
+  torch_zip        formats.torch_zip.TorchZip on whole rank files (zip directory, local headers)
+  dcp_metadata     a real DCP folder whose .metadata is fuzzed, planned end to end
+  safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
+  merge            a real FSDP2 folder with one rank file fuzzed, merged end to end (cpu engine)
+
+A finding is any exception that is not an fsdpfast.errors.FsdpfastError, an example that runs
+past HANG_SECONDS, or a merge that fails yet leaves its output folder behind. A crash (a signal)
+ends the run, which is a finding too.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+import fsdpfast
+from fsdpfast.errors import FsdpfastError
+from fsdpfast.formats import dcp
+from fsdpfast.formats.safe_load import StorageRef, safe_unpickle
+from fsdpfast.formats.torch_zip import TorchZip
+
+HANG_SECONDS = 20
+# The checkpoints the seeds come from (conftest.py names; all but one written by 2 ranks).
+SEED_CHECKPOINTS = ["w2-llama", "w2-guide", "w2-dcp", "w3-dcp-safetensors"]
+
+
+class Hang(Exception):
+    pass
+
+
+class Blob(bytes):
+    """An input whose repr in hypothesis' report is its size and hash, not 400 kB of bytes."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} bytes, sha256 {hashlib.sha256(self).hexdigest()[:16]}>"
+
+
+@dataclass
+class Seeds:
+    """Real files to mutate, and real folders whose one file a target replaces."""
+
+    pickles: list[bytes] = field(default_factory=list)  # data.pkl of rank files, .metadata of DCP folders
+    rank_files: list[bytes] = field(default_factory=list)  # whole torch.save archives
+    folders: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> folder
+
+    @classmethod
+    def from_folders(cls, folders: dict[str, str]) -> "Seeds":
+        seeds = cls(folders={name: Path(folder) for name, folder in folders.items()})
+        for folder in seeds.folders.values():
+            for path in sorted(folder.iterdir()):
+                if path.suffix == ".pt":
+                    seeds.rank_files.append(path.read_bytes())
+                    with zipfile.ZipFile(path) as archive:
+                        (name,) = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                        seeds.pickles.append(archive.read(name))
+                elif path.name == ".metadata":
+                    seeds.pickles.append(path.read_bytes())
+        return seeds
+
+
+# --- mutations --------------------------------------------------------------------------------
+
+EDGE_INTS = [0, 1, 2, 7, 8, 64, 255, 256, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1]
+
+
+@st.composite
+def mutated(draw, originals: list[bytes]) -> bytes:
+    data = bytearray(draw(st.sampled_from(originals)))
+    for _ in range(draw(st.integers(1, 4))):
+        if not data:
+            break
+        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "cut", "splice", "int"]))
+        at = draw(st.integers(0, len(data) - 1))
+        if kind == "flip":
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set":
+            data[at] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del data[at: at + draw(st.integers(1, 16))]
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "splice":
+            other = draw(st.sampled_from(originals))
+            start = draw(st.integers(0, max(0, len(other) - 1)))
+            data[at: at + draw(st.integers(0, 64))] = other[start: start + draw(st.integers(1, 64))]
+        else:  # a length, offset or count field replaced by an edge value
+            width = draw(st.sampled_from([1, 2, 4, 8]))
+            value = draw(st.sampled_from(EDGE_INTS)) % (1 << (8 * width))
+            data[at: at + width] = value.to_bytes(width, "little")
+    return Blob(data)
+
+
+# Opcode snippets a checkpoint pickle is made of, and the globals the unpickler allows or refuses.
+_GLOBALS = [
+    "torch._utils\n_rebuild_tensor_v2", "torch._utils\n_rebuild_tensor_v3", "torch._utils\n_rebuild_parameter",
+    "torch._utils\n_rebuild_wrapper_subclass", "torch._tensor\n_rebuild_from_type_v2", "torch\nFloatStorage",
+    "torch\nbfloat16", "torch\nSize", "torch\ndevice", "collections\nOrderedDict", "builtins\nset", "builtins\nbytearray",
+    "builtins\ncomplex", "_codecs\nencode", "torch.distributed.tensor\nDTensor", "torch.distributed.tensor._dtensor_spec\nDTensorSpec",
+    "torch.distributed.tensor.placement_types\nShard", "torch.distributed.device_mesh\nDeviceMesh", "torch.storage\nUntypedStorage",
+    "torch.distributed.checkpoint.metadata\nMetadata", "os\nsystem", "builtins\neval",
+]
+_SNIPPETS = [
+    b"(", b"t", b")", b"l", b"]", b"d", b"}", b"N", b"\x88", b"\x89", b"K\x00", b"K\x05", b"J\xff\xff\xff\xff",
+    b"M\xff\xff", b"\x8a\x08" + b"\xff" * 8, b"X\x03\x00\x00\x00abc", b"U\x01x", b"C\x02\x00\x01", b"G" + b"\x7f\xf8" + b"\x00" * 6,
+    b"\x85", b"\x86", b"\x87", b"R", b"b", b"\x81", b"Q", b"s", b"u", b"a", b"e", b"\x94", b"h\x00", b"h\x01", b"j\x00\x00\x00\x00",
+    b"q\x00", b"r\xff\xff\xff\x0f", b"0", b"2", b"\x95\x08\x00\x00\x00\x00\x00\x00\x00", b"\x80\x02",
+    *(b"c" + g.encode() + b"\n" for g in _GLOBALS),
+]
+
+
+@st.composite
+def opcode_streams(draw) -> bytes:
+    body = b"".join(draw(st.lists(st.sampled_from(_SNIPPETS), max_size=40)))
+    return Blob(b"\x80\x02" + body + b".")
+
+
+# --- targets ----------------------------------------------------------------------------------
+
+class Targets:
+    def __init__(self, seeds: Seeds, workdir: Path):
+        self.seeds, self.workdir = seeds, workdir
+        self.examples = 0
+
+    def unpickle(self, data: bytes) -> None:
+        safe_unpickle(data, "fuzz", dcp._METADATA_CLASSES)
+
+    def pickle_opcodes(self, data: bytes) -> None:
+        safe_unpickle(data, "fuzz", dcp._METADATA_CLASSES)
+
+    def torch_zip(self, data: bytes) -> None:
+        path = self.workdir / "fuzz.pt"
+        path.write_bytes(data)
+        with TorchZip(str(path)) as archive:
+            value = safe_unpickle(archive.pickle_bytes, archive.where)
+            for key in _storage_keys(value):
+                archive.storage_span(key)
+
+    def dcp_metadata(self, data: bytes) -> None:
+        folder = self._folder_with("w2-dcp", ".metadata", data)
+        fsdpfast.plan_merge(folder)
+
+    def safetensors(self, data: bytes) -> None:
+        folder = self._folder_with("w3-dcp-safetensors", "__0_0.distcp", data)
+        fsdpfast.plan_merge(folder)
+
+    def merge(self, data: bytes) -> None:
+        folder = self._folder_with("w2-llama", "model_world_size_2_rank_1.pt", data)
+        out = self.workdir / "merged"
+        try:
+            fsdpfast.merge(folder, out, engine="cpu")
+        except FsdpfastError:
+            if os.path.lexists(out) or [n for n in os.listdir(self.workdir) if n.startswith(".merged.")]:
+                raise AssertionError("a failed merge left its output folder or staging folder behind") from None
+            raise
+        shutil.rmtree(out)
+
+    def _folder_with(self, name: str, entry: str, data: bytes) -> str:
+        """A copy of a seed folder (links to its files) with `entry` replaced by `data`."""
+        folder = self.workdir / f"ckpt-{name}"
+        if not folder.exists():
+            folder.mkdir()
+            for path in self.seeds.folders[name].iterdir():
+                (folder / path.name).symlink_to(path)
+        target = folder / entry
+        target.unlink()
+        target.write_bytes(data)
+        return str(folder)
+
+
+def _storage_keys(value) -> set[str]:
+    keys, stack, seen = set(), [value], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, StorageRef):
+            keys.add(item.key)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__dict__"):
+            stack.extend(vars(item).values())
+    return keys
+
+
+def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
+    return {
+        "unpickle": mutated(seeds.pickles),
+        "pickle_opcodes": opcode_streams(),
+        "torch_zip": mutated(seeds.rank_files),
+        "dcp_metadata": mutated([(seeds.folders["w2-dcp"] / ".metadata").read_bytes()]),
+        "safetensors": mutated([(seeds.folders["w3-dcp-safetensors"] / "__0_0.distcp").read_bytes()]),
+        "merge": mutated([(seeds.folders["w2-llama"] / "model_world_size_2_rank_1.pt").read_bytes()]),
+    }
+
+
+def run_target(targets: Targets, name: str, strategy, examples: int, seed: int | None = None) -> None:
+    """Run one target for `examples` inputs; raises (after shrinking) on the first finding."""
+    function = getattr(targets, name)
+
+    def one(data: bytes) -> None:
+        targets.examples += 1
+        signal.alarm(HANG_SECONDS)
+        try:
+            function(data)
+        except FsdpfastError as exc:
+            assert "\n" not in str(exc), f"a multi-line error: {exc!r}"
+        except BaseException:
+            (targets.workdir / f"finding-{name}.bin").write_bytes(data)  # the last one written is the shrunk input
+            raise
+        finally:
+            signal.alarm(0)
+
+    test = settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+                    suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])(given(strategy)(one))
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        test = with_seed(seed)(test)
+    test()
+
+
+def _on_alarm(signum, frame):
+    raise Hang(f"an example ran past {HANG_SECONDS} s")
+
+
+def install_hang_alarm() -> None:
+    signal.signal(signal.SIGALRM, _on_alarm)
+
+
+# --- the long run -----------------------------------------------------------------------------
+
+def write_seed_checkpoints(root: str) -> dict[str, str]:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import SPECS
+    from fsdpfast.examples import write_checkpoints
+
+    folders = {}
+    for world in sorted({SPECS[name][0] for name in SEED_CHECKPOINTS}):
+        specs = [SPECS[name][1] for name in SEED_CHECKPOINTS if SPECS[name][0] == world]
+        write_checkpoints(root, specs, world)
+        folders.update({spec.name: spec.folder(root) for spec in specs})
+    return folders
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--examples-per-round", type=int, default=200, help="inputs per target before moving to the next")
+    parser.add_argument("--targets", default=None, help="comma-separated subset of the targets")
+    args = parser.parse_args()
+    install_hang_alarm()
+    work = Path(tempfile.mkdtemp(prefix="fsdpfast-fuzz-"))
+    try:
+        print("writing seed checkpoints with real gloo ranks ...", flush=True)
+        seeds = Seeds.from_folders(write_seed_checkpoints(str(work / "seeds")))
+        targets = Targets(seeds, work / "scratch")
+        (work / "scratch").mkdir()
+        chosen = strategies(seeds)
+        if args.targets:
+            chosen = {name: chosen[name] for name in args.targets.split(",")}
+        counts = {name: 0 for name in chosen}
+        findings = []
+        start = time.monotonic()
+        end = start + args.minutes * 60
+        round_number = 0
+        while time.monotonic() < end:
+            for name, strategy in chosen.items():
+                if time.monotonic() >= end:
+                    break
+                before = targets.examples
+                try:
+                    run_target(targets, name, strategy, args.examples_per_round, seed=round_number * 1000 + len(findings))
+                except Exception as exc:  # a finding: reported with hypothesis' shrunk example above it
+                    findings.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+                    print(f"FINDING in {name}: {findings[-1]}", flush=True)
+                counts[name] += targets.examples - before
+            round_number += 1
+            print(f"{time.monotonic() - start:7.0f} s  inputs so far: {sum(counts.values())}  findings: {len(findings)}", flush=True)
+        print(f"done: {args.minutes} min, {round_number} rounds, {sum(counts.values())} inputs "
+              f"({', '.join(f'{n} {c}' for n, c in counts.items())}); findings: {len(findings)}")
+        for finding in findings:
+            print("  " + finding)
+        return 1 if findings else 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
