@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,8 +296,10 @@ def main() -> int:
                 before = targets.examples
                 try:
                     run_target(targets, name, strategy, args.examples_per_round, seed=round_number * 1000 + len(findings))
-                except Exception as exc:  # a finding: reported with hypothesis' shrunk example above it
-                    findings.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+                except Exception as exc:  # a finding: hypothesis' shrunk example is in scratch/finding-NAME.bin
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    findings.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]} "
+                                    f"(at {os.path.basename(where.filename)}:{where.lineno})")
                     print(f"FINDING in {name}: {findings[-1]}", flush=True)
                 counts[name] += targets.examples - before
             round_number += 1

@@ -40,7 +40,7 @@ def load_reference(path: str) -> tuple[dict[str, torch.Tensor], set[str]]:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bytes, so NaN payloads and -0.0 compare exactly."""
-    return t.contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def assert_bit_exact(merged: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None, tied=()) -> None:

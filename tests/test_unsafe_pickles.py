@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint  # noqa: F401  (the classes a real DCP .metadata pickles)
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
@@ -235,3 +236,112 @@ def test_cli_refuses_a_payload_in_the_part_that_is_not_merged(checkpoints, tmp_p
     line = assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), victim, out)
     assert "Popen'" in line  # torch.save pickles it under its Python 2 name, commands.Popen
     assert not marker.exists()
+
+
+# --- DCP folders: the .metadata pickle and the chunk archives inside .distcp files -----------
+
+def load_dcp_metadata(folder: Path):
+    return pickle.loads((folder / ".metadata").read_bytes())
+
+
+def test_cli_refuses_a_dcp_metadata_carrying_a_payload(checkpoints, tmp_path, marker):
+    # The real Metadata object, re-pickled as DCP does, with one planner entry that runs a shell.
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
+    metadata = load_dcp_metadata(folder)
+    metadata.planner_data = {**(metadata.planner_data or {}), "evil": Calls(os.system, touch_command(marker))}
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = tmp_path / "merged"
+    line = assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), folder / ".metadata", out)
+    assert f"{os.system.__module__}.system" in line
+    assert not marker.exists()
+
+
+def test_cli_refuses_a_distcp_chunk_that_is_a_payload(checkpoints, tmp_path, marker):
+    # One chunk's torch.save archive replaced by torch.save of a payload, in a new .distcp file
+    # the (re-pickled, otherwise real) .metadata points to.
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
+    evil = folder / "__1_9.distcp"
+    torch.save(Calls(subprocess.Popen, ["touch", str(marker)]), evil)
+    metadata = load_dcp_metadata(folder)
+    index = next(i for i in metadata.storage_data if i.fqn.endswith("q_proj.weight") and list(i.offset)[0] > 0)
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = type(info)(evil.name, 0, evil.stat().st_size)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = tmp_path / "merged"
+    line = assert_refused_unsafe(merge_cli(folder, out, cwd=tmp_path), evil, out)
+    assert "Popen'" in line
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("place", ["/etc/hostname", "../outside.distcp"])
+def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(checkpoints, tmp_path, place):
+    # A crafted .metadata could otherwise copy any readable file into the merged model.
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
+    (tmp_path / "outside.distcp").write_bytes((folder / "__1_0.distcp").read_bytes())
+    metadata = load_dcp_metadata(folder)
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = type(info)(place, info.offset, info.length)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = tmp_path / "merged"
+    result = merge_cli(folder, out, cwd=tmp_path)
+    assert result.returncode == EXIT_BAD_INPUT and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "outside the checkpoint folder" in result.stderr and place in result.stderr
+    assert not out.exists()
+
+
+# --- more globals a checkpoint never needs, and allowed ones called the wrong way -------------
+
+MORE_INTERNALS = {
+    "a model class (NEWOBJ)": (lambda: pickle.dumps(torch.nn.Linear(2, 2), protocol=2), "torch.nn.modules.linear.Linear"),
+    "torch._utils._rebuild_device_tensor_from_numpy": (
+        lambda: pickled_global_call("torch._utils", "_rebuild_device_tensor_from_numpy"),
+        "torch._utils._rebuild_device_tensor_from_numpy"),
+    "torch._tensor._rebuild_from_type": (lambda: pickled_global_call("torch._tensor", "_rebuild_from_type"),
+                                         "torch._tensor._rebuild_from_type"),
+    "torch.jit.load": (lambda: pickled_global_call("torch.jit", "load"), "torch.jit.load"),
+    "numpy reconstruct": (lambda: pickled_global_call("numpy.core.multiarray", "_reconstruct"),
+                          "numpy.core.multiarray._reconstruct"),
+    "a distributed class outside the allow-list": (
+        lambda: pickled_global_call("torch.distributed.distributed_c10d", "init_process_group"),
+        "torch.distributed.distributed_c10d.init_process_group"),
+}
+
+
+@pytest.mark.parametrize("name", MORE_INTERNALS)
+def test_safe_unpickle_refuses_other_torch_internals(name):
+    build, qualname = MORE_INTERNALS[name]
+    with pytest.raises(UnsafeCheckpoint, match="refusing to unpickle") as caught:
+        safe_unpickle(build(), "evil/data.pkl")
+    assert qualname in str(caught.value)
+
+
+def test_an_allowed_global_cannot_allocate_what_the_file_asks():
+    # builtins.bytearray is allowed (pickles store bytearrays through it) but not bytearray(2**40).
+    with pytest.raises(UnsafeCheckpoint, match="bytearray"):
+        safe_unpickle(b"cbuiltins\nbytearray\n(\x8a\x06\x00\x00\x00\x00\x00\x01tR.", "evil/data.pkl")
+    assert safe_unpickle(pickle.dumps(bytearray(b"ok"), protocol=2, fix_imports=False), "fine") == bytearray(b"ok")
+
+
+def test_a_huge_memo_index_does_not_allocate_memory():
+    # LONG_BINPUT 0x3fffffff: the C unpickler would grow its memo to 2**31 entries (16 GB).
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert safe_unpickle(b"\x80\x02N" + b"r\xff\xff\xff\x3f" + b".", "evil/data.pkl") is None
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KB: well under 512 MB
+
+
+@pytest.mark.parametrize("shape", ["deep", "cycle", "shared"])
+def test_nested_cyclic_and_shared_containers_are_handled(shape):
+    if shape == "deep":
+        with pytest.raises(BadInput, match="levels deep"):
+            safe_unpickle(b"(" * 5000 + b"l" * 5000 + b".", "evil/data.pkl")
+        return
+    if shape == "cycle":
+        value = safe_unpickle(b"\x80\x02]q\x00h\x00a.", "evil/data.pkl")  # a list containing itself
+        assert value[0] is value
+        return
+    # 64 levels of [x, x]: 2**64 paths through 64 lists; anything walking it as a tree never ends.
+    value = safe_unpickle(b"\x80\x02]q\x00" + b"(h\x00h\x00lq\x00" * 64 + b".", "evil/data.pkl")
+    assert value[0] is value[1]

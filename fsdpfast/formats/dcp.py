@@ -24,7 +24,7 @@ from ..errors import BadInput, UnsafeCheckpoint
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
 from .discover import check_not_broken_link
-from .safe_load import Record, TensorRef, safe_unpickle
+from .safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
 from .safetensors_input import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .torch_zip import TorchZip
 
@@ -46,6 +46,16 @@ def matches(folder: str) -> bool:
 
 
 def read(folder: str, prefix: str | None = None) -> MergePlan:
+    try:
+        return _read(folder, prefix)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+        # .metadata is a pickle: any object can sit where torch writes a list of ints or a
+        # record. The checks below name what torch always writes; this catches the rest.
+        raise BadInput(f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
+                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
+
+
+def _read(folder: str, prefix: str | None) -> MergePlan:
     metadata = _read_metadata(os.path.join(folder, ".metadata"))
     entries = metadata.get("state_dict_metadata") or {}
     storage = _storage_index(metadata, folder)
@@ -112,8 +122,13 @@ def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sour
     if dtype not in DTYPES:
         raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
     extents = []
+    if as_dims(shape) is None:
+        raise BadInput(f"{folder}/.metadata: {flat_name} has shape {shape!r}, not a list of whole numbers")
     for chunk in entry.get("chunks") or ():
-        offsets, sizes = tuple(chunk.get("offsets")), tuple(chunk.get("sizes"))
+        offsets, sizes = as_dims(chunk.get("offsets")), as_dims(chunk.get("sizes"))
+        if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape):
+            raise BadInput(f"{folder}/.metadata: a chunk of {flat_name} has offsets {chunk.get('offsets')!r} and sizes "
+                           f"{chunk.get('sizes')!r}, which do not fit its shape {list(shape)}")
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
@@ -140,6 +155,8 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
     if info.get("transform_descriptors"):
         raise BadInput(f"{folder}: {flat_name} was saved with transforms {info.get('transform_descriptors')}; not supported yet")
+    if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
+        raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {relative!r}, {offset!r}, {length!r}")
     if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
         raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")

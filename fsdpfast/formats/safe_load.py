@@ -136,18 +136,20 @@ def _tensor_ref(storage, storage_offset, size, stride, dtype: str) -> TensorRef:
     """A TensorRef whose fields are what the readers may assume: whole numbers, a storage record."""
     if not isinstance(storage, StorageRef):
         raise BadInput(f"a tensor's storage is {type(storage).__name__}, not a storage record")
-    size, stride = _dims(size), _dims(stride)
-    if size is None or stride is None or len(size) != len(stride) or not _is_count(storage_offset):
+    size, stride = as_dims(size), as_dims(stride)
+    if size is None or stride is None or len(size) != len(stride) or not is_count(storage_offset):
         raise BadInput("a tensor's shape, strides or offset are not lists of whole numbers")
     return TensorRef(storage, storage_offset, size, stride, dtype)
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
+    """A whole number >= 0 (what sizes and offsets in checkpoint metadata must be)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _dims(value) -> tuple[int, ...] | None:
-    return tuple(value) if isinstance(value, (tuple, list)) and all(_is_count(v) for v in value) else None
+def as_dims(value) -> tuple[int, ...] | None:
+    """`value` as a tuple of whole numbers, or None if it is anything else."""
+    return tuple(value) if isinstance(value, (tuple, list)) and all(is_count(v) for v in value) else None
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
@@ -292,7 +294,7 @@ class _RestrictedUnpickler(pickle._Unpickler):
         if not isinstance(kind, _StorageKind):
             raise UnsafeCheckpoint(f"{self.where}: persistent id names {kind!r}, not a storage class")
         key = key.decode() if isinstance(key, bytes) else str(key)
-        if not _is_count(numel):
+        if not is_count(numel):
             raise BadInput(f"{self.where}: storage {key!r} has size {numel!r}, not a whole number")
         return StorageRef(key, kind.dtype, numel)
 
