@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from dataclasses import asdict
 
@@ -83,6 +84,10 @@ def _layout_options(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        signal.signal(signal.SIGTERM, _on_terminate)
+    except ValueError:  # main() called from a thread other than the main one: leave signals alone
+        pass
+    try:
         if args.verb == "merge":
             return _merge(args)
         if args.verb == "inspect":
@@ -105,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_BAD_INPUT
+
+
+def _on_terminate(signum, frame):
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the staging folder and lock are removed on the way
+    # out; only SIGKILL leaves them, for the next merge into the same folder to clean.
+    raise KeyboardInterrupt
 
 
 def _merge(args) -> int:

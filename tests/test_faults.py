@@ -117,6 +117,17 @@ def test_killed_mid_merge_leaves_no_output_and_the_next_run_cleans_up(checkpoint
     assert tree_digest(folder) == before
 
 
+def test_terminated_mid_merge_cleans_up_on_the_way_out(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    held = HeldMerge(tmp_path, folder, out, "--max-shard-size", "20KB")
+    held.process.send_signal(signal.SIGTERM)
+    stdout, stderr = held.process.communicate(timeout=60)
+    assert held.process.returncode == 130, stderr
+    assert stderr.splitlines() == ["fsdpfast: interrupted; nothing was published"]
+    assert not leftovers(out), leftovers(out)
+
+
 def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
