@@ -12,6 +12,10 @@ class FsdpfastError(Exception):
 
     exit_code = EXIT_FAILURE
 
+    def __init__(self, message: str = "", *args):
+        # Messages quote names read from checkpoints, which may hold line breaks: keep one line.
+        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"), *args)
+
 
 class BadInput(FsdpfastError):
     """The checkpoint, the options or the output folder are not usable as given."""
