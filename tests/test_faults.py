@@ -42,9 +42,10 @@ def hold():
 if point == "file":
     real_write_file = api.write_file
     def write_file_then_hold(*args, **kwargs):
-        real_write_file(*args, **kwargs)
+        result = real_write_file(*args, **kwargs)
         api.write_file = real_write_file
         hold()
+        return result
     api.write_file = write_file_then_hold
 else:
     real_rename = os.rename
