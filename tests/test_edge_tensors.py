@@ -156,7 +156,8 @@ def test_a_tensor_stored_past_4_gib_of_the_file_is_read_from_the_right_offset(tm
                "metadata": {"world_size": 1}}
     with torch.serialization.skip_data():
         torch.save(payload, path)
-    assert path.stat().st_blocks * 512 < 64 << 20, "the file should be sparse"
+    if path.stat().st_blocks * 512 > 64 << 20:
+        pytest.skip("this filesystem does not keep files sparse")
     offset = _record_offset(path, "1")
     assert offset > FOUR_GIB + 2**30
     _fill(path, offset, 0, weight)
