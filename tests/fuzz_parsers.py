@@ -12,6 +12,8 @@ from scratch:
   dcp_metadata     a real DCP folder whose .metadata is fuzzed, planned end to end
   safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
   merge            a real FSDP2 folder with one rank file fuzzed, merged end to end (cpu engine)
+  verify           a real merged folder whose model.safetensors (header and data) is fuzzed, verified
+                   against its manifest (formats of the output: stored.py's header reader)
 
 A finding is any exception that is not an fsdpfast.errors.FsdpfastError, an example that runs
 past HANG_SECONDS, or a merge that fails yet leaves its output folder behind. A crash (a signal)
@@ -63,6 +65,7 @@ class Seeds:
     pickles: list[bytes] = field(default_factory=list)  # data.pkl of rank files, .metadata of DCP folders
     rank_files: list[bytes] = field(default_factory=list)  # whole torch.save archives
     folders: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> folder
+    merged: Path | None = None  # a folder fsdpfast merged from the first checkpoint
 
     @classmethod
     def from_folders(cls, folders: dict[str, str]) -> "Seeds":
@@ -76,6 +79,10 @@ class Seeds:
                         seeds.pickles.append(archive.read(name))
                 elif path.name == ".metadata":
                     seeds.pickles.append(path.read_bytes())
+        first = next(iter(seeds.folders.values()))
+        seeds.merged = first.parent / f"{first.name}-merged-for-fuzzing"
+        if not seeds.merged.exists():
+            fsdpfast.merge(first, seeds.merged)
         return seeds
 
 
@@ -177,12 +184,17 @@ class Targets:
             raise
         shutil.rmtree(out)
 
-    def _folder_with(self, name: str, entry: str, data: bytes) -> str:
-        """A copy of a seed folder (links to its files) with `entry` replaced by `data`."""
-        folder = self.workdir / f"ckpt-{name}"
+    def verify(self, data: bytes) -> None:
+        folder = self._folder_with(None, "model.safetensors", data)
+        fsdpfast.verify(folder)
+
+    def _folder_with(self, name: str | None, entry: str, data: bytes) -> str:
+        """A copy of a seed folder (links to its files) with `entry` replaced by `data`; None: the merged one."""
+        seed = self.seeds.folders[name] if name else self.seeds.merged
+        folder = self.workdir / f"ckpt-{name or 'merged'}"
         if not folder.exists():
             folder.mkdir()
-            for path in self.seeds.folders[name].iterdir():
+            for path in seed.iterdir():
                 (folder / path.name).symlink_to(path)
         target = folder / entry
         target.unlink()
@@ -216,6 +228,7 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
         "dcp_metadata": mutated([(seeds.folders["w2-dcp"] / ".metadata").read_bytes()]),
         "safetensors": mutated([(seeds.folders["w3-dcp-safetensors"] / "__0_0.distcp").read_bytes()]),
         "merge": mutated([(seeds.folders["w2-llama"] / "model_world_size_2_rank_1.pt").read_bytes()]),
+        "verify": mutated([(seeds.merged / "model.safetensors").read_bytes()]),
     }
 
 
