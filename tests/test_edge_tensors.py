@@ -59,6 +59,7 @@ def _write_odd_rank(rank: int, world: int, port: int, folder: str) -> None:
         full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
         if rank == 0:
             torch.save(full, os.path.join(folder, "reference.pt"))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
