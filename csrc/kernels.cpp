@@ -112,7 +112,7 @@ void release_pages(const unsigned char* data, int64_t size) {
 }
 
 // Source bytes converted between two releases of their pages (below: convert_and_release).
-constexpr int64_t kReleaseSliceBytes = int64_t(512) << 10;
+constexpr int64_t kReleaseSliceBytes = int64_t(2) << 20;
 
 // Convert n elements from a file mapping, dropping the source pages slice by slice as they are
 // read: the pages a thread holds mapped stay about one slice, whatever the run's length. Slices
