@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from . import formats
 from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
-from .errors import BadInput
-from .finish import StagingFolder, check_outside_sources, copy_config_files, write_json
+from .errors import BadInput, InterruptedAfterPublishing
+from .finish import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
 from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
 from .plan import MergePlan
@@ -109,9 +109,7 @@ def merge(
     src, dst = os.fspath(src), os.fspath(dst)
     parse_dtype(dtype)
     check_engine_name(engine)
-    if _inside(os.path.realpath(src), os.path.realpath(dst)):
-        raise BadInput(f"{dst}: the output folder would replace or contain the checkpoint folder {src}")
-    check_outside_sources(dst, src, config)
+    check_output_place(dst, src, config)
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
@@ -132,6 +130,10 @@ def merge(
                    build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype)))
         check_unchanged(src, identity)
         staging.publish()
+    except KeyboardInterrupt:
+        if staging.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
+            raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
+        raise
     finally:
         bar.close()
         staging.discard()
@@ -154,6 +156,7 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
             layout: str | None = None, config: str | None = None, **options) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
+    check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
     files = plan_files(plan, max_shard_size)
     return {
@@ -165,8 +168,16 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
                    "tensors": [{"name": p.tensor.name, "dtype": p.tensor.target_dtype, "shape": list(p.tensor.shape),
                                 "offset": p.offset, "bytes": p.nbytes} for p in f.tensors]} for f in files],
         "total_bytes": sum(p.nbytes for f in files for p in f.tensors),
-        "notes": list(plan.notes) + ([f"{dst} exists: the merge needs --overwrite"] if os.path.exists(dst) else []),
+        "notes": list(plan.notes) + _existing_output_notes(os.fspath(dst)),
     }
+
+
+def _existing_output_notes(dst: str) -> list[str]:
+    if not os.path.lexists(dst):
+        return []
+    if os.path.isdir(dst) and replaceable(dst):
+        return [f"{dst} exists: the merge needs --overwrite"]
+    return [f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, even with --overwrite"]
 
 
 def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:
@@ -178,8 +189,3 @@ def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:
         for p in f.tensors:
             log.info("  %s -> %s at byte %d (%d bytes, %s -> %s)", p.tensor.name, f.name, p.offset, p.nbytes,
                      p.tensor.source_dtype, p.tensor.target_dtype)
-
-
-def _inside(folder: str, path: str) -> bool:
-    """True if `path` is `folder` or an ancestor of it (so writing there would clobber it)."""
-    return folder == path or folder.startswith(path.rstrip(os.sep) + os.sep)

@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:  # the reader of our output went away (| head); nothing to report
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("fsdpfast: interrupted; nothing was published", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # InterruptedAfterPublishing says what was published
+        print(f"fsdpfast: interrupted; {str(exc) or 'nothing was published'}", file=sys.stderr)
         return 130
     except OSError as exc:
         print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)

@@ -25,3 +25,7 @@ class BadInput(FsdpfastError):
 
 class UnsafeCheckpoint(BadInput):
     """A pickle asked for something a checkpoint of tensors never needs (code, arbitrary classes)."""
+
+
+class InterruptedAfterPublishing(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM arrived after OUT_DIR was renamed into place: the output is complete."""

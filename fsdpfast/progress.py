@@ -1,13 +1,14 @@
 """A one-line progress bar on stderr (bytes, GB/s, ETA) for merges that take more than a moment."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
-# Seconds before the bar first appears: quick merges print nothing. The environment variable
+# Seconds before the bar first appears: quick merges print nothing. FSDPFAST_PROGRESS_AFTER
 # lets a test (or an impatient user) see it at once.
-DELAY = float(os.environ.get("FSDPFAST_PROGRESS_AFTER", "1.0"))
+DEFAULT_DELAY = 1.0
 REDRAW = 0.1  # seconds between redraws, so a fast merge does not spend its time printing
 
 
@@ -18,6 +19,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.total, self.done = total, 0
         self.enabled = enabled and total > 0 and _is_terminal(self.stream)
+        self.delay = progress_delay() if self.enabled else DEFAULT_DELAY
         self.start = self._drawn_at = time.monotonic()
         self.shown = False
 
@@ -26,7 +28,7 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self.start >= DELAY and (now - self._drawn_at >= REDRAW or self.done >= self.total or not self.shown):
+        if now - self.start >= self.delay and (now - self._drawn_at >= REDRAW or self.done >= self.total or not self.shown):
             self._draw(now)
 
     def close(self) -> None:
@@ -47,6 +49,16 @@ class Progress:
         self.stream.write(line)
         self.stream.flush()
         self.shown, self._drawn_at = True, now
+
+
+def progress_delay() -> float:
+    """FSDPFAST_PROGRESS_AFTER in seconds; read when a bar is made, so a bad value only means the
+    default (a typo in a cosmetic setting must not stop a merge, or every command, at import)."""
+    try:
+        value = float(os.environ.get("FSDPFAST_PROGRESS_AFTER", DEFAULT_DELAY))
+    except ValueError:
+        return DEFAULT_DELAY
+    return value if math.isfinite(value) and value >= 0 else DEFAULT_DELAY
 
 
 def _is_terminal(stream) -> bool:

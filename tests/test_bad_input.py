@@ -372,18 +372,50 @@ def test_existing_output_folder_is_refused_and_left_untouched(checkpoints, tmp_p
     assert leftovers(out) == [out.name]
 
 
-def test_existing_output_folder_is_replaced_with_overwrite(checkpoints, tmp_path):
+@pytest.mark.parametrize("earlier", ["an earlier merge", "an empty folder"])
+def test_existing_output_folder_is_replaced_with_overwrite(checkpoints, tmp_path, earlier):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
-    out.mkdir()
-    (out / "notes.txt").write_text("from an earlier run")
+    if earlier == "an earlier merge":
+        fsdpfast.merge(folder, out, dtype="bf16")
+        (out / "notes.txt").write_text("added to the earlier merge")
+    else:
+        out.mkdir()
+    earlier_digest = tree_digest(out)
     source_before = tree_digest(folder)
     result = run_cli("merge", folder, "--out", out, "--overwrite")
     assert result.returncode == 0, result.stderr
     assert not (out / "notes.txt").exists()
-    assert (out / "model.safetensors").is_file()
+    assert tree_digest(out) != earlier_digest and (out / "model.safetensors").is_file()
     assert leftovers(out) == [out.name]  # no staging folder, no old copy
     assert tree_digest(folder) == source_before
+
+
+@pytest.mark.parametrize("holding", ["a file of its own", "other models", "a folder named like the manifest"])
+def test_overwrite_refuses_a_folder_fsdpfast_did_not_write(checkpoints, tmp_path, holding):
+    # `--out ~/models --overwrite` must not delete every other model in ~/models.
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "models"
+    out.mkdir()
+    if holding == "a file of its own":
+        (out / "notes.txt").write_text("keep me")
+    elif holding == "other models":
+        fsdpfast.merge(folder, out / "llama")  # a merged model one level down is still not OUT_DIR's own
+    else:
+        (out / "fsdpfast-manifest.json").mkdir()
+    before = tree_digest(out)
+    entries_before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    source_before = tree_digest(folder)
+    line = the_error_line(run_cli("merge", folder, "--out", out, "--overwrite"))
+    assert_mentions(line, [out, "fsdpfast did not write", "remove it yourself or choose another folder"])
+    assert tree_digest(out) == before and sorted(p.relative_to(out) for p in out.rglob("*")) == entries_before
+    assert leftovers(out) == [out.name]
+    assert tree_digest(folder) == source_before
+    with pytest.raises(BadInput, match="fsdpfast did not write"):
+        fsdpfast.merge(folder, out, overwrite=True)
+    assert tree_digest(out) == before
+    dry = run_cli("merge", folder, "--out", out, "--dry-run")  # the plan says so before anything runs
+    assert dry.returncode == 0 and "the merge will refuse it, even with --overwrite" in dry.stdout
 
 
 def test_existing_output_file_is_not_replaced_even_with_overwrite(checkpoints, tmp_path):

@@ -5,6 +5,8 @@ beside it, the checkpoint byte for byte as it was, and one clear line for the us
 A merge is paused deterministically by running the real command line in a child process
 whose `fsdpfast.api.write_file` (or `os.rename`, for the --overwrite swap) is wrapped to
 stop after the real call and wait: test-only wrapping in the child, nothing in fsdpfast.
+An interrupt (KeyboardInterrupt, as Ctrl-C and SIGTERM arrive) at each rename of the
+--overwrite swap is injected in-process the same way, by wrapping `os.rename`.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import fsdpfast
+from fsdpfast.cli import main
 from fsdpfast.errors import EXIT_FAILURE
 from fsdpfast.output_guard import STAGING_MARKER, lock_path
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
@@ -132,8 +135,7 @@ def test_terminated_mid_merge_cleans_up_on_the_way_out(checkpoints, tmp_path):
 def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"an earlier merge")
+    fsdpfast.merge(folder, out, dtype="bf16")  # --overwrite replaces only an earlier merge (or an empty folder)
     earlier = tree_digest(out)
     held = HeldMerge(tmp_path, folder, out, "--overwrite", point="swap")
     held.kill()
@@ -144,6 +146,48 @@ def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoi
     assert_mentions(line, [out, "already exists"])
     assert tree_digest(out) == earlier
     assert leftovers(out) == [out.name]
+
+
+@pytest.mark.parametrize("rename,when", [(1, "before"), (1, "after"), (2, "before"), (2, "after")])
+def test_interrupted_at_any_point_of_the_overwrite_swap(checkpoints, tmp_path, monkeypatch, capsys, rename, when):
+    """Ctrl-C / SIGTERM (KeyboardInterrupt, at any bytecode) at the swap's first rename (OUT_DIR
+    aside) or second (the new folder in), just before it or just after it took effect."""
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, dtype="bf16")  # the earlier output, unlike the new float32 one
+    earlier = tree_digest(out)
+    renames = []
+    real_rename = os.rename
+
+    def interrupting_rename(src, dst):
+        renames.append(str(dst))
+        if len(renames) == rename and when == "before":
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+        if len(renames) == rename:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", interrupting_rename)
+    terminate_handler = signal.getsignal(signal.SIGTERM)  # main() installs its own
+    try:
+        status = main(["merge", str(folder), "--out", str(out), "--overwrite"])
+    finally:
+        signal.signal(signal.SIGTERM, terminate_handler)
+        monkeypatch.undo()
+    # OUT_DIR aside, then only renames to OUT_DIR (the new folder in, or the previous one back)
+    assert renames[0].endswith(os.sep + "previous") and all(dst == str(out) for dst in renames[1:]), renames
+
+    stderr = capsys.readouterr().err.splitlines()
+    assert status == 130
+    if (rename, when) == (2, "after"):  # the new folder was in place before the interrupt
+        assert stderr == [f"fsdpfast: interrupted; {out} was published complete before the interrupt"]
+        reference, tied = reference_of(checkpoints, "w2-llama")
+        assert_bit_exact(read_merged(out), reference, tied=tied)
+    else:
+        assert stderr == ["fsdpfast: interrupted; nothing was published"]
+        assert tree_digest(out) == earlier  # the previous OUT_DIR is back under its name
+    assert leftovers(out) == [out.name]  # no staging folder, no .merged.old-*
+    assert not os.path.exists(lock_path(str(out)))
 
 
 def test_leftovers_that_are_not_our_own_are_never_removed(checkpoints, tmp_path):
@@ -292,11 +336,40 @@ def test_output_inside_or_equal_to_the_config_folder_is_refused(checkpoints, tmp
     config = tmp_path / "base-model"
     shutil.copytree(folder / "huggingface", config)
     before = tree_digest(config)
-    for out in (config, config / "merged", config / "."):
+    for out, problem in ((config, "would replace or contain"), (config / "merged", "is inside"),
+                         (config / ".", "would replace or contain")):
         line = the_error_line(run_cli("merge", folder, "--out", out, "--config", config, "--overwrite"))
-        assert_mentions(line, ["inside the --config folder"])
+        assert_mentions(line, [f"{problem} the --config folder", config])
         assert tree_digest(config) == before
         assert not leftovers(config / "merged")
+
+
+# Where the output may not go: (OUT_DIR relative to tmp_path, --config relative to tmp_path).
+# The checkpoint is tmp_path/ckpt.
+FORBIDDEN_PLACES = {
+    "the checkpoint": ("ckpt", None),
+    "above the checkpoint": (".", None),
+    "inside the checkpoint": ("ckpt/merged", None),
+    "inside its huggingface folder": ("ckpt/huggingface/merged", None),
+    "the --config folder": ("base/model", "base/model"),
+    "above the --config folder": ("base", "base/model"),
+    "inside the --config folder": ("base/model/merged", "base/model"),
+}
+
+
+@pytest.mark.parametrize("place", FORBIDDEN_PLACES)
+def test_dry_run_refuses_every_output_place_the_merge_refuses(checkpoints, tmp_path, place):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    shutil.copytree(folder / "huggingface", tmp_path / "base" / "model")
+    out, config = (tmp_path / p if p else None for p in FORBIDDEN_PLACES[place])
+    options = ("--config", config) if config else ()
+    before = tree_digest(tmp_path)
+    merged = the_error_line(run_cli("merge", folder, "--out", out, *options, "--overwrite"))
+    dry = the_error_line(run_cli("merge", folder, "--out", out, *options, "--dry-run"))
+    assert dry == merged and "fsdpfast never writes into its inputs" in merged
+    with pytest.raises(fsdpfast.errors.BadInput, match="fsdpfast never writes into its inputs"):
+        fsdpfast.api.dry_run(folder, out, config=config)
+    assert tree_digest(tmp_path) == before
 
 
 # --- symbolic links ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ create it, so the absence means fsdpfast refused the payload, not that the paylo
 """
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes a real DCP .meta
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
+from fsdpfast.formats import safe_load
 from fsdpfast.formats.safe_load import safe_unpickle
 from helpers import copy_checkpoint, rank_file
 
@@ -161,6 +163,70 @@ def test_safe_unpickle_refuses_a_persistent_id_that_is_not_a_storage():
 def test_safe_unpickle_turns_garbage_into_bad_input():
     with pytest.raises(BadInput, match="damaged"):
         safe_unpickle(b"\x80\x02}q\x00(X\x01", "evil/data.pkl")
+
+
+# --- BUILD: pickled state may not change fsdpfast's shared stand-ins ----------------------------
+
+def _binunicode(text: str) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+
+# BUILD with {field: value} onto a global: pickle writes it into that object's __dict__ (or, for
+# the (None, slotstate) form, setattr), so a global that is a shared object would change for the
+# whole process. name -> (pickle bytes, the allowed global it targets, the field it changes).
+STATE_PAYLOADS = {
+    # the review's 60 bytes: every later bfloat16 storage would read as float16, silently
+    "bf16 storage reads as fp16": (b"ctorch\nBFloat16Storage\n}" + _binunicode("dtype") + _binunicode("float16") + b"sb0N.",
+                                   "torch.BFloat16Storage", "dtype"),
+    "DTensor class stand-in": (b"ctorch.distributed.tensor\nDTensor\n}" + _binunicode("qualname") + _binunicode("Tensor")
+                               + b"sb0N.", "torch.distributed.tensor.DTensor", "qualname"),
+    "dtype global via slot state": (b"ctorch\nbfloat16\n(N}" + _binunicode("planted") + _binunicode("yes") + b"stb0N.",
+                                    "torch.bfloat16", "planted"),
+}
+
+
+def _stand_in(qualname: str):
+    module, name = qualname.rsplit(".", 1)
+    return safe_load._RestrictedUnpickler(b"", "test", frozenset()).find_class(module, name)
+
+
+@pytest.mark.parametrize("name", STATE_PAYLOADS)
+def test_control_unrestricted_build_changes_the_target(name):
+    """The same bytes through pickle's own BUILD, onto a throwaway copy of the stand-in, do change it."""
+    payload, qualname, field = STATE_PAYLOADS[name]
+    original = _stand_in(qualname)
+    throwaway = copy.copy(original)
+
+    class Unrestricted(pickle._Unpickler):
+        def find_class(self, module, name):
+            return throwaway
+
+    Unrestricted(io.BytesIO(payload)).load()
+    assert getattr(throwaway, field, None) != getattr(original, field, None)
+
+
+@pytest.mark.parametrize("name", STATE_PAYLOADS)
+def test_build_onto_a_shared_stand_in_is_refused_and_changes_nothing(name):
+    payload, qualname, field = STATE_PAYLOADS[name]
+    target = _stand_in(qualname)
+    before = dict(vars(target))
+    with pytest.raises(UnsafeCheckpoint, match="refusing to set the state of"):
+        safe_unpickle(payload, "evil/data.pkl")
+    assert _stand_in(qualname) is target and vars(target) == before and getattr(target, field, None) == before.get(field)
+
+
+def test_bfloat16_tensors_still_read_as_bfloat16_after_the_payload():
+    with pytest.raises(UnsafeCheckpoint):
+        safe_unpickle(STATE_PAYLOADS["bf16 storage reads as fp16"][0], "evil/data.pkl")
+    state = safe_unpickle(torch_data_pkl({"w": torch.ones(3, dtype=torch.bfloat16)}), "fine/data.pkl")
+    assert state["w"].dtype == "bfloat16" and state["w"].storage.dtype == "bfloat16"
+
+
+def test_build_still_sets_the_state_dict_metadata():
+    # torch pickles a module's state dict as an OrderedDict with BUILD state {"_metadata": ...}
+    model_state = torch.nn.Linear(2, 2).state_dict()
+    value = safe_unpickle(torch_data_pkl(model_state), "fine/data.pkl")
+    assert list(value) == ["weight", "bias"] and value._metadata == model_state._metadata
 
 
 # --- real rank files carrying a payload, through the CLI --------------------------------------

@@ -287,6 +287,20 @@ class _RestrictedUnpickler(pickle._Unpickler):
             "and it could run code; fsdpfast does not execute code from checkpoints"
         )
 
+    def _load_build(self):
+        # BUILD writes pickled state into the object below it (its __dict__, or setattr). That
+        # object may be a module-level stand-in shared by every later read (a storage kind, a
+        # record class): a crafted pickle could make every bfloat16 storage read as float16.
+        # Only fresh records and the state dict (torch pickles `_metadata` onto it) take state.
+        if len(self.stack) >= 2 and not isinstance(self.stack[-2], (Record, dict)):
+            target = self.stack[-2]
+            raise UnsafeCheckpoint(f"{self.where}: refusing to set the state of "
+                                   f"{getattr(target, 'qualname', type(target).__name__)!s}: only records and dicts "
+                                   "take pickled state; fsdpfast does not let a checkpoint change its own objects")
+        pickle._Unpickler.load_build(self)
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _load_build}
+
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
             raise UnsafeCheckpoint(f"{self.where}: unexpected persistent id {pid!r}")
