@@ -83,6 +83,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         manifest = None
     if (rtol is not None or atol is not None) and reference is None:
         raise BadInput("--rtol and --atol apply to --reference")
+    other = _other_manifest(os.fspath(manifest_of)) if manifest_of is not None else None  # bad input: refused first
     if against is None and reference is None and manifest is None and manifest_of is None and not smoke:
         if report.mismatches:  # the damaged manifest was all there was to check against
             return report
@@ -96,7 +97,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         elif manifest is not None and reference is None:
             _check_manifest(report, stored, files, manifest)
         if manifest_of is not None:
-            _check_other_manifest(report, stored, files, os.fspath(manifest_of), manifest)
+            _check_other_manifest(report, stored, files, os.fspath(manifest_of), other, manifest)
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
     if smoke:
@@ -119,12 +120,16 @@ def _note_source_changes(report: VerifyReport, manifest: dict, against: str | No
 
 # --- against the manifest ---------------------------------------------------------------------
 
-def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str,
-                          own: dict | None) -> None:
+def _other_manifest(path: str) -> dict:
+    """Another merge's manifest (the file or its folder); a damaged one is bad input, not a failed check."""
     file = os.path.join(path, MANIFEST_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise BadInput(f"{file}: no such file; give the {MANIFEST_NAME} of an earlier merge, or its folder")
-    other = load_manifest(file)  # damaged: a DamagedManifest, i.e. bad input (it is not the output being checked)
+    return load_manifest(file)
+
+
+def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str,
+                          other: dict, own: dict | None) -> None:
     if own is not None and _identity(own) != _identity(other):
         report.notes.append(f"the two merges read different source files (or the files changed between them); see {path}")
     _check_manifest(report, stored, files, other, where=path)

@@ -143,7 +143,7 @@ def json_mutated(draw, original) -> object:
             key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
             parent, node = node, node[key]
         if parent is None:
-            value = draw(st.sampled_from(JSON_EDGES))
+            value = copy.deepcopy(draw(st.sampled_from(JSON_EDGES)))
             continue
         kind = draw(st.sampled_from(["edge", "delete", "int"]))
         if kind == "delete" and isinstance(parent, dict):
@@ -151,7 +151,7 @@ def json_mutated(draw, original) -> object:
         elif kind == "int" and isinstance(node, int):
             parent[key] = draw(st.sampled_from([*EDGE_INTS, node - 1, node + 1, -node]))
         else:
-            parent[key] = draw(st.sampled_from(JSON_EDGES))
+            parent[key] = copy.deepcopy(draw(st.sampled_from(JSON_EDGES)))
     return value
 
 

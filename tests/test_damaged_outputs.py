@@ -87,6 +87,7 @@ HEADERS = {
     "a negative dimension": lambda h: with_entry(h, shape=[-64, -64]),
     "an entry that is a string": lambda h: {**h, WEIGHT: "F32"},
     "not JSON": lambda h: b"{\"a\": ",
+    "nested too deeply": lambda h: b"[" * 100_000 + b"]" * 100_000,
 }
 
 
@@ -137,6 +138,7 @@ def _edit(*path, value=_DROP):
 
 MANIFESTS = {
     "not JSON": lambda m: b"{\"tensors\": {",
+    "nested too deeply": lambda m: b"[" * 100_000 + b"]" * 100_000,
     "a JSON list": lambda m: [m],
     "tensors is a list": _edit("tensors", value=[]),
     "an offset as a string": _edit("tensors", "WEIGHT", "offset", value="0"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from dataclasses import dataclass
 from math import prod
 
@@ -69,6 +70,8 @@ def read_header(path: str) -> SafetensorsHeader:
         header = json.loads(raw)
     except ValueError as exc:
         raise BadInput(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from None
+    except RecursionError:
+        raise BadInput(f"{path}: safetensors header nests too deeply; the file is corrupt") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path}: safetensors header is not a JSON object; the file is corrupt")
     metadata = header.pop("__metadata__", None) or {}
@@ -83,8 +86,8 @@ def stored_tensor(header: SafetensorsHeader, name: str) -> StoredTensor:
     if not isinstance(entry, dict):
         raise BadInput(f"{path}: the header entry of {name} is not a JSON object; the file is corrupt")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in _DTYPE_BY_CODE:
-        raise BadInput(f"{path}: {name} has dtype {code!r}, which is not supported")
+    if not isinstance(code, str) or code not in _DTYPE_BY_CODE:  # (a list or object is not hashable)
+        raise BadInput(f"{path}: {name} has dtype {reprlib.repr(code)}, which is not supported")
     if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
         raise BadInput(f"{path}: the header entry of {name} has no valid shape and data_offsets; the file is corrupt")
     dtype, (begin, end) = _DTYPE_BY_CODE[code], offsets
