@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from . import __version__
-from .errors import FsdpfastError
+from .dtypes import TARGET_ALIASES
+from .errors import BadInput, FsdpfastError
+from .formats.safe_load import is_count
 from .layout import OutputFile
 from .plan import MergePlan
 
 MANIFEST_NAME = "fsdpfast-manifest.json"
 CHECKSUM = "crc32c"
+_MERGE_DTYPES = set(TARGET_ALIASES.values())  # what build_manifest records as "dtype" (None: kept)
+
+
+class DamagedManifest(BadInput):
+    """A manifest that is not JSON or lacks the fields, or their types, that a merge writes."""
 
 
 class SourceChanged(FsdpfastError):
@@ -39,7 +47,7 @@ def changed_sources(checkpoint: str, identity: list[dict]) -> list[str]:
         path = os.path.join(checkpoint, entry["path"])
         try:
             st = os.stat(path)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a path with a NUL byte
             changes.append(f"{entry['path']}: no longer readable")
             continue
         if st.st_size != entry["size"]:
@@ -84,11 +92,68 @@ def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], ch
 
 
 def read_manifest(out_dir: str) -> dict | None:
+    """The manifest beside a merged folder's files, checked; None when there is none."""
     path = os.path.join(out_dir, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return load_manifest(path) if os.path.isfile(path) else None
+
+
+def load_manifest(path: str) -> dict:
+    """A manifest file, with every field verify reads checked for presence and type (DamagedManifest if not)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except OSError as exc:
+        raise BadInput(f"{path}: unreadable ({exc.strerror})") from None
+    except ValueError as exc:  # includes text that is not UTF-8
+        _damaged(path, f"not JSON ({str(exc)[:100]})")
+    except RecursionError:
+        _damaged(path, "nested too deeply")
+    _check_fields(path, manifest)
+    return manifest
+
+
+_HEX32 = re.compile(r"[0-9a-f]{8}")
+_OPTIONAL = (str, type(None))
+# top-level field -> (required, accepted types); older manifests may lack the optional ones
+_FIELDS = {"checksum": (True, _OPTIONAL), "tensors": (True, dict), "sources": (False, list),
+           "checkpoint": (False, _OPTIONAL), "layout": (False, _OPTIONAL), "layout_options": (False, (dict, type(None))),
+           "dtype": (False, _OPTIONAL)}
+
+
+def _check_fields(path: str, manifest) -> None:
+    if not isinstance(manifest, dict):
+        _damaged(path, "not a JSON object")
+    for key, (required, kinds) in _FIELDS.items():
+        if required and key not in manifest:
+            _damaged(path, f"no {key!r} field")
+        if key in manifest and not isinstance(manifest[key], kinds):
+            _damaged(path, f"{key!r} is a {type(manifest[key]).__name__}")
+    if manifest.get("dtype") not in _MERGE_DTYPES:
+        _damaged(path, f"'dtype' is {str(manifest['dtype'])[:20]!r}, not one --dtype writes")
+    for key, value in (manifest.get("layout_options") or {}).items():
+        if not (isinstance(value, (str, bool, type(None))) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+            _damaged(path, f"layout option {key[:40]!r} is a {type(value).__name__}")
+    if manifest["checksum"] not in (CHECKSUM, None):
+        _damaged(path, f"'checksum' is {manifest['checksum'][:20]!r}, not {CHECKSUM!r} or null")
+    with_checksums = manifest["checksum"] == CHECKSUM
+    for name, entry in manifest["tensors"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("dtype"), str)
+                and is_count(entry.get("offset")) and is_count(entry.get("nbytes"))
+                and isinstance(entry.get("shape"), list) and all(is_count(d) for d in entry["shape"])):
+            _damaged(path, f"the entry of {name} has no valid file, offset, nbytes, dtype and shape")
+        crc = entry.get(CHECKSUM)
+        if with_checksums and not (isinstance(crc, str) and _HEX32.fullmatch(crc)):
+            _damaged(path, f"the {CHECKSUM} of {name} is {str(crc)[:20]!r}, not 8 hex digits")
+        if not with_checksums and crc is not None:
+            _damaged(path, f"{name} has a {CHECKSUM} but the manifest says it has no checksums")
+    for source in manifest.get("sources", []):
+        if not (isinstance(source, dict) and isinstance(source.get("path"), str)
+                and is_count(source.get("size")) and is_count(source.get("mtime_ns"))):
+            _damaged(path, f"a source entry is {str(source)[:80]!r}, not a path, size and mtime_ns")
+
+
+def _damaged(path: str, what: str):
+    raise DamagedManifest(f"{path}: {what}; the manifest is damaged")
 
 
 def _relative(checkpoint: str, path: str) -> str:

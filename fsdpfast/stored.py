@@ -1,33 +1,24 @@
-"""Read what a safetensors folder holds from its headers: each tensor's file, byte range, dtype, shape."""
+"""Read what a safetensors folder holds from its headers: each tensor's file, byte range, dtype, shape.
+
+The headers are read and checked by formats/safetensors_input.py, the one reader every
+safetensors input goes through; here a damaged file becomes DamagedFile, which verify reports
+as a failed check of the output rather than a usage error.
+"""
 from __future__ import annotations
 
 import glob
-import json
 import os
-import struct
-from dataclasses import dataclass
 
-from .dtypes import DTYPES
 from .engine.sources import SourceFiles
 from .errors import BadInput
+from .formats.safetensors_input import StoredTensor, read_header, stored_tensor
 from .plan import SourceBuffer
 
-_BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
-_MAX_HEADER = 100 << 20  # safetensors' own limit
+__all__ = ["DamagedFile", "MappedFiles", "StoredTensor", "read_folder"]
 
 
 class DamagedFile(BadInput):
-    """A safetensors file whose header is unreadable or points past the end of the file."""
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    name: str
-    file: str  # file name inside the folder
-    offset: int  # from the start of the file
-    nbytes: int
-    dtype: str  # torch name
-    shape: tuple[int, ...]
+    """A safetensors file whose header is unreadable, inconsistent or points past the end of the file."""
 
 
 def read_folder(folder: str) -> dict[str, StoredTensor]:
@@ -39,47 +30,24 @@ def read_folder(folder: str) -> dict[str, StoredTensor]:
         raise BadInput(f"{folder}: no .safetensors files; give a merged model folder")
     found: dict[str, StoredTensor] = {}
     for path in paths:
-        for tensor in _read_header(path):
+        try:
+            header = read_header(path)
+            tensors = [stored_tensor(header, name) for name in header.entries]
+        except BadInput as exc:
+            raise DamagedFile(str(exc)) from None
+        for tensor in tensors:
             if tensor.name in found:
-                raise BadInput(f"{folder}: {tensor.name} is in both {found[tensor.name].file} and {tensor.file}")
+                raise DamagedFile(f"{folder}: {tensor.name} is in both {found[tensor.name].file} and {tensor.file}")
             found[tensor.name] = tensor
     return found
-
-
-def _read_header(path: str) -> list[StoredTensor]:
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise DamagedFile(f"{path}: not a safetensors file (bad header length)")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            raise DamagedFile(f"{path}: not a safetensors file (header is not JSON)") from None
-    tensors = []
-    for tensor_name, entry in header.items():
-        if tensor_name == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-            dtype = _BY_CODE[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise DamagedFile(f"{path}: bad header entry for {tensor_name}") from None
-        if not 0 <= begin <= end or 8 + length + end > size:
-            raise DamagedFile(f"{path}: {tensor_name} lies outside the file (truncated?)")
-        tensors.append(StoredTensor(tensor_name, name, 8 + length + begin, end - begin, dtype, shape))
-    return tensors
 
 
 class MappedFiles(SourceFiles):
     """A folder's tensors as byte views, each file mapped once (the engine's SourceFiles)."""
 
-    def __init__(self, folder: str, stored: dict[str, StoredTensor]):
+    def __init__(self, stored: dict[str, StoredTensor]):
         self._index = {name: i for i, name in enumerate(stored)}
-        super().__init__([SourceBuffer(os.path.join(folder, t.file), t.offset, t.nbytes, t.dtype) for t in stored.values()])
+        super().__init__([SourceBuffer(t.path, t.byte_offset, t.nbytes, t.dtype) for t in stored.values()])
 
     def tensor(self, name: str) -> memoryview:
         return self.view(self._index[name])

@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field
 
 from . import _ops
-from .dtypes import CASTABLE, itemsize
+from .dtypes import CASTABLE, itemsize, target_dtype
 from .engine.rows import build_rows, native_pair
 from .engine.sources import SourceFiles
 from .errors import BadInput
-from .manifest import CHECKSUM, changed_sources, read_manifest
+from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
 from .plan import TensorPlan
 from .stored import DamagedFile, MappedFiles, StoredTensor, read_folder
 
@@ -69,18 +69,27 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
     folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint.
     `options`: layout options for --against (api.plan_merge), by default those the merge recorded."""
     out_dir = os.fspath(out_dir)
+    # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
     try:
         stored = read_folder(out_dir)
-    except DamagedFile as exc:  # a damaged output is a failed check, not a usage error
+    except DamagedFile as exc:
         return VerifyReport(out_dir, checks=["headers"], mismatches=[Mismatch("(file)", str(exc))])
-    manifest = read_manifest(out_dir)
     report = VerifyReport(out_dir, tensors=len(stored))
+    try:
+        manifest = read_manifest(out_dir)
+    except DamagedManifest as exc:
+        report.checks.append("manifest")
+        report.mismatches.append(Mismatch("(manifest)", f"{exc}; check the output with --against CKPT_DIR"))
+        manifest = None
     if (rtol is not None or atol is not None) and reference is None:
         raise BadInput("--rtol and --atol apply to --reference")
+    other = _other_manifest(os.fspath(manifest_of)) if manifest_of is not None else None  # bad input: refused first
     if against is None and reference is None and manifest is None and manifest_of is None and not smoke:
+        if report.mismatches:  # the damaged manifest was all there was to check against
+            return report
         raise BadInput(f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
                        "check it with --against CKPT_DIR or --reference HF_DIR")
-    with MappedFiles(out_dir, stored) as files:
+    with MappedFiles(stored) as files:
         if manifest is not None:
             _note_source_changes(report, manifest, against)
         if against is not None:
@@ -88,7 +97,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         elif manifest is not None and reference is None:
             _check_manifest(report, stored, files, manifest)
         if manifest_of is not None:
-            _check_other_manifest(report, stored, files, os.fspath(manifest_of), manifest)
+            _check_other_manifest(report, stored, files, os.fspath(manifest_of), other, manifest)
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
     if smoke:
@@ -111,11 +120,16 @@ def _note_source_changes(report: VerifyReport, manifest: dict, against: str | No
 
 # --- against the manifest ---------------------------------------------------------------------
 
+def _other_manifest(path: str) -> dict:
+    """Another merge's manifest (the file or its folder); a damaged one is bad input, not a failed check."""
+    file = os.path.join(path, MANIFEST_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise BadInput(f"{file}: no such file; give the {MANIFEST_NAME} of an earlier merge, or its folder")
+    return load_manifest(file)
+
+
 def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str,
-                          own: dict | None) -> None:
-    other = read_manifest(path) if os.path.isdir(path) else _load_json(path)
-    if other is None:
-        raise BadInput(f"{path}: no fsdpfast-manifest.json there")
+                          other: dict, own: dict | None) -> None:
     if own is not None and _identity(own) != _identity(other):
         report.notes.append(f"the two merges read different source files (or the files changed between them); see {path}")
     _check_manifest(report, stored, files, other, where=path)
@@ -123,16 +137,6 @@ def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor],
 
 def _identity(manifest: dict) -> list:
     return [(s["path"], s["size"], s["mtime_ns"]) for s in manifest.get("sources", [])]
-
-
-def _load_json(path: str) -> dict:
-    import json
-
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{path}: not a readable manifest ({exc})") from None
 
 
 def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict,
@@ -145,9 +149,9 @@ def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files
         want, have = recorded[name], stored[name]
         place = (want["file"], want["offset"], want["nbytes"], want["dtype"], tuple(want["shape"]))
         if where is not None:  # another merge may have split the files differently
-            place = (have.file, have.offset) + place[2:]
-        if place != (have.file, have.offset, have.nbytes, have.dtype, have.shape):
-            report.mismatches.append(Mismatch(name, f"stored as {have.file} byte {have.offset}, {have.dtype} "
+            place = (have.file, have.byte_offset) + place[2:]
+        if place != (have.file, have.byte_offset, have.nbytes, have.dtype, have.shape):
+            report.mismatches.append(Mismatch(name, f"stored as {have.file} byte {have.byte_offset}, {have.dtype} "
                                               f"{list(have.shape)}; the manifest says {want['file']} byte {want['offset']}, "
                                               f"{want['dtype']} {want['shape']}"))
             continue
@@ -195,10 +199,9 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
         have = stored.get(tensor.name)
         if have is None:
             continue
-        # The merge's --dtype: from the manifest, else read off the output (only floating tensors are cast).
-        cast_to = (wanted_dtype or tensor.source_dtype) if manifest else have.dtype
-        if tensor.source_dtype in CASTABLE and cast_to in CASTABLE:
-            tensor.target_dtype = cast_to
+        # The merge's --dtype: from the manifest, else read off the output (a cast one is floating).
+        wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
+        tensor.target_dtype = target_dtype(tensor.source_dtype, wanted)
         if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
             report.mismatches.append(Mismatch(tensor.name, f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
                                               f"gives {tensor.target_dtype} {list(tensor.shape)}"))
@@ -267,7 +270,7 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
     report.checks.append(f"reference {reference}" + (f" (rtol {rtol or 0}, atol {atol or 0})" if tolerant else " (exact)"))
     theirs = read_folder(reference)
     _compare_names(report, set(theirs), set(stored), "in the reference", "the reference")
-    with MappedFiles(reference, theirs) as reference_files:
+    with MappedFiles(theirs) as reference_files:
         for name in sorted(set(theirs) & set(stored)):
             have, want = stored[name], theirs[name]
             if have.shape != want.shape or (not tolerant and have.dtype != want.dtype):

@@ -13,7 +13,12 @@ from scratch:
   safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
   merge            a real FSDP2 folder with one rank file fuzzed, merged end to end (cpu engine)
   verify           a real merged folder whose model.safetensors (header and data) is fuzzed, verified
-                   against its manifest (formats of the output: stored.py's header reader)
+                   against its manifest
+  verify_header    the same with only the safetensors header fuzzed (its bytes, or values in its JSON
+                   replaced), verified against its manifest and used as another folder's --reference
+                   (formats/safetensors_input.py, the header reader every safetensors input uses)
+  verify_manifest  a real merged folder whose fsdpfast-manifest.json is fuzzed (bytes or JSON values),
+                   verified against it and given to another folder as --manifest
 
 A finding is any exception that is not an fsdpfast.errors.FsdpfastError, an example that runs
 past HANG_SECONDS, or a merge that fails yet leaves its output folder behind. A crash (a signal)
@@ -22,7 +27,9 @@ ends the run, which is a finding too.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -41,6 +48,7 @@ from fsdpfast.errors import FsdpfastError
 from fsdpfast.formats import dcp
 from fsdpfast.formats.safe_load import StorageRef, safe_unpickle
 from fsdpfast.formats.torch_zip import TorchZip
+from fsdpfast.manifest import MANIFEST_NAME
 
 HANG_SECONDS = 20
 # The checkpoints the seeds come from (conftest.py names; all but one written by 2 ranks).
@@ -120,6 +128,59 @@ def mutated(draw, originals: list[bytes]) -> bytes:
     return Blob(data)
 
 
+# Values a JSON field (of a safetensors header, of a manifest) is replaced with.
+JSON_EDGES = [None, True, -1, 0, 1.5, 2**64, "", "0", "F32", "0000000g", [], [0], ["0", 8], [8, 0], [2**63, 2**64], {},
+              {"dtype": "F32"}, [[1]]]
+
+
+@st.composite
+def json_mutated(draw, original) -> object:
+    """A copy of a parsed JSON value with 1-3 nodes replaced by edge values, deleted, or their ints changed."""
+    value = copy.deepcopy(original)
+    for _ in range(draw(st.integers(1, 3))):
+        parent, key, node = None, None, value
+        while isinstance(node, (dict, list)) and node and draw(st.integers(0, 3)):  # walk down a random path
+            key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+            parent, node = node, node[key]
+        if parent is None:
+            value = copy.deepcopy(draw(st.sampled_from(JSON_EDGES)))
+            continue
+        kind = draw(st.sampled_from(["edge", "delete", "int"]))
+        if kind == "delete" and isinstance(parent, dict):
+            del parent[key]
+        elif kind == "int" and isinstance(node, int):
+            parent[key] = draw(st.sampled_from([*EDGE_INTS, node - 1, node + 1, -node]))
+        else:
+            parent[key] = copy.deepcopy(draw(st.sampled_from(JSON_EDGES)))
+    return value
+
+
+def _json_blob(value) -> bytes:
+    return Blob(json.dumps(value).encode())
+
+
+def _header_and_data(path: Path) -> tuple[bytes, bytes]:
+    data = path.read_bytes()
+    end = 8 + int.from_bytes(data[:8], "little")
+    return data[:end], data[end:]
+
+
+def mutated_header(path: Path) -> st.SearchStrategy:
+    """The safetensors file with its header (length and JSON) mutated and its data as it was."""
+    header, data = _header_and_data(path)
+    parsed = json.loads(header[8:])
+
+    def with_json(value) -> bytes:
+        raw = json.dumps(value).encode()
+        return Blob(len(raw).to_bytes(8, "little") + raw + data)
+
+    return st.one_of(mutated([header]).map(lambda h: Blob(h + data)), json_mutated(parsed).map(with_json))
+
+
+def mutated_json(path: Path) -> st.SearchStrategy:
+    return st.one_of(mutated([path.read_bytes()]), json_mutated(json.loads(path.read_bytes())).map(_json_blob))
+
+
 # Opcode snippets a checkpoint pickle is made of, and the globals the unpickler allows or refuses.
 _GLOBALS = [
     "torch._utils\n_rebuild_tensor_v2", "torch._utils\n_rebuild_tensor_v3", "torch._utils\n_rebuild_parameter",
@@ -188,10 +249,20 @@ class Targets:
         folder = self._folder_with(None, "model.safetensors", data)
         fsdpfast.verify(folder)
 
+    def verify_header(self, data: bytes) -> None:
+        folder = self._folder_with(None, "model.safetensors", data)
+        _only_clean_errors(lambda: fsdpfast.verify(folder), lambda: fsdpfast.verify(self.seeds.merged, reference=folder))
+
+    def verify_manifest(self, data: bytes) -> None:
+        folder = self._folder_with(None, MANIFEST_NAME, data)
+        _only_clean_errors(lambda: fsdpfast.verify(folder),
+                           lambda: fsdpfast.verify(self.seeds.merged, manifest_of=os.path.join(folder, MANIFEST_NAME)))
+
     def _folder_with(self, name: str | None, entry: str, data: bytes) -> str:
-        """A copy of a seed folder (links to its files) with `entry` replaced by `data`; None: the merged one."""
+        """A copy of a seed folder (links to its files) with `entry` replaced by `data`; None: the merged one.
+        One copy per replaced entry, so what one target damaged is not in another's folder."""
         seed = self.seeds.folders[name] if name else self.seeds.merged
-        folder = self.workdir / f"ckpt-{name or 'merged'}"
+        folder = self.workdir / f"ckpt-{name or 'merged'}-{entry.lstrip('.')}"
         if not folder.exists():
             folder.mkdir()
             for path in seed.iterdir():
@@ -200,6 +271,15 @@ class Targets:
         target.unlink()
         target.write_bytes(data)
         return str(folder)
+
+
+def _only_clean_errors(*checks) -> None:
+    """Run every check; each may raise only a one-line FsdpfastError."""
+    for check in checks:
+        try:
+            check()
+        except FsdpfastError as exc:
+            assert "\n" not in str(exc), f"a multi-line error: {exc!r}"
 
 
 def _storage_keys(value) -> set[str]:
@@ -229,6 +309,8 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
         "safetensors": mutated([(seeds.folders["w3-dcp-safetensors"] / "__0_0.distcp").read_bytes()]),
         "merge": mutated([(seeds.folders["w2-llama"] / "model_world_size_2_rank_1.pt").read_bytes()]),
         "verify": mutated([(seeds.merged / "model.safetensors").read_bytes()]),
+        "verify_header": mutated_header(seeds.merged / "model.safetensors"),
+        "verify_manifest": mutated_json(seeds.merged / MANIFEST_NAME),
     }
 
 

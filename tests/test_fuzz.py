@@ -9,7 +9,8 @@ import pytest
 
 from fuzz_parsers import SEED_CHECKPOINTS, Seeds, Targets, install_hang_alarm, run_target, strategies
 
-EXAMPLES = {"unpickle": 300, "pickle_opcodes": 300, "torch_zip": 150, "dcp_metadata": 100, "safetensors": 100, "merge": 60, "verify": 100}
+EXAMPLES = {"unpickle": 300, "pickle_opcodes": 300, "torch_zip": 150, "dcp_metadata": 100, "safetensors": 100, "merge": 60, "verify": 100,
+            "verify_header": 100, "verify_manifest": 100}
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,9 @@ def flip_bit(out_dir: Path, tensor: str, byte: int, bit: int = 3) -> None:
     """Flip one bit of `tensor`'s data in the merged file, at `byte` from the tensor's start."""
     stored = read_folder(str(out_dir))[tensor]
     with open(out_dir / stored.file, "r+b") as f:
-        f.seek(stored.offset + byte)
+        f.seek(stored.byte_offset + byte)
         value = f.read(1)[0]
-        f.seek(stored.offset + byte)
+        f.seek(stored.byte_offset + byte)
         f.write(bytes([value ^ (1 << bit)]))
 
 
@@ -182,7 +182,7 @@ def test_smoke_passes_on_a_good_merge_and_fails_on_nan(checkpoints, tmp_path):
     assert "smoke" in good.stdout and "OK" in good.stdout
     stored = read_folder(str(out))["model.layers.1.mlp.down_proj.weight"]
     with open(out / stored.file, "r+b") as f:  # one NaN among the weights spreads to the logits
-        f.seek(stored.offset + 4 * 17)
+        f.seek(stored.byte_offset + 4 * 17)
         f.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
     poisoned = run_cli("verify", out, "--smoke", "--json")
     assert poisoned.returncode == EXIT_MISMATCH
@@ -277,7 +277,7 @@ def test_verbose_logs_decisions_and_json_reports(checkpoints, tmp_path):
     assert "layout fsdp-ranks, world size 3" in result.stderr and f"engine {report['engine']}" in result.stderr
     stored = read_folder(str(tmp_path / "out"))
     for name, tensor in stored.items():  # every tensor's file and byte offset is logged
-        assert f"{name} -> {tensor.file} at byte {tensor.offset} " in result.stderr
+        assert f"{name} -> {tensor.file} at byte {tensor.byte_offset} " in result.stderr
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
@@ -293,7 +293,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
     stored = read_folder(str(tmp_path / "out"))
     promised = {t["name"]: (f["name"], t["offset"], t["bytes"], t["dtype"], tuple(t["shape"]))
                 for f in plan["files"] for t in f["tensors"]}
-    assert promised == {n: (s.file, s.offset, s.nbytes, s.dtype, s.shape) for n, s in stored.items()}
+    assert promised == {n: (s.file, s.byte_offset, s.nbytes, s.dtype, s.shape) for n, s in stored.items()}
     assert {f["name"]: f["bytes"] for f in plan["files"]} == {
         f: (tmp_path / "out" / f).stat().st_size for f in {s.file for s in stored.values()}}
     for name in promised:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import reprlib
+from dataclasses import dataclass
 from math import prod
 
 from ..dtypes import DTYPES, itemsize
@@ -45,27 +47,32 @@ def matches(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A tensor's entry in .metadata, its structure checked: global shape, dtype, and each chunk's box."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes) in the global tensor
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    tensors: dict[str, _Entry]  # by flat name
+    entries: list[str]  # flat names of every entry, tensors or not (bytes, objects), in order
+    storage: dict[tuple[str, tuple[int, ...]], Record]  # (flat name, chunk offsets) -> its file range (_StorageInfo)
+    paths: dict[str, tuple]  # flat name of a tensor -> its path in the nested state dict (planner_data)
+
+
 def read(folder: str, prefix: str | None = None) -> MergePlan:
-    try:
-        return _read(folder, prefix)
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
-        # .metadata is a pickle: any object can sit where torch writes a list of ints or a
-        # record. The checks below name what torch always writes; this catches the rest.
-        raise BadInput(f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
-                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
-
-
-def _read(folder: str, prefix: str | None) -> MergePlan:
-    metadata = _read_metadata(os.path.join(folder, ".metadata"))
-    entries = metadata.get("state_dict_metadata") or {}
-    storage = _storage_index(metadata, folder)
-    names = _model_names(entries, metadata.get("planner_data") or {}, prefix, folder)
+    metadata = _parse(_read_metadata(os.path.join(folder, ".metadata")), folder)
+    names = _model_names(metadata.paths, prefix, folder)
     sources: list[SourceBuffer] = []
     headers: dict[str, SafetensorsHeader | None] = {}
     tensors = []
     for flat_name, name in names.items():
-        tensors.append(_plan_tensor(folder, flat_name, name, entries[flat_name], storage, sources, headers))
-    skipped = [k for k, v in entries.items() if k not in names]
+        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
+    skipped = [k for k in metadata.entries if k not in names]
     ranks = {int(m.group(1)) for f in os.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
     plan = MergePlan(NAME, len(ranks) or 1, sources, tensors)
     if skipped:
@@ -87,48 +94,100 @@ def _read_metadata(path: str) -> Record:
     return metadata
 
 
-def _storage_index(metadata: Record, folder: str) -> dict[tuple[str, tuple[int, ...]], Record]:
+def _parse(metadata: Record, folder: str) -> _Metadata:
+    """The structure of .metadata as plain, checked values; any other structure is refused in one line."""
+    try:
+        return _parse_structure(metadata, f"{folder}/.metadata")
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+        # .metadata is a pickle: any object can sit where torch writes a list of ints or a record.
+        # The parser checks what torch always writes; this catches what slips past it, and only here.
+        raise BadInput(f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
+                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
+
+
+def _parse_structure(metadata: Record, where: str) -> _Metadata:
+    entries = _mapping(metadata.get("state_dict_metadata"), "state_dict_metadata", where)
+    planner_data = _mapping(metadata.get("planner_data"), "planner_data", where)
+    tensors = {}
+    for flat_name, entry in entries.items():
+        if not isinstance(flat_name, str):
+            raise BadInput(f"{where}: an entry is named {reprlib.repr(flat_name)}, not a string; the file is damaged")
+        if isinstance(entry, Record) and entry.qualname.endswith("TensorStorageMetadata"):
+            tensors[flat_name] = _tensor_entry(flat_name, entry, where)
+    paths = {}
+    for flat_name in tensors:
+        path = planner_data.get(flat_name, (flat_name,))
+        if not isinstance(path, (tuple, list)) or not all(isinstance(part, (str, int)) for part in path):
+            raise BadInput(f"{where}: the planner_data path of {flat_name} is {reprlib.repr(path)}, not a list of keys; the file is damaged")
+        paths[flat_name] = tuple(path)
+    return _Metadata(tensors, list(entries), _storage_index(metadata, where), paths)
+
+
+def _mapping(value, field: str, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where}: {field} is a {type(value).__name__}, not a mapping; the file is damaged")
+    return value
+
+
+def _tensor_entry(flat_name: str, entry: Record, where: str) -> _Entry:
+    size = entry.get("size")
+    shape = as_dims(size if size is not None else ())
+    if shape is None:
+        raise BadInput(f"{where}: {flat_name} has shape {reprlib.repr(size)}, not a list of whole numbers")
+    chunks = entry.get("chunks") or ()
+    if not isinstance(chunks, (list, tuple)):
+        raise BadInput(f"{where}: the chunks of {flat_name} are a {type(chunks).__name__}, not a list; the file is damaged")
+    boxes = []
+    for chunk in chunks:
+        raw = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, Record) else (None, None)
+        offsets, sizes = as_dims(raw[0]), as_dims(raw[1])
+        if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape):
+            raise BadInput(f"{where}: a chunk of {flat_name} has offsets {reprlib.repr(raw[0])} and sizes "
+                           f"{reprlib.repr(raw[1])}, which do not fit its shape {list(shape)}")
+        boxes.append((offsets, sizes))
+    return _Entry(shape, _dtype(entry.get("properties")), boxes)
+
+
+def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, ...]], Record]:
     """(flat name, chunk offsets) -> where that chunk's bytes are (_StorageInfo)."""
     index = {}
-    for key, info in (metadata.get("storage_data") or {}).items():
-        fqn, offset = key.args[:2] if key.args else (key.get("fqn"), key.get("offset"))
+    for key, info in _mapping(metadata.get("storage_data"), "storage_data", where).items():
+        if not isinstance(key, Record):
+            raise BadInput(f"{where}: a storage key is {reprlib.repr(key)}, not a MetadataIndex; the file is damaged")
+        fqn, offset = key.args[:2] if len(key.args) >= 2 else (key.get("fqn"), key.get("offset"))
+        offsets = as_dims(offset if offset is not None else ())
+        if not isinstance(fqn, str) or offsets is None:
+            raise BadInput(f"{where}: a storage key names {reprlib.repr(fqn)} at {reprlib.repr(offset)}; the file is damaged")
         if not isinstance(info, Record):
-            raise BadInput(f"{folder}/.metadata: storage entry of {fqn} is not a file range")
-        index[(fqn, tuple(offset or ()))] = info
+            raise BadInput(f"{where}: storage entry of {fqn} is not a file range")
+        index[(fqn, offsets)] = info
     return index
 
 
-def _model_names(entries: dict, planner_data: dict, prefix: str | None, folder: str) -> dict[str, str]:
+def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> dict[str, str]:
     """Flat DCP names of the model's tensors -> their names in the model's state dict."""
-    tensors = {k: v for k, v in entries.items() if isinstance(v, Record) and v.qualname.endswith("TensorStorageMetadata")}
-    paths = {k: tuple(planner_data.get(k, (k,))) for k in tensors}
     tops = {path[0] for path in paths.values() if len(path) > 1}
     if prefix is None and not tops:
-        return {k: k for k in tensors}  # a flat model state dict
+        return {k: k for k in paths}  # a flat model state dict
     if prefix is None:
         candidates = [p for p in _MODEL_PREFIXES if p in tops]
         if len(candidates) != 1:
-            raise BadInput(f"{folder}: the checkpoint nests {sorted(tops)}; choose the model part with --prefix")
+            raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with --prefix")
         prefix = candidates[0]
     chosen = {k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix}
     if not chosen:
-        raise BadInput(f"{folder}: no tensors under --prefix {prefix!r} (the checkpoint holds {sorted(tops) or 'a flat state dict'})")
+        raise BadInput(f"{folder}: no tensors under --prefix {prefix!r} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})")
     return chosen
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: Record, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
-    shape = tuple(entry.get("size") or ())
-    dtype = _dtype(entry.get("properties"))
+def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
+    shape, dtype = entry.shape, entry.dtype
     if dtype not in DTYPES:
         raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
     extents = []
-    if as_dims(shape) is None:
-        raise BadInput(f"{folder}/.metadata: {flat_name} has shape {shape!r}, not a list of whole numbers")
-    for chunk in entry.get("chunks") or ():
-        offsets, sizes = as_dims(chunk.get("offsets")), as_dims(chunk.get("sizes"))
-        if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape):
-            raise BadInput(f"{folder}/.metadata: a chunk of {flat_name} has offsets {chunk.get('offsets')!r} and sizes "
-                           f"{chunk.get('sizes')!r}, which do not fit its shape {list(shape)}")
+    for offsets, sizes in entry.chunks:
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
@@ -154,9 +213,11 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     relative, offset, length = (info.args[:3] if len(info.args) >= 3
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
     if info.get("transform_descriptors"):
-        raise BadInput(f"{folder}: {flat_name} was saved with transforms {info.get('transform_descriptors')}; not supported yet")
+        raise BadInput(f"{folder}: {flat_name} was saved with transforms {reprlib.repr(info.get('transform_descriptors'))}; "
+                       "not supported yet")
     if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
-        raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {relative!r}, {offset!r}, {length!r}")
+        # (reprlib: a pickle can nest a value deeper than repr can walk)
+        raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}")
     if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
         raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from dataclasses import dataclass
 from math import prod
 
@@ -14,6 +15,7 @@ from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput
 
 _DTYPE_BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
+MAX_HEADER = 100 << 20  # safetensors' own limit: a damaged length must not make us read gigabytes as "JSON"
 
 
 @dataclass(frozen=True)
@@ -27,10 +29,17 @@ class SafetensorsHeader:
 
 @dataclass(frozen=True)
 class StoredTensor:
+    name: str
+    path: str  # the file holding it
     dtype: str  # torch name
     shape: tuple[int, ...]
     byte_offset: int  # from the start of the file
     nbytes: int
+
+    @property
+    def file(self) -> str:
+        """The file's name inside its folder (what a manifest records)."""
+        return os.path.basename(self.path)
 
 
 def looks_like_safetensors(path: str) -> bool:
@@ -49,6 +58,9 @@ def read_header(path: str) -> SafetensorsHeader:
             head = f.read(8)
             file_size = os.fstat(f.fileno()).st_size
             size = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if size > MAX_HEADER:
+                raise BadInput(f"{path}: safetensors header length {size} is over the {MAX_HEADER >> 20} MB limit; "
+                               "the file is corrupt")
             if size < 0 or size > file_size - 8:
                 raise BadInput(f"{path}: safetensors header runs past the end of the file; the file is truncated")
             raw = f.read(size)
@@ -58,6 +70,8 @@ def read_header(path: str) -> SafetensorsHeader:
         header = json.loads(raw)
     except ValueError as exc:
         raise BadInput(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from None
+    except RecursionError:
+        raise BadInput(f"{path}: safetensors header nests too deeply; the file is corrupt") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path}: safetensors header is not a JSON object; the file is corrupt")
     metadata = header.pop("__metadata__", None) or {}
@@ -72,8 +86,8 @@ def stored_tensor(header: SafetensorsHeader, name: str) -> StoredTensor:
     if not isinstance(entry, dict):
         raise BadInput(f"{path}: the header entry of {name} is not a JSON object; the file is corrupt")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in _DTYPE_BY_CODE:
-        raise BadInput(f"{path}: {name} has dtype {code!r}, which is not supported")
+    if not isinstance(code, str) or code not in _DTYPE_BY_CODE:  # (a list or object is not hashable)
+        raise BadInput(f"{path}: {name} has dtype {reprlib.repr(code)}, which is not supported")
     if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
         raise BadInput(f"{path}: the header entry of {name} has no valid shape and data_offsets; the file is corrupt")
     dtype, (begin, end) = _DTYPE_BY_CODE[code], offsets
@@ -83,7 +97,7 @@ def stored_tensor(header: SafetensorsHeader, name: str) -> StoredTensor:
                        f"[{begin}, {end}] span {end - begin}; the header is corrupt")
     if header.data_start + end > header.file_size:
         raise BadInput(f"{path}: the bytes of {name} run past the end of the file; the file is truncated")
-    return StoredTensor(dtype, tuple(shape), header.data_start + begin, expected)
+    return StoredTensor(name, path, dtype, tuple(shape), header.data_start + begin, expected)
 
 
 def _ints(value) -> bool:
