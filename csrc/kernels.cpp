@@ -115,8 +115,11 @@ void release_pages(const unsigned char* data, int64_t size) {
 constexpr int64_t kReleaseSliceBytes = int64_t(2) << 20;
 
 // Convert n elements from a file mapping, dropping the source pages slice by slice as they are
-// read: the pages a thread holds mapped stay about one slice, whatever the run's length. Slices
-// end on slice-aligned source addresses, so no page is split between two of them.
+// read: the pages a thread holds mapped stay about one slice, whatever the run's length. A slice
+// ends at the first element boundary at or past a slice-aligned source address: exactly on it
+// when the source is element-aligned (torch.save storages are 64-byte aligned), so every page is
+// dropped. Otherwise the element straddling that address leaves its page partly in both slices,
+// and release_pages, which drops whole pages only, keeps it: one page per slice stays mapped.
 void convert_and_release(const int64_t* row, const unsigned char* src, unsigned char* dst, int64_t n) {
   const int64_t in = row[kSourceItemsize], out = row[kTargetItemsize], slice = kReleaseSliceBytes;
   for (int64_t done = 0; done < n;) {

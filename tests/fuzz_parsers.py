@@ -19,6 +19,12 @@ from scratch:
                    (formats/safetensors_input.py, the header reader every safetensors input uses)
   verify_manifest  a real merged folder whose fsdpfast-manifest.json is fuzzed (bytes or JSON values),
                    verified against it and given to another folder as --manifest
+  deepspeed_optim  a real DeepSpeed ZeRO-2 tag folder whose rank 0 optimizer file's pickle is fuzzed, planned
+                   (needs deepspeed to write the seed; the run skips the target without it)
+  fsdp1_rank       a real FSDP1 LOCAL_STATE_DICT folder whose rank 0 file's pickle is fuzzed, planned (the
+                   model rebuilt from config.json with transformers)
+  dcp_hf_header    a real HuggingFaceStorageWriter folder whose first shard file's JSON header is fuzzed
+                   (the data kept), planned against its config.json
 
 A finding is any exception that is not an fsdpfast.errors.FsdpfastError, an example that runs
 past HANG_SECONDS, or a merge that fails yet leaves its output folder behind. A crash (a signal)
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -53,6 +60,14 @@ from fsdpfast.manifest import MANIFEST_NAME
 HANG_SECONDS = 20
 # The checkpoints the seeds come from (conftest.py names; all but one written by 2 ranks).
 SEED_CHECKPOINTS = ["w2-llama", "w2-guide", "w2-dcp", "w3-dcp-safetensors"]
+# The readers' own targets: target -> (seed checkpoint, the file in it that is fuzzed).
+DEEPSPEED_SEED = "ds-w2-z2-bf16-frozen-tags"  # tests/deepspeed_checkpoints.py; its tag folder is the seed
+FSDP1_SEED = "w2-tied-orig"  # tests/test_fsdp1_flat.py: use_orig_params views, tied weights, alignment padding
+READER_TARGETS = {
+    "deepspeed_optim": (DEEPSPEED_SEED, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    "fsdp1_rank": (FSDP1_SEED, "pytorch_model_fsdp_rank0.bin"),
+    "dcp_hf_header": ("w2-dcp-hf", "shard-00001-model-00001-of-00001.safetensors"),
+}
 
 
 class Hang(Exception):
@@ -92,6 +107,34 @@ class Seeds:
         if not seeds.merged.exists():
             fsdpfast.merge(first, seeds.merged)
         return seeds
+
+    def add_reader_seed(self, target: str, folder: str) -> None:
+        """The checkpoint folder a reader target fuzzes one file of (READER_TARGETS); its files are never changed."""
+        self.folders[READER_TARGETS[target][0]] = Path(folder)
+
+    def fuzzed_part(self, target: str) -> bytes:
+        """The part of the target's file that is mutated: a pickle, or a safetensors header."""
+        name, entry = READER_TARGETS[target]
+        data = (self.folders[name] / entry).read_bytes()
+        if target == "dcp_hf_header":
+            return data[8: 8 + int.from_bytes(data[:8], "little")]
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            (pickle,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            return archive.read(pickle)
+
+
+def with_pickle(archive: bytes, pickle: bytes) -> bytes:
+    """A torch.save archive with its data.pkl replaced, every other record kept in order."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as original, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+        for info in original.infolist():
+            rewritten.writestr(info.filename, pickle if info.filename.endswith("/data.pkl") else original.read(info))
+    return out.getvalue()
+
+
+def with_header(shard: bytes, header: bytes) -> bytes:
+    """A safetensors file with its JSON header replaced, its data section kept."""
+    return len(header).to_bytes(8, "little") + header + shard[8 + int.from_bytes(shard[:8], "little"):]
 
 
 # --- mutations --------------------------------------------------------------------------------
@@ -258,6 +301,19 @@ class Targets:
         _only_clean_errors(lambda: fsdpfast.verify(folder),
                            lambda: fsdpfast.verify(self.seeds.merged, manifest_of=os.path.join(folder, MANIFEST_NAME)))
 
+    def deepspeed_optim(self, data: bytes) -> None:
+        fsdpfast.plan_merge(self._reader_folder("deepspeed_optim", with_pickle, data))
+
+    def fsdp1_rank(self, data: bytes) -> None:
+        fsdpfast.plan_merge(self._reader_folder("fsdp1_rank", with_pickle, data))
+
+    def dcp_hf_header(self, data: bytes) -> None:
+        fsdpfast.plan_merge(self._reader_folder("dcp_hf_header", with_header, data))
+
+    def _reader_folder(self, target: str, rebuild, data: bytes) -> str:
+        name, entry = READER_TARGETS[target]
+        return self._folder_with(name, entry, rebuild((self.seeds.folders[name] / entry).read_bytes(), data))
+
     def _folder_with(self, name: str | None, entry: str, data: bytes) -> str:
         """A copy of a seed folder (links to its files) with `entry` replaced by `data`; None: the merged one.
         One copy per replaced entry, so what one target damaged is not in another's folder."""
@@ -311,6 +367,7 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
         "verify": mutated([(seeds.merged / "model.safetensors").read_bytes()]),
         "verify_header": mutated_header(seeds.merged / "model.safetensors"),
         "verify_manifest": mutated_json(seeds.merged / MANIFEST_NAME),
+        **{target: mutated([seeds.fuzzed_part(target)]) for target, (name, _) in READER_TARGETS.items() if name in seeds.folders},
     }
 
 
@@ -356,11 +413,40 @@ def write_seed_checkpoints(root: str) -> dict[str, str]:
     from fsdpfast.examples import write_checkpoints
 
     folders = {}
-    for world in sorted({SPECS[name][0] for name in SEED_CHECKPOINTS}):
-        specs = [SPECS[name][1] for name in SEED_CHECKPOINTS if SPECS[name][0] == world]
+    names = SEED_CHECKPOINTS + [READER_TARGETS["dcp_hf_header"][0]]
+    for world in sorted({SPECS[name][0] for name in names}):
+        specs = [SPECS[name][1] for name in names if SPECS[name][0] == world]
         write_checkpoints(root, specs, world)
         folders.update({spec.name: spec.folder(root) for spec in specs})
     return folders
+
+
+def write_reader_seeds(root: str) -> dict[str, str]:
+    """target -> the folder of its seed checkpoint, for the readers' own targets (but dcp-hf, written above)."""
+    import importlib.util
+
+    from fsdpfast.examples_fsdp1 import write_fsdp1_checkpoints
+    from test_fsdp1_flat import SPECS as FSDP1_SPECS
+
+    world, spec = FSDP1_SPECS[FSDP1_SEED]
+    write_fsdp1_checkpoints(os.path.join(root, "fsdp1"), [spec], world)
+    found = {"fsdp1_rank": spec.folder(os.path.join(root, "fsdp1"))}
+    if importlib.util.find_spec("deepspeed") is not None:
+        from deepspeed_checkpoints import DS_SPECS
+        from fsdpfast.examples_deepspeed import write_deepspeed_checkpoints
+
+        world, spec = DS_SPECS[DEEPSPEED_SEED]
+        write_deepspeed_checkpoints(os.path.join(root, "deepspeed"), [spec], world)
+        found["deepspeed_optim"] = deepspeed_tag_folder(spec.root(os.path.join(root, "deepspeed")))
+    else:
+        print("deepspeed is not installed: the deepspeed_optim target is left out", flush=True)
+    return found
+
+
+def deepspeed_tag_folder(root: str) -> str:
+    """The tag folder `latest` names: the seed is one checkpoint, read as a tag folder."""
+    with open(os.path.join(root, "latest")) as f:
+        return os.path.join(root, f.read().strip())
 
 
 def main() -> int:
@@ -373,7 +459,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="fsdpfast-fuzz-"))
     try:
         print("writing seed checkpoints with real gloo ranks ...", flush=True)
-        seeds = Seeds.from_folders(write_seed_checkpoints(str(work / "seeds")))
+        folders = write_seed_checkpoints(str(work / "seeds"))
+        seeds = Seeds.from_folders({name: folders[name] for name in SEED_CHECKPOINTS})
+        seeds.add_reader_seed("dcp_hf_header", folders[READER_TARGETS["dcp_hf_header"][0]])
+        for target, folder in write_reader_seeds(str(work / "seeds")).items():
+            seeds.add_reader_seed(target, folder)
         targets = Targets(seeds, work / "scratch")
         (work / "scratch").mkdir()
         chosen = strategies(seeds)

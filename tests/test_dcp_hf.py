@@ -77,6 +77,27 @@ def test_missing_model_file(checkpoints, tmp_path):
     cli_refuses(folder, tmp_path / "out", mentions=["shard-*-model-00002-of-00002.safetensors is missing"])
 
 
+@pytest.mark.parametrize("name,last", [("w2-dcp-hf", "shard-00002-model-00001-of-00001.safetensors"),
+                                       ("w2-dcp-hf-split-dim1", "shard-00002-model-*-of-00002.safetensors")])
+def test_missing_last_shard_file_is_caught_by_the_config(checkpoints, tmp_path, name, last):
+    """No gap in the numbering is left, so only the config can tell the embeddings came out too small."""
+    folder = copy_checkpoint(checkpoints, name, tmp_path)
+    for path in folder.glob(last):
+        path.unlink()
+    cli_refuses(folder, tmp_path / "out", mentions=["model.embed_tokens.weight", "vocab_size", "a shard file is missing"])
+    config = tmp_path / "config"
+    shutil.move(folder / "huggingface", config)  # --config is checked the same way
+    cli_refuses(folder, tmp_path / "out", "--config", config, mentions=["model.embed_tokens.weight", "a shard file is missing"])
+    found = fsdpfast.inspect(folder)  # without any config.json the plan says what it could not check
+    assert any("a missing last shard file cannot be detected" in note and "no config.json" in note for note in found["notes"])
+
+
+def test_plan_says_the_shapes_were_checked(checkpoints):
+    _, folder = checkpoints.get("w2-dcp-hf")
+    notes = fsdpfast.inspect(folder)["notes"]
+    assert any("2 shard files" in n and "agree with" in n and "config.json" in n for n in notes), notes
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.001])
 def test_truncated_shard_file(checkpoints, tmp_path, keep):
     folder = copy_checkpoint(checkpoints, "w2-dcp-hf", tmp_path)

@@ -16,7 +16,7 @@ import torch
 
 import fsdpfast
 from fsdpfast.errors import UnsafeCheckpoint
-from helpers import assert_bit_exact, read_merged
+from helpers import assert_bit_exact, copy_checkpoint, read_merged
 from test_bad_input import api_refuses, cli_refuses
 from test_unsafe_pickles import payload_bytes, rewrite_data_pkl
 
@@ -45,6 +45,13 @@ def edit_model_states(path: Path, edit: Callable[[dict], None]) -> None:
     """Model-states files pickle only torch types: real torch loads, edits and saves them."""
     whole = torch.load(path, weights_only=True)
     edit(whole)
+    torch.save(whole, path)
+
+
+def edit_optim_states(path: Path, edit: Callable[[dict], None]) -> None:
+    """Optimizer files pickle DeepSpeed classes: torch loads them with deepspeed importable (the tests' extra)."""
+    whole = torch.load(path, weights_only=False)
+    edit(whole["optimizer_state_dict"])
     torch.save(whole, path)
 
 
@@ -134,6 +141,23 @@ def model_states_as_optim_file(root: Path, others) -> list:
     return [victim, "not a DeepSpeed ZeRO optimizer file"]
 
 
+def model_states_field(field: str, value):
+    """A model-states entry of another type than DeepSpeed writes (a corrupt or foreign file)."""
+    def damage(root: Path, others) -> list:
+        victim = model_states(root)
+        edit_model_states(victim, lambda whole: whole.update({field: value}))
+        return [victim, field, "the file is corrupt"]
+    return damage
+
+
+def optim_states_field(field: str, value):
+    def damage(root: Path, others) -> list:
+        victim = optim_file(root, 0)
+        edit_optim_states(victim, lambda state: state.update({field: value}))
+        return [victim, field, "the file is corrupt"]
+    return damage
+
+
 def add_dcp_files(root: Path, others) -> list:
     (root / ".metadata").write_bytes(b"")
     (root / "__0_0.distcp").write_bytes(b"")
@@ -163,6 +187,12 @@ DAMAGES = {
     "optimizer file of another run": Damage(Z2, optim_file_of_another_stage),
     "not an optimizer file": Damage(Z2, model_states_as_optim_file),
     "two layouts in one folder": Damage(Z2, add_dcp_files),
+    "shared_params not a map": Damage(Z2, model_states_field("shared_params", 5)),
+    "stage 3 shared_params a list": Damage(Z3, model_states_field("shared_params", ["lm_head.weight"])),
+    "buffer_names not a list": Damage(Z2, model_states_field("buffer_names", 3)),
+    "alignment paddings for fewer groups": Damage(Z2, optim_states_field("param_alignment_paddings", [])),
+    "alignment paddings not whole numbers": Damage(Z2, optim_states_field("param_alignment_paddings", [["4"]])),
+    "partition_count of lists": Damage(Z2, optim_states_field("partition_count", [[2]])),
 }
 
 
@@ -236,3 +266,10 @@ def test_live_payload_in_an_optimizer_file_never_runs(deepspeed_checkpoints, tmp
     rewrite_data_pkl(victim, payload_bytes("os.system", marker))
     cli_refuses(copy, tmp_path / "out", mentions=["refusing to unpickle", victim])
     assert not marker.exists()
+
+
+def test_a_latest_file_alone_is_not_a_deepspeed_checkpoint(checkpoints, tmp_path):
+    """Other tools write a `latest` file too: only a folder of DeepSpeed files makes a DeepSpeed checkpoint."""
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    (folder / "latest").write_text("global_step1")
+    assert fsdpfast.merge(folder, tmp_path / "out").layout == "fsdp-ranks"

@@ -124,6 +124,48 @@ def test_inspect_shows_wrap_units_and_order(fsdp1):
     assert [p["name"] for p in units["(root)"]["params"]] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
 
 
+def test_the_transformers_the_order_came_from_is_noted_and_recorded(fsdp1, tmp_path):
+    """Sizes cannot check the order of same-shaped parameters: where it came from is said and kept."""
+    import transformers
+
+    _, folder = fsdp1.get("w2-llama")
+    origin = f"transformers {transformers.__version__} transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    found = fsdpfast.inspect(folder)
+    assert found["assumed"]["order_from"] == origin
+    assert any(origin in note and "compare the merged model's outputs with a reference" in note for note in found["notes"])
+    fsdpfast.merge(folder, tmp_path / "out")
+    with open(tmp_path / "out" / "fsdpfast-manifest.json") as f:
+        assert json.load(f)["layout_options"]["order_from"] == origin
+    assert fsdpfast.verify(tmp_path / "out", against=folder).ok  # the recorded option is read back
+    older = fsdpfast.plan_merge(folder, order_from="transformers 4.0.0 LlamaForCausalLM")
+    assert any(n.startswith("the merge took that order from transformers 4.0.0") for n in older.notes)
+
+
+def test_a_weight_tied_across_units_keeps_both_names(fsdp1):
+    """An inner unit that takes a tied weight holds it once; the outer unit's name becomes its alias."""
+    from fsdpfast.formats import fsdp1_units
+
+    _, folder = fsdp1.get("w3-tied")
+    model, _ = fsdp1_units.meta_model(os.path.join(folder, "huggingface"))
+    units = {u.path: u for u in fsdp1_units.units(model, ["LlamaDecoderLayer", "Embedding"])}
+    (embedding,) = units["model.embed_tokens"].params
+    assert embedding.name == "model.embed_tokens.weight" and embedding.aliases == ("lm_head.weight",)
+    assert "lm_head.weight" not in [p.name for p in units[""].params]
+    same = {u.path: u for u in fsdp1_units.units(model, ["LlamaDecoderLayer"])}  # both in the root: as before
+    assert [p.aliases for p in same[""].params if p.name == "model.embed_tokens.weight"] == [("lm_head.weight",)]
+
+
+def test_only_model_classes_are_built(fsdp1, tmp_path):
+    folder = fsdp1.copy("w2-llama", tmp_path)
+    path = os.path.join(folder, "huggingface", "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["architectures"] = ["LlamaConfig"]  # a transformers class, not a model
+    with open(path, "w") as f:
+        json.dump(config, f)
+    assert "architecture LlamaConfig is not a transformers model class" in _refused(folder, tmp_path / "out")
+
+
 def test_inspect_cli_prints_the_assumptions(fsdp1):
     _, folder = fsdp1.get("w2-tied-orig")
     result = subprocess.run([sys.executable, "-m", "fsdpfast", "inspect", folder], capture_output=True, text=True)

@@ -16,7 +16,9 @@ LAYOUT_OPTIONS = {
     "tag": deepspeed_zero.NAME,  # which checkpoint tag
     "wrap": fsdp1_flat.NAME,  # the module classes FSDP1 wrapped
     "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
+    "order_from": fsdp1_flat.NAME,  # not for users: the merge records it, verify --against passes it back
 }
+CONFIG_READERS = (fsdp1_flat.NAME, dcp_hf.NAME)  # readers that read config.json themselves (`config`: --config)
 
 
 def detect(folder: str) -> str:
@@ -52,7 +54,7 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
             raise BadInput(f"--{name.replace('_', '-')} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
-    if layout == fsdp1_flat.NAME:
+    if layout in CONFIG_READERS:
         given["config"] = config
     plan = READERS[layout].read(folder, **given)
     plan.options = {**given, **plan.options}

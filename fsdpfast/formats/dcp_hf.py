@@ -7,6 +7,10 @@ sharding: each file's `__metadata__` holds `DCP_SHARDING_INFO`, JSON {name: {"sa
 [...]}}, where that file's chunk of `name` starts in the global tensor. As in torch's own reader
 and `consolidate_safetensors_files`, a tensor's global shape is the largest offset + size over
 its chunks. Chunks are read in place from the safetensors files.
+
+So a checkpoint missing its last shard file (all of the last rank's chunks) leaves no gap in
+the numbering and merges into a smaller model; the model's config.json, when present, catches
+that: the embeddings' inferred shapes must reach its vocab_size and hidden size.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import re
 from math import prod
 
+from ..configs import load_config
 from ..errors import BadInput
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents, first_overlap
@@ -24,6 +29,7 @@ NAME = "dcp-hf"
 DESCRIPTION = "shard-{r}-model-{i}-of-{n}.safetensors with DCP offsets in their headers (HuggingFaceStorageWriter)"
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _SHARD_FILE = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors")
+_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|word_embeddings|wte|embed_in|lm_head|embed_out)\.weight$")
 
 
 def matches(folder: str) -> bool:
@@ -31,7 +37,8 @@ def matches(folder: str) -> bool:
     return any(_SHARD_FILE.fullmatch(os.path.basename(f)) for f in files) or any(_has_sharding_info(f) for f in files)
 
 
-def read(folder: str) -> MergePlan:
+def read(folder: str, config: str | None = None) -> MergePlan:
+    """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
     files = _safetensors_files(folder)
     shards = _check_numbering(folder, files)
     sources: list[SourceBuffer] = []
@@ -48,7 +55,31 @@ def read(folder: str) -> MergePlan:
     plan = MergePlan(NAME, shards or len(files), sources, tensors)
     hf = os.path.join(folder, "huggingface")
     plan.config_dir = hf if os.path.isdir(hf) else None
+    checked = _check_against_config(folder, tensors, config or plan.config_dir)
+    plan.notes.append(f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
+                      "none), so a missing last shard file cannot be detected from them" +
+                      (f"; the embeddings' shapes agree with {checked}" if checked else
+                       "; no config.json to check the embeddings' shapes against (give one with --config)"))
     return plan
+
+
+def _check_against_config(folder: str, tensors: list[TensorPlan], config_dir: str | None) -> str | None:
+    """The config.json the embeddings were checked against (None: none to check); an error if they fall short of it."""
+    path = os.path.join(config_dir, "config.json") if config_dir else None
+    if path is None or not os.path.isfile(path):
+        return None
+    config = load_config(path)
+    vocab = config.get("vocab_size")
+    width = next((config[k] for k in ("embedding_size", "hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), None)
+    if not isinstance(vocab, int) or width is None:
+        return None
+    for tensor in tensors:
+        # Only smaller is a lost shard; larger (a padded vocabulary) is the model's own business.
+        if _EMBEDDING.search(tensor.name) and len(tensor.shape) == 2 and (tensor.shape[0] < vocab or tensor.shape[1] < width):
+            raise BadInput(f"{folder}: {tensor.name} is {list(tensor.shape)} by its chunks' offsets but {path} gives vocab_size "
+                           f"{vocab} and width {width}: a shard file is missing (the last one leaves no gap in the numbering) "
+                           "or config.json is another model's")
+    return path
 
 
 def _safetensors_files(folder: str) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import BadInput
 from .discover import complete_ranks
-from .safe_load import Record, TensorRef, safe_unpickle
+from .safe_load import Record, TensorRef, is_count, safe_unpickle
 from .torch_zip import TorchZip
 
 DEEPSPEED_RECORDS = frozenset({
@@ -159,13 +159,12 @@ def _stage(state: dict, path: str) -> int:
 
 def _partition_count(state: dict, path: str) -> int:
     count = state.get("partition_count")
-    counts = set(count) if isinstance(count, (list, tuple)) else {count}
-    if len(counts) != 1:
-        raise BadInput(f"{path}: parameter groups partitioned over different rank counts {sorted(counts)} (MoE); not supported")
-    world = counts.pop()
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+    counts = list(count) if isinstance(count, (list, tuple)) else [count]
+    if not counts or not all(is_count(c) and c >= 1 for c in counts):
         raise BadInput(f"{path}: partition_count {count!r} is not a rank count; the file is corrupt")
-    return world
+    if len(set(counts)) != 1:
+        raise BadInput(f"{path}: parameter groups partitioned over different rank counts {sorted(set(counts))} (MoE); not supported")
+    return counts[0]
 
 
 def flat_partition(tensor: Any, path: str, what: str) -> TensorRef:

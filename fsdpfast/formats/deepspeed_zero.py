@@ -13,44 +13,44 @@ buffers from the module state dict, and `shared_params` names become aliases of 
 """
 from __future__ import annotations
 
-import bisect
 import os
-from math import ceil, prod
+from math import prod
 
 from ..errors import BadInput
-from ..plan import Extent, MergePlan, SourceBuffer, TensorPlan
+from ..plan import Extent, MergePlan, TensorPlan
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
-from .safe_load import TensorRef
-from .torch_zip import TorchZip
+from .flat_runs import FlatRuns
+from .safe_load import TensorRef, as_dims, is_count
+from .storage_sources import StorageSources
 
 NAME = "deepspeed-zero"
 DESCRIPTION = "latest + global_stepN/ with *_model_states.pt and *_optim_states.pt: DeepSpeed ZeRO stage 1/2/3"
 
 
 def matches(folder: str) -> bool:
-    if is_tag_folder(folder):
-        return True
-    return os.path.isfile(os.path.join(folder, "latest")) or bool(tags_in(folder))
+    # A `latest` file alone is no evidence (other tools write one too): a folder of DeepSpeed files is.
+    return is_tag_folder(folder) or bool(tags_in(folder))
 
 
 def read(folder: str, tag: str | None = None) -> MergePlan:
     tag_dir, tag, how = resolve_tag(folder, tag)
     files = read_rank_files(tag_dir)
-    sources = _Sources()
+    model_path, model = files.model[0]
+    shared = _shared_params(model, model_path)
+    sources = StorageSources()
     try:
         trained = (_stage12_trained if files.stage < 3 else _stage3_trained)(files, sources)
         frozen, frozen_from = _frozen(files, sources, set(trained))
         buffers = _buffers(files, sources)
     finally:
         sources.close()
-    model_path, model = files.model[0]
     planned = {**trained, **frozen, **buffers}
     order = [str(name) for name in model["module"] if name in planned] + [n for n in planned if n not in model["module"]]
     tensors = [planned[name] for name in order]
     notes = [f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
              f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"]
-    tensors += _aliases(model.get("shared_params") or {}, planned, notes)
-    leftover = [str(n) for n in model["module"] if n not in planned and n not in (model.get("shared_params") or {})]
+    tensors += _aliases(shared, planned, notes)
+    leftover = [str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared]
     notes.append(f"{len(trained)} trained parameters: the fp32 master weights from the *_optim_states.pt files "
                  "(their Adam moments are never read)")
     if frozen:
@@ -66,53 +66,23 @@ def read(folder: str, tag: str | None = None) -> MergePlan:
     return plan
 
 
-class _Sources:
-    """Source buffers by (file, storage record), each archive opened once while planning."""
-
-    def __init__(self):
-        self.buffers: list[SourceBuffer] = []
-        self._index: dict[tuple[str, str], int] = {}
-        self._archives: dict[str, TorchZip] = {}
-
-    def index(self, path: str, tensor: TensorRef) -> int:
-        key = (path, tensor.storage.key)
-        if key not in self._index:
-            if path not in self._archives:
-                self._archives[path] = TorchZip(path)
-            self._index[key] = len(self.buffers)
-            self.buffers.append(self._archives[path].storage_buffer(tensor.storage))
-        return self._index[key]
-
-    def close(self) -> None:
-        for archive in self._archives.values():
-            archive.close()
+def _shared_params(model: dict, path: str) -> dict[str, str]:
+    """{tied name: the name it shares storage with}, as DeepSpeed records them."""
+    shared = model.get("shared_params")
+    if shared is None:
+        return {}
+    if not isinstance(shared, dict):
+        raise BadInput(f"{path}: shared_params is {shared!r:.60}, not a name -> name map; the file is corrupt")
+    return {str(alias): str(owner) for alias, owner in shared.items()}
 
 
-class _FlatRuns:
-    """Pieces laid end to end as one flat vector; a run of it becomes extents into the pieces' storages."""
-
-    def __init__(self, pieces: list[tuple[int, int, int]]):  # (source, element offset, length)
-        self.pieces = pieces
-        self.starts = [0]
-        for _, _, length in pieces:
-            self.starts.append(self.starts[-1] + length)
-
-    @property
-    def numel(self) -> int:
-        return self.starts[-1]
-
-    def extents(self, start: int, count: int, dst: int) -> list[Extent]:
-        out = []
-        index = bisect.bisect_right(self.starts, start) - 1
-        while count > 0:
-            source, offset, length = self.pieces[index]
-            skip = start - self.starts[index]
-            take = min(count, length - skip)
-            if take > 0:
-                out.append(Extent(source, offset + skip, take, dst))
-                start, count, dst = start + take, count - take, dst + take
-            index += 1
-        return out
+def _buffer_names(model: dict, path: str) -> list[str]:
+    names = model.get("buffer_names")
+    if names is None:
+        return []
+    if not isinstance(names, (list, tuple, set)):
+        raise BadInput(f"{path}: buffer_names is {names!r:.60}, not a list of names; the file is corrupt")
+    return [str(name) for name in names]
 
 
 def _group_shapes(model: dict, path: str) -> list[dict[str, tuple[int, ...]]]:
@@ -125,12 +95,13 @@ def _group_shapes(model: dict, path: str) -> list[dict[str, tuple[int, ...]]]:
 
 
 def _shape(shape, path: str, name) -> tuple[int, ...]:
-    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    dims = as_dims(shape)
+    if dims is None:
         raise BadInput(f"{path}: the shape of {name} is {shape!r}, not a list of sizes; the file is corrupt")
-    return tuple(shape)
+    return dims
 
 
-def _rank_groups(files: RankFiles, key: str, sources: _Sources) -> list[list[tuple[int, int, int]]]:
+def _rank_groups(files: RankFiles, key: str, sources: StorageSources) -> list[list[tuple[int, int, int]]]:
     """Per rank, per group: (source, offset, length) of the saved flat fp32 partition."""
     out = []
     for path, state in files.optim:
@@ -147,21 +118,19 @@ def _rank_groups(files: RankFiles, key: str, sources: _Sources) -> list[list[tup
     return out
 
 
-def _stage12_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]:
     model_path, model = files.model[0]
     shapes = _group_shapes(model, model_path)
     ranks = _rank_groups(files, "single_partition_of_fp32_groups", sources)
     if len(shapes) != len(ranks[0]):
         raise BadInput(f"{model_path}: param_shapes lists {len(shapes)} groups but the optimizer files hold {len(ranks[0])}")
     dtype = _partition_dtype(files, "single_partition_of_fp32_groups")
-    alignment = files.optim[0][1].get("param_alignment_paddings")
+    alignment = _alignment_paddings(files, shapes)
     out = {}
     for g, group in enumerate(shapes):
         _check_partition_sizes(files, g, [rank[g][2] for rank in ranks])
-        flat = _FlatRuns([rank[g] for rank in ranks])
-        paddings = alignment[g] if isinstance(alignment, (list, tuple)) else [0] * len(group)
-        if len(paddings) != len(group):
-            raise BadInput(f"{files.optim[0][0]}: {len(paddings)} alignment paddings for the {len(group)} parameters of group {g}; the file is corrupt")
+        flat = FlatRuns([rank[g] for rank in ranks])
+        paddings = alignment[g]
         offset = 0
         for (name, shape), padding in zip(group.items(), paddings):
             numel = prod(shape)
@@ -174,20 +143,36 @@ def _stage12_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPla
     return out
 
 
+def _alignment_paddings(files: RankFiles, shapes: list[dict]) -> list[tuple[int, ...]]:
+    """Per group, the padding after each parameter (stage 1/2); none recorded: no padding."""
+    path, state = files.optim[0]
+    alignment = state.get("param_alignment_paddings")
+    if alignment is None:
+        return [(0,) * len(group) for group in shapes]
+    groups = [as_dims(paddings) for paddings in alignment] if isinstance(alignment, (list, tuple)) else None
+    if groups is None or len(groups) != len(shapes) or any(p is None for p in groups):
+        raise BadInput(f"{path}: param_alignment_paddings is not one list of paddings per parameter group "
+                       f"({len(shapes)} groups); the file is corrupt")
+    for g, (paddings, group) in enumerate(zip(groups, shapes)):
+        if len(paddings) != len(group):
+            raise BadInput(f"{path}: {len(paddings)} alignment paddings for the {len(group)} parameters of group {g}; the file is corrupt")
+    return groups
+
+
 def _check_partition_sizes(files: RankFiles, group: int, saved: list[int]) -> None:
     """Stage 1/2: every rank's partition is the same size once its end padding (stripped when saving) is counted."""
     full = []
     for (path, state), length in zip(files.optim, saved):
         paddings = state.get("group_paddings")
         padding = paddings[group] if isinstance(paddings, (list, tuple)) and len(paddings) > group else 0
-        full.append(length + (padding if isinstance(padding, int) else 0))
+        full.append(length + (padding if is_count(padding) else 0))
     if len(set(full)) != 1:
         rank = next(r for r, size in enumerate(full) if size != full[0])
         raise BadInput(f"{files.optim[rank][0]}: its partition of group {group} holds {full[rank]} elements with padding, "
                        f"rank 0's {full[0]}; partition sizes disagree, the files come from different runs or are corrupt")
 
 
-def _stage3_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+def _stage3_trained(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]:
     model_path, model = files.model[0]
     shapes = {}
     for group in _group_shapes(model, model_path):
@@ -195,7 +180,7 @@ def _stage3_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan
             if name in shapes:
                 raise BadInput(f"{model_path}: {name} is listed in two parameter groups; the file is corrupt")
             shapes[name] = shape
-    ranks = [_FlatRuns(pieces) for pieces in _rank_groups(files, "fp32_flat_groups", sources)]
+    ranks = [FlatRuns(pieces) for pieces in _rank_groups(files, "fp32_flat_groups", sources)]
     for rank, flat in enumerate(ranks):
         if flat.numel != ranks[0].numel:
             raise BadInput(f"{files.optim[rank][0]}: holds {flat.numel} fp32 elements, rank 0 holds {ranks[0].numel}; "
@@ -204,7 +189,7 @@ def _stage3_trained(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan
     out, offset = {}, 0
     for name, shape in shapes.items():
         numel = prod(shape)
-        piece = ceil(numel / files.world)
+        piece = -(-numel // files.world)  # ceil, in integers: floats round above 2**53
         if offset + piece > ranks[0].numel:
             raise _mismatch(files, model_path, f"each rank's partition ends at element {ranks[0].numel}, inside {name}")
         extents = []
@@ -230,7 +215,7 @@ def _partition_dtype(files: RankFiles, key: str) -> str:
     return dtypes.pop()
 
 
-def _frozen(files: RankFiles, sources: _Sources, trained: set[str]) -> tuple[dict[str, TensorPlan], str]:
+def _frozen(files: RankFiles, sources: StorageSources, trained: set[str]) -> tuple[dict[str, TensorPlan], str]:
     model_path, model = files.model[0]
     shapes = model.get("frozen_param_shapes")
     if isinstance(shapes, dict) and shapes:
@@ -242,7 +227,7 @@ def _frozen(files: RankFiles, sources: _Sources, trained: set[str]) -> tuple[dic
     if files.stage == 3:
         return {}, ""
     # Stage 1 saves no frozen fragments; the module state dict holds every parameter whole.
-    skip = trained | set(model.get("buffer_names") or ()) | set(model.get("shared_params") or {})
+    skip = trained | set(_buffer_names(model, model_path)) | set(_shared_params(model, model_path))
     module = model["module"]
     names = {str(n): tuple(t.shape) for n, t in module.items() if str(n) not in skip and isinstance(t, TensorRef)}
     found = _whole_tensors(model_path, module, names, sources, "module")
@@ -250,7 +235,7 @@ def _frozen(files: RankFiles, sources: _Sources, trained: set[str]) -> tuple[dic
                    "DeepSpeed's zero_to_fp32 leaves them out)")
 
 
-def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], sources: _Sources, what: str) -> dict[str, TensorPlan]:
+def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], sources: StorageSources, what: str) -> dict[str, TensorPlan]:
     out = {}
     for name, shape in shapes.items():
         tensor = holder.get(name) if isinstance(holder, dict) else None
@@ -265,11 +250,11 @@ def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], source
     return out
 
 
-def _stage3_frozen(files: RankFiles, sources: _Sources, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorPlan]:
+def _stage3_frozen(files: RankFiles, sources: StorageSources, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorPlan]:
     out = {}
     for name, shape in shapes.items():
         numel = prod(shape)
-        piece = ceil(numel / files.world)
+        piece = -(-numel // files.world)
         extents, dtypes = [], set()
         for rank, (path, model) in enumerate(files.model):
             fragments = model.get("frozen_param_fragments")
@@ -291,9 +276,9 @@ def _stage3_frozen(files: RankFiles, sources: _Sources, shapes: dict[str, tuple[
     return out
 
 
-def _buffers(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
+def _buffers(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]:
     path, model = files.model[0]
-    names = [str(n) for n in model.get("buffer_names") or ()]
+    names = _buffer_names(model, path)
     module = model["module"]
     shapes = {}
     for name in names:
@@ -303,11 +288,10 @@ def _buffers(files: RankFiles, sources: _Sources) -> dict[str, TensorPlan]:
     return _whole_tensors(path, module, shapes, sources, "module")
 
 
-def _aliases(shared: dict, planned: dict[str, TensorPlan], notes: list[str]) -> list[TensorPlan]:
+def _aliases(shared: dict[str, str], planned: dict[str, TensorPlan], notes: list[str]) -> list[TensorPlan]:
     """Each shared name reads its partner's bytes; prepare writes such names once and lists them as tied."""
     out = []
     for alias, owner in shared.items():
-        alias, owner = str(alias), str(owner)
         if owner not in planned:
             notes.append(f"not merged: {alias}, shared with {owner}, which the checkpoint does not hold")
             continue

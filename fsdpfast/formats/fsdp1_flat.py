@@ -9,8 +9,10 @@ flat parameter to a multiple of the world size, and saves the original parameter
 views beside it. Buffers are plain tensors every rank holds whole.
 
 What is not saved is which parameters a flat parameter holds: formats.fsdp1_units rebuilds
-that from config.json and the wrap classes. Every assumption is checked against the sizes the
-files record, and reported (plan notes, `inspect`).
+that from config.json, the wrap classes and the locally installed transformers' model class.
+The units and every size are checked against what the files record; the order of same-shaped
+parameters cannot be (it is the model class's registration order), so it is reported (plan
+notes, `inspect`, the manifest's layout_options) with the transformers version it came from.
 """
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ import os
 import re
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
-from ..dtypes import itemsize
+from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput
-from ..plan import Extent, MergePlan, TensorPlan
+from ..plan import MergePlan, TensorPlan
 from .discover import complete_ranks
+from .flat_runs import FlatRuns
 from .placements import chunk_span
-from .rank_files import RankState, _plan_replicated, _Sources, load_rank_states
-from .safe_load import Record, ShardedTensorRef, TensorRef, safe_unpickle
+from .rank_files import RankState, load_rank_states, plan_replicated
+from .safe_load import Record, ShardedTensorRef, TensorRef, as_dims, safe_unpickle
+from .storage_sources import StorageSources
 from .torch_zip import TorchZip
 
 NAME = "fsdp1-flat"
@@ -41,16 +46,22 @@ def matches(folder: str) -> bool:
     return bool(_families(folder))
 
 
-def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: str | None = None) -> MergePlan:
+def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: str | None = None,
+         order_from: str | None = None) -> MergePlan:
+    """`order_from`: the transformers version and class a merge took the parameter order from
+    (recorded in its manifest; verify --against passes it back, and the plan notes a difference)."""
     families = _families(folder)
     if len(families) > 1:
         shown = ", ".join(f"{stem}*.{ext}" for stem, ext in families)
         raise BadInput(f"{folder}: rank files of several FSDP1 checkpoints ({shown}); move all but one elsewhere")
     (stem, ext), ranks = next(iter(families.items()))
-    world = _recorded_world(ranks[min(ranks)])
-    states = load_rank_states(complete_ranks(folder, ranks, world, lambda r: f"{stem}{r}.{ext}"), _model_part, sharded_tensors=True)
+    first = ranks[min(ranks)]
+    whole = _unpickled(first)
+    world = _recorded_world(whole, first)
+    states = load_rank_states(complete_ranks(folder, ranks, world, lambda r: f"{stem}{r}.{ext}"), _model_part,
+                              sharded_tensors=True, unpickled={first: whole})
     try:
-        return _plan(folder, states, world, wrap, use_orig_params, config)
+        return _plan(folder, states, world, wrap, use_orig_params, config, order_from)
     finally:
         for state in states:
             state.archive.close()
@@ -63,7 +74,8 @@ def _families(folder: str) -> dict[tuple[str, str], dict[int, str]]:
 
     accelerate's names are taken by name alone; any other `*rank{r}` family counts only when
     its lowest rank's pickle holds `_flat_param` entries (so a truncated accelerate file still
-    reaches the reader and its clear error, and other layouts' files are not claimed).
+    reaches the reader and its clear error, and other layouts' files are not claimed). Only a
+    pickle whose bytes name `_flat_param` at all is unpickled, and that once per process.
     """
     found: dict[tuple[str, str], dict[int, str]] = {}
     for entry in sorted(os.listdir(folder)):
@@ -76,11 +88,30 @@ def _families(folder: str) -> dict[tuple[str, str], dict[int, str]]:
 
 def _holds_flat_params(path: str) -> bool:
     try:
-        with TorchZip(path) as archive:
-            whole = safe_unpickle(archive.pickle_bytes, path)
-        return bool(_flat_entries(_model_part(whole, path)))
+        return bool(_flat_entries(_model_part(_unpickled(path), path)))
     except Exception:  # unreadable files are some other layout's business
         return False
+
+
+_UNPICKLED: dict[str, tuple[bytes, Any]] = {}  # the last rank file unpickled: path -> (its pickle, the object)
+
+
+def _unpickled(path: str) -> Any:
+    """A rank file's unpickled object; detection and reading share it, so rank 0 is unpickled once.
+
+    The pickle bytes are read each time (cheap) and must equal the cached ones, so a file
+    rewritten in between is unpickled again. A pickle that never names _flat_param is answered
+    with an empty dict unread (other layouts' rank files, e.g. verl's, pass through detection).
+    """
+    with TorchZip(path) as archive:
+        data = archive.pickle_bytes
+    cached = _UNPICKLED.get(path)
+    if cached is not None and cached[0] == data:
+        return cached[1]
+    whole = safe_unpickle(data, path) if FLAT_PARAM.encode() in data else {}
+    _UNPICKLED.clear()  # keep one: plans of many checkpoints in one process must not pile up
+    _UNPICKLED[path] = (data, whole)
+    return whole
 
 
 def _model_part(whole, path: str) -> dict:
@@ -103,10 +134,9 @@ def _flat_entries(state_dict: dict) -> dict[str, str]:
     return out
 
 
-def _recorded_world(path: str) -> int:
+def _recorded_world(whole, path: str) -> int:
     """The world size the lowest rank's ShardedTensors record (their process group's size)."""
-    with TorchZip(path) as archive:
-        state_dict = _model_part(safe_unpickle(archive.pickle_bytes, path), path)
+    state_dict = _model_part(whole, path)
     for key in _flat_entries(state_dict):
         value = state_dict[key]
         if isinstance(value, ShardedTensorRef):
@@ -138,7 +168,7 @@ class _FlatParam:
     shards: list[tuple[RankState, TensorRef | None]]  # per rank, its local piece (None: holds none)
 
 
-def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_params, config) -> MergePlan:
+def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_params, config, order_from) -> MergePlan:
     flats = _read_flat_params(states, world)
     config_dir = _config_dir(folder, config)
     from . import fsdp1_units  # torch and transformers, for this layout only
@@ -159,11 +189,12 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     align, how = _alignment(flats, units, world, use_orig_params, arch, wrap_names, views)
     layouts = {path: flat_layout(units[path], align, world)[0] for path in flats}
     _check_views(views, flats, layouts, world)
-    sources = _Sources()
+    sources = StorageSources()
     tensors: list[TensorPlan] = []
     for path, flat in flats.items():
+        runs = _flat_runs(flat, sources)
         for param, offset in layouts[path]:
-            extents = _param_extents(flat, offset, prod(param.shape), world, sources)
+            extents = runs.extents(offset, prod(param.shape), 0)
             for name in (param.name, *param.aliases):
                 tensors.append(TensorPlan(name, param.shape, flat.dtype, flat.dtype, list(extents)))
     tensors += _buffers(states, views, sources)
@@ -177,9 +208,34 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     plan.notes.append(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
     if views:
         plan.notes.append(f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)")
+    plan.notes += _tied_notes(units)
+    origin = fsdp1_units.order_source(model)
+    plan.notes.append(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
+                      "if training ran another transformers version or the model's remote code, same-shaped parameters "
+                      "could be swapped unnoticed: compare the merged model's outputs with a reference (README: FSDP1)")
+    if order_from and order_from != origin:
+        plan.notes.append(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
     plan.assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
-    plan.options = {"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0}
+    plan.assumed["order_from"] = origin
+    # Recorded in the manifest (layout_options): which transformers gave the order this merge assumed.
+    plan.options = {"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin}
     return plan
+
+
+def _tied_notes(units) -> list[str]:
+    """Tied names whose parameter another (earlier) unit holds: merged as copies of it, said so."""
+    notes = []
+    for unit in units.values():
+        for param in unit.params:
+            elsewhere = [a for a in param.aliases if not _inside(a, unit.path)]
+            if elsewhere:
+                notes.append(f"{', '.join(elsewhere)} tied to {param.name}, which unit {unit.path or '(root)'} holds: "
+                             "written from its bytes")
+    return notes
+
+
+def _inside(name: str, unit_path: str) -> bool:
+    return not unit_path or name.startswith(unit_path + ".")
 
 
 def _config_dir(folder: str, config: str | None) -> str:
@@ -209,8 +265,8 @@ def _read_flat_params(states: list[RankState], world: int) -> dict[str, _FlatPar
     flats: dict[str, _FlatParam] = {}
     for key, path in keys.items():
         value = first_part[key]
-        if not isinstance(value, ShardedTensorRef) or len(value.shape) != 1:
-            raise BadInput(f"{first.path}: {key} is not a 1-D ShardedTensor; not a flat parameter saved by FSDP1")
+        if not isinstance(value, ShardedTensorRef) or len(as_dims(value.shape) or ()) != 1 or value.dtype not in DTYPES:
+            raise BadInput(f"{first.path}: {key} is not a 1-D ShardedTensor of a known dtype; not a flat parameter saved by FSDP1")
         flats[path] = _FlatParam(key, path, value.shape[0], value.dtype, [])
     for state in states:
         part = _model_part(state.whole, state.path)
@@ -247,9 +303,9 @@ def _local_shard(state: RankState, key: str, value, flat: _FlatParam, world: int
     tensor, meta = (shard.get("tensor"), shard.get("metadata")) if isinstance(shard, Record) else (None, None)
     if not isinstance(tensor, TensorRef) or not isinstance(meta, Record):
         raise BadInput(f"{where}: its local shard lacks its tensor or metadata; the file is corrupt")
-    offsets, sizes = list(meta.get("shard_offsets") or []), list(meta.get("shard_sizes") or [])
-    if offsets != [start] or sizes != [length] or tuple(tensor.shape) != (length,):
-        raise BadInput(f"{where}: its shard holds {sizes or tensor.shape} elements at offset {offsets}; {expected}")
+    offsets, sizes = as_dims(meta.get("shard_offsets")), as_dims(meta.get("shard_sizes"))
+    if offsets != (start,) or sizes != (length,) or tuple(tensor.shape) != (length,):
+        raise BadInput(f"{where}: its shard holds {list(sizes or tensor.shape)} elements at offset {list(offsets or ())}; {expected}")
     if tensor.dtype != flat.dtype or not tensor.is_contiguous() or tensor.offset + length > tensor.storage.numel:
         raise BadInput(f"{where}: its shard's tensor does not fit its storage ({tensor.dtype}, {tensor.storage.numel} elements); the file is corrupt")
     return tensor
@@ -359,23 +415,17 @@ def _check_views(views, flats, layouts, world) -> None:
                                f"the assumed layout gives {want[1]} at {want[0]}; pass the wrapped classes with --wrap")
 
 
-def _param_extents(flat: _FlatParam, offset: int, numel: int, world: int, sources: _Sources) -> list[Extent]:
-    chunk = -(-flat.size // world)
-    extents = []
-    for state, shard in flat.shards:
-        if shard is None:
-            continue
-        start = state.rank * chunk
-        lo, hi = max(offset, start), min(offset + numel, start + prod(shard.shape))
-        if lo < hi:
-            extents.append(Extent(sources.index(state, shard), shard.offset + lo - start, hi - lo, lo - offset))
-    if sum(e.count for e in extents) != numel:
-        raise BadInput(f"{flat.shards[0][0].path}: the shards of {flat.key} cover {sum(e.count for e in extents)} of the "
-                       f"{numel} elements of a parameter at {offset}; the files are incomplete")
-    return extents
+def _flat_runs(flat: _FlatParam, sources: StorageSources) -> FlatRuns:
+    """The flat parameter as its ranks' shards end to end: torch.chunk pieces, checked to start at rank * ceil(size / world)."""
+    runs = FlatRuns([(sources.index(state.path, shard, state.archive), shard.offset, prod(shard.shape))
+                     for state, shard in flat.shards if shard is not None])
+    if runs.numel != flat.size:
+        raise BadInput(f"{flat.shards[0][0].path}: the shards of {flat.key} hold {runs.numel} of its {flat.size} elements; "
+                       "the files are incomplete")
+    return runs
 
 
-def _buffers(states: list[RankState], views, sources: _Sources) -> list[TensorPlan]:
+def _buffers(states: list[RankState], views, sources: StorageSources) -> list[TensorPlan]:
     """Plain tensors that are not parameter views: buffers, held whole by every rank."""
     view_keys = {key for pieces in views.values() for state, view in pieces for key, v in state.tensors.items() if v is view}
     out = []
@@ -385,7 +435,7 @@ def _buffers(states: list[RankState], views, sources: _Sources) -> list[TensorPl
         missing = [s.path for s in states if name not in s.tensors]
         if missing:
             raise BadInput(f"{missing[0]}: lacks {name}, which rank 0's file holds; all rank files must come from one checkpoint")
-        out.append(_plan_replicated(name, [(s, s.tensors[name]) for s in states], sources))
+        out.append(plan_replicated(name, [(s, s.tensors[name]) for s in states], sources))
     return out
 
 

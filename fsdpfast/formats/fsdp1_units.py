@@ -10,7 +10,11 @@ memory, no weights) -> the units an auto-wrap policy over module classes makes:
 - a unit flattens the parameters of its subtree that no earlier unit took;
 - inside a unit the order is `named_modules(remove_duplicate=False)` and, per module, its own
   parameters in registration order; a parameter met again (tied weights) is stored once,
-  under its first name, the later names being views of it.
+  under its first name, the later names being views of it (also when the later name sits in
+  another unit: that unit does not hold it again).
+
+The registration order is the installed transformers' (order_source names it): the sizes
+in the files check the units, not the order of same-shaped parameters within one.
 
 Needs torch and transformers; only the fsdp1-flat layout imports this module.
 """
@@ -59,7 +63,7 @@ def meta_model(config_dir: str):
                        "add it (e.g. \"architectures\": [\"LlamaForCausalLM\"]) or pass --config with a config.json that names it")
     torch, transformers = _imports()
     cls = getattr(transformers, str(names[0]), None)
-    if not isinstance(cls, type):
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):  # nothing else is built
         raise BadInput(f"{path}: architecture {names[0]} is not a transformers model class (models with custom code are not supported)")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(config_dir)
@@ -68,6 +72,14 @@ def meta_model(config_dir: str):
     except Exception as exc:  # transformers raises many kinds for configs it cannot build
         raise BadInput(f"{path}: transformers cannot build {names[0]} from it ({type(exc).__name__}: {exc})") from None
     return model, names[0]
+
+
+def order_source(model) -> str:
+    """Where the parameter order comes from: the transformers version and the model class."""
+    import transformers
+
+    cls = type(model)
+    return f"transformers {transformers.__version__} {cls.__module__}.{cls.__qualname__}"
 
 
 def default_wrap(model) -> list[str]:
@@ -96,7 +108,22 @@ def units(model, wrap: list[str]) -> list[Unit]:
         claimed.update(id(p) for p in mine)
         if mine:
             found.append(Unit(path, type(module).__name__, _flattening_order(module, path, {id(p) for p in mine})))
-    return found
+    return _with_tied_elsewhere(model, found)
+
+
+def _with_tied_elsewhere(model, found: list[Unit]) -> list[Unit]:
+    """Add, as aliases, names of a parameter that an earlier unit holds (tied across units: FSDP1
+    flattens it once, in the first unit; the later name would otherwise be missing from the merge)."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    named = {n for unit in found for p in unit.params for n in (p.name, *p.aliases)}
+    extra: dict[int, tuple[str, ...]] = {}
+    for name, param in by_name.items():
+        if name not in named:
+            extra[id(param)] = extra.get(id(param), ()) + (name,)
+    if not extra:
+        return found
+    return [Unit(unit.path, unit.cls, tuple(UnitParam(p.name, p.shape, p.aliases + extra.get(id(by_name.get(p.name)), ()))
+                                            for p in unit.params)) for unit in found]
 
 
 def _post_order(module, path: str, wanted: set[str], out: list, seen: set[int]) -> None:

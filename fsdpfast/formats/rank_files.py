@@ -13,10 +13,11 @@ from math import prod
 from typing import Any, Callable
 
 from ..errors import BadInput
-from ..plan import Extent, MergePlan, SourceBuffer, TensorPlan
+from ..plan import Extent, MergePlan, TensorPlan
 from .boxes import box_extents
 from .placements import chunk_span, read_layout
 from .safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .storage_sources import StorageSources
 from .torch_zip import TorchZip
 
 
@@ -31,12 +32,15 @@ class RankState:
 
 
 def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
-                     sharded_tensors: bool = False) -> list[RankState]:
-    """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself."""
+                     sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None) -> list[RankState]:
+    """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself.
+
+    `unpickled`: {path: object} of files the reader already unpickled (detection reads rank 0 once).
+    """
     states = []
     for rank, path in rank_paths:
         archive = TorchZip(path)
-        whole = safe_unpickle(archive.pickle_bytes, path)
+        whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
         state_dict = model_part(whole, path)
         tensors, skipped = {}, []
         for name, value in state_dict.items():
@@ -53,19 +57,6 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
     return states
 
 
-class _Sources:
-    def __init__(self):
-        self.buffers: list[SourceBuffer] = []
-        self._index: dict[tuple[str, str], int] = {}
-
-    def index(self, state: RankState, tensor: TensorRef) -> int:
-        key = (state.path, tensor.storage.key)
-        if key not in self._index:
-            self._index[key] = len(self.buffers)
-            self.buffers.append(state.archive.storage_buffer(tensor.storage))
-        return self._index[key]
-
-
 def plan_from_ranks(states: list[RankState], layout: str) -> MergePlan:
     """The plan for these ranks; their archives are closed once it is made (the plan holds paths)."""
     try:
@@ -79,7 +70,7 @@ def _plan(states: list[RankState], layout: str) -> MergePlan:
     world = len(states)
     _check_same_names(states)
     any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())
-    sources = _Sources()
+    sources = StorageSources()
     tensors = []
     for name in states[0].tensors:
         pieces = [(s, s.tensors[name]) for s in states]
@@ -89,7 +80,7 @@ def _plan(states: list[RankState], layout: str) -> MergePlan:
         if kinds == {DTensorRef}:
             tensors.append(_plan_dtensor(name, pieces, world, sources))
         elif world == 1 or any_dtensor:
-            tensors.append(_plan_replicated(name, pieces, sources))
+            tensors.append(plan_replicated(name, pieces, sources))
         else:
             tensors.append(_plan_dim0_pieces(name, pieces, sources))
     notes = []
@@ -111,15 +102,15 @@ def _check_same_names(states: list[RankState]) -> None:
             raise BadInput(f"{state.path}: its state dict differs from rank {first.rank}'s: it {what}")
 
 
-def _local_source(state: RankState, name: str, local: TensorRef, sources: _Sources) -> tuple[int, int]:
+def _local_source(state: RankState, name: str, local: TensorRef, sources: StorageSources) -> tuple[int, int]:
     if not local.is_contiguous():
         raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
     if local.offset + prod(local.shape) > local.storage.numel:
         raise BadInput(f"{state.path}: {name} reaches past the end of its storage; the file is corrupt")
-    return sources.index(state, local), local.offset
+    return sources.index(state.path, local, state.archive), local.offset
 
 
-def _plan_dtensor(name: str, pieces, world: int, sources: _Sources) -> TensorPlan:
+def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> TensorPlan:
     first_state, first = pieces[0]
     where0 = f"{first_state.path}: {name}"
     reference = read_layout(first.spec, where0)
@@ -158,7 +149,8 @@ def _plan_dtensor(name: str, pieces, world: int, sources: _Sources) -> TensorPla
     return TensorPlan(name, reference.global_shape, first.local.dtype, first.local.dtype, extents)
 
 
-def _plan_replicated(name: str, pieces, sources: _Sources) -> TensorPlan:
+def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
+    """A plain tensor every rank holds whole: the ranks must agree on it; rank 0's copy is read."""
     first_state, first = pieces[0]
     for state, value in pieces[1:]:
         if value.shape != first.shape or value.dtype != first.dtype:
@@ -172,10 +164,10 @@ def _plan_replicated(name: str, pieces, sources: _Sources) -> TensorPlan:
     return TensorPlan(name, tuple(first.shape), first.dtype, first.dtype, extents)
 
 
-def _plan_dim0_pieces(name: str, pieces, sources: _Sources) -> TensorPlan:
+def _plan_dim0_pieces(name: str, pieces, sources: StorageSources) -> TensorPlan:
     first_state, first = pieces[0]
     if len(first.shape) == 0:
-        return _plan_replicated(name, pieces, sources)
+        return plan_replicated(name, pieces, sources)
     rows = sum(v.shape[0] for _, v in pieces)
     shape = (rows, *first.shape[1:])
     extents = []
