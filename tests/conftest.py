@@ -12,6 +12,7 @@ import pytest
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling chatter from torch.load in tests
 
 from fsdpfast.examples import CheckpointSpec, write_checkpoints  # noqa: E402
+from helpers import CheckpointsByWorld  # noqa: E402
 
 pytest_plugins = ["deepspeed_checkpoints"]  # the DeepSpeed ZeRO checkpoints' session fixture
 
@@ -48,21 +49,7 @@ _add(8, CheckpointSpec("w8-tied", model="llama-tied", seed=12))
 _add(8, CheckpointSpec("w8-hsdp-bert", model="bert", hsdp=True, seed=13))
 
 
-class Checkpoints:
-    def __init__(self, root: str):
-        self.root = root
-        self._written: set[int] = set()
-
-    def get(self, name: str) -> tuple[CheckpointSpec, str]:
-        """(spec, checkpoint folder); writes the world size's checkpoints on first use."""
-        world, spec = SPECS[name]
-        if world not in self._written:
-            specs = [s for w, s in SPECS.values() if w == world]
-            write_checkpoints(self.root, specs, world)
-            self._written.add(world)
-        return spec, spec.folder(self.root)
-
-
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> Checkpoints:
-    return Checkpoints(str(tmp_path_factory.mktemp("checkpoints")))
+def checkpoints(tmp_path_factory) -> CheckpointsByWorld:
+    return CheckpointsByWorld(str(tmp_path_factory.mktemp("checkpoints")), SPECS, write_checkpoints,
+                              lambda spec, root: spec.folder(root))

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 
 from fsdpfast.examples_deepspeed import DeepSpeedSpec, write_deepspeed_checkpoints
+from helpers import CheckpointsByWorld
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied
 # embeddings, frozen parameters, buffers and a second tag. World size 3 leaves stage 1/2 padding at the
@@ -32,22 +33,9 @@ _add(4, DeepSpeedSpec("ds-w4-z2-fp32-frozen", 2, frozen=True, buffer=True, seed=
 _add(4, DeepSpeedSpec("ds-w4-z3-bf16-tied", 3, dtype="bfloat16", tied=True, seed=28))
 
 
-class DeepSpeedCheckpoints:
-    def __init__(self, base: str):
-        self.base = base
-        self._written: set[int] = set()
-
-    def get(self, name: str) -> tuple[DeepSpeedSpec, str]:
-        """(spec, checkpoint root); writes the world size's checkpoints on first use."""
-        world, spec = DS_SPECS[name]
-        if world not in self._written:
-            write_deepspeed_checkpoints(self.base, [s for w, s in DS_SPECS.values() if w == world], world)
-            self._written.add(world)
-        return spec, spec.root(self.base)
-
-
 @pytest.fixture(scope="session")
-def deepspeed_checkpoints(tmp_path_factory) -> DeepSpeedCheckpoints:
+def deepspeed_checkpoints(tmp_path_factory) -> CheckpointsByWorld:
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: merging must never need it
         pytest.skip("deepspeed is not installed (pip install -e '.[test]' installs it)")
-    return DeepSpeedCheckpoints(str(tmp_path_factory.mktemp("deepspeed")))
+    return CheckpointsByWorld(str(tmp_path_factory.mktemp("deepspeed")), DS_SPECS, write_deepspeed_checkpoints,
+                              lambda spec, base: spec.root(base))

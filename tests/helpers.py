@@ -90,3 +90,21 @@ def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
 def rank_file(folder: Path, rank: int) -> Path:
     (path,) = folder.glob(f"*_rank_{rank}.pt")
     return path
+
+
+class CheckpointsByWorld:
+    """Test checkpoints written on first use: every spec of one world size at once, by one spawned
+    process group. `specs`: name -> (world size, spec); `write(root, specs, world)`; `folder_of(spec, root)`."""
+
+    def __init__(self, root: str, specs: dict, write, folder_of):
+        self.root = root
+        self._specs, self._write, self._folder_of = specs, write, folder_of
+        self._written: set[int] = set()
+
+    def get(self, name: str):
+        """(spec, checkpoint folder); writes the world size's checkpoints on first use."""
+        world, spec = self._specs[name]
+        if world not in self._written:
+            self._write(self.root, [s for w, s in self._specs.values() if w == world], world)
+            self._written.add(world)
+        return spec, self._folder_of(spec, self.root)

@@ -30,8 +30,8 @@ def load(path: str) -> dict:
 def merged_and_refs(deepspeed_checkpoints, name: str, tmp_path, **options):
     spec, root = deepspeed_checkpoints.get(name)
     report = fsdpfast.merge(root, tmp_path / "out", **options)
-    return spec, root, report, read_merged(str(tmp_path / "out")), load(spec.reference_path(deepspeed_checkpoints.base)), \
-        load(spec.oracle_path(deepspeed_checkpoints.base))
+    return spec, root, report, read_merged(str(tmp_path / "out")), load(spec.reference_path(deepspeed_checkpoints.root)), \
+        load(spec.oracle_path(deepspeed_checkpoints.root))
 
 
 @pytest.mark.parametrize("name", DS_SPECS)
@@ -74,7 +74,7 @@ def test_tied_weights_written_once_where_zero_to_fp32_safetensors_fails(deepspee
 
 def test_untied_checkpoints_export_with_zero_to_fp32_too(deepspeed_checkpoints):
     spec, _ = deepspeed_checkpoints.get("ds-w3-z1-bf16")
-    assert load(spec.oracle_path(deepspeed_checkpoints.base))["safetensors_error"] is None
+    assert load(spec.oracle_path(deepspeed_checkpoints.root))["safetensors_error"] is None
 
 
 def test_cast_to_bf16(deepspeed_checkpoints, tmp_path):
@@ -84,8 +84,8 @@ def test_cast_to_bf16(deepspeed_checkpoints, tmp_path):
 
 def test_tag_picks_the_older_checkpoint(deepspeed_checkpoints, tmp_path):
     spec, root = deepspeed_checkpoints.get("ds-w2-z2-bf16-frozen-tags")
-    older = load(spec.reference_path(deepspeed_checkpoints.base, "first"))
-    latest = load(spec.reference_path(deepspeed_checkpoints.base))
+    older = load(spec.reference_path(deepspeed_checkpoints.root, "first"))
+    latest = load(spec.reference_path(deepspeed_checkpoints.root))
     fsdpfast.merge(root, tmp_path / "by-tag", tag="first")
     assert_bit_exact(read_merged(str(tmp_path / "by-tag")), older["state_dict"])
     fsdpfast.merge(f"{root}/first", tmp_path / "tag-folder")  # the tag folder itself
@@ -144,5 +144,5 @@ def test_merges_without_deepspeed_importable(deepspeed_checkpoints, tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["layout"] == "deepspeed-zero"
-    reference = load(spec.reference_path(deepspeed_checkpoints.base))
+    reference = load(spec.reference_path(deepspeed_checkpoints.root))
     assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"], tied=reference["tied"])

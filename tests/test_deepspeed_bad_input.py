@@ -213,7 +213,7 @@ def test_two_layouts_merge_with_layout_chosen(deepspeed_checkpoints, tmp_path):
     root, _ = damaged_copy(deepspeed_checkpoints, tmp_path, "two layouts in one folder")
     spec, _ = deepspeed_checkpoints.get(Z2)
     fsdpfast.merge(root, tmp_path / "out", layout="deepspeed-zero")
-    reference = torch.load(spec.reference_path(deepspeed_checkpoints.base), weights_only=True)
+    reference = torch.load(spec.reference_path(deepspeed_checkpoints.root), weights_only=True)
     assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"])
 
 

@@ -19,7 +19,7 @@ import fsdpfast
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
 from fsdpfast.examples_fsdp1 import Fsdp1Spec, write_fsdp1_checkpoints
 from fsdpfast.formats.safe_load import safe_unpickle
-from helpers import assert_bit_exact, load_reference, read_merged
+from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 DECODER_AND_MLP = ("LlamaDecoderLayer", "LlamaMLP")
 # name -> (world size, spec). 3 ranks split every flat parameter unevenly; use_orig_params
@@ -39,17 +39,9 @@ SPECS = {spec.name: (world, spec) for world, spec in [
 ]}
 
 
-class Fsdp1Checkpoints:
+class Fsdp1Checkpoints(CheckpointsByWorld):
     def __init__(self, root: str):
-        self.root = root
-        self._written: set[int] = set()
-
-    def get(self, name: str) -> tuple[Fsdp1Spec, str]:
-        world, spec = SPECS[name]
-        if world not in self._written:
-            write_fsdp1_checkpoints(self.root, [s for w, s in SPECS.values() if w == world], world)
-            self._written.add(world)
-        return spec, spec.folder(self.root)
+        super().__init__(root, SPECS, write_fsdp1_checkpoints, lambda spec, root: spec.folder(root))
 
     def copy(self, name: str, tmp_path) -> str:
         """A private copy to damage, the original left as it is."""
