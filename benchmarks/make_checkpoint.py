@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from fsdpfast.examples import exit_rank
+
 
 def llama_config(hidden: int = 2048, layers: int = 16, intermediate: int = 5632, vocab: int = 32000, heads: int = 16):
     import transformers
@@ -111,6 +113,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, config, fmt:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def sharded_model(config, world_size: int):

@@ -87,6 +87,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_rank() -> None:
+    """End a spawned rank whose work is done (process group already destroyed) at once. Interpreter
+    shutdown after gloo has run sometimes aborts ("terminate called without an active exception",
+    a thread still joinable when destroyed), which would fail a run whose files are all written."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[CheckpointSpec]) -> None:
     import torch.distributed as dist
 
@@ -98,6 +109,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Che
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, build_model, model_config
+from .examples import CheckpointSpec, _free_port, build_model, exit_rank, model_config
 
 # Parameters frozen (requires_grad False) when a spec asks for frozen parameters: one 2-D
 # weight and one norm, so both land outside the optimizer's flat groups.
@@ -75,6 +75,8 @@ def _rank_main(rank: int, world_size: int, port: int, base: str, specs: list[Dee
         if rank == 0:
             _write_oracle(base, spec)
         dist.barrier()
+    torch.distributed.destroy_process_group()
+    exit_rank()
 
 
 def _ds_config(spec: DeepSpeedSpec) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model
+from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model, exit_rank
 
 FILE_NAME = "pytorch_model_fsdp_rank{rank}.bin"  # accelerate's name for LOCAL_STATE_DICT rank files
 
@@ -64,6 +64,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Fsd
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def wrap_classes(model, names: tuple[str, ...]) -> set[type]:
