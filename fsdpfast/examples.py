@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -98,18 +99,24 @@ def exit_rank() -> None:
     os._exit(0)
 
 
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[CheckpointSpec]) -> None:
+def serve_rank(rank: int, world_size: int, port: int, backend: str, jobs) -> None:
+    """A spawned rank's life: join the process group, run each job with a barrier after it, tear
+    the group down and exit."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        for spec in specs:
-            _write_one(rank, world_size, root, spec)
+        for job in jobs:
+            job()
             dist.barrier()
     finally:
         dist.destroy_process_group()
     exit_rank()
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[CheckpointSpec]) -> None:
+    serve_rank(rank, world_size, port, "gloo", [partial(_write_one, rank, world_size, root, spec) for spec in specs])
 
 
 def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> None:

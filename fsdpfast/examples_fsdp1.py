@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model, exit_rank
+from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model, serve_rank
 
 FILE_NAME = "pytorch_model_fsdp_rank{rank}.bin"  # accelerate's name for LOCAL_STATE_DICT rank files
 
@@ -50,21 +51,11 @@ def write_fsdp1_checkpoints(root: str, specs: list[Fsdp1Spec], world_size: int, 
 
 
 def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Fsdp1Spec], device_kind: str, backend: str) -> None:
-    import torch.distributed as dist
-
     device = torch.device("cpu")
     if device_kind == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        for spec in specs:
-            write_one(rank, root, spec, device)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_rank()
+    serve_rank(rank, world_size, port, backend, [partial(write_one, rank, root, spec, device) for spec in specs])
 
 
 def wrap_classes(model, names: tuple[str, ...]) -> set[type]:

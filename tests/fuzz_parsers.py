@@ -53,7 +53,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 import fsdpfast
 from fsdpfast.errors import FsdpfastError
 from fsdpfast.formats import dcp
-from fsdpfast.formats.safe_load import StorageRef, safe_unpickle
+from fsdpfast.formats.safe_load import DTensorRef, StorageRef, TensorRef, each_object, safe_unpickle
 from fsdpfast.formats.torch_zip import TorchZip
 from fsdpfast.manifest import MANIFEST_NAME
 
@@ -339,20 +339,13 @@ def _only_clean_errors(*checks) -> None:
 
 
 def _storage_keys(value) -> set[str]:
-    keys, stack, seen = set(), [value], set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, StorageRef):
+    keys = set()
+    for item in each_object(value):
+        item = item.local if isinstance(item, DTensorRef) else item
+        if isinstance(item, TensorRef):
+            keys.add(item.storage.key)
+        elif isinstance(item, StorageRef):
             keys.add(item.key)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif hasattr(item, "__dict__"):
-            stack.extend(vars(item).values())
     return keys
 
 

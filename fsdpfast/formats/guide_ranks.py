@@ -12,7 +12,7 @@ from ..errors import BadInput
 from ..plan import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks
-from .safe_load import DTensorRef, TensorRef, safe_unpickle
+from .safe_load import DTensorRef, TensorRef, each_object, safe_unpickle
 from .torch_zip import TorchZip
 
 NAME = "guide-ranks"
@@ -81,13 +81,7 @@ def _tensor_totals(value) -> tuple[int, int]:
     from ..dtypes import DTYPES
 
     count = nbytes = 0
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
+    for item in each_object(value):
         if isinstance(item, DTensorRef):
             item = item.local
         if isinstance(item, TensorRef):
@@ -95,8 +89,4 @@ def _tensor_totals(value) -> tuple[int, int]:
             for size in item.shape:
                 numel *= size
             count, nbytes = count + 1, nbytes + numel * DTYPES.get(item.dtype, (0,))[0]
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
     return count, nbytes

@@ -334,6 +334,25 @@ def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = froze
 _MAX_DEPTH = 100  # a DTensor in an optimizer state in a dict nests about 10 levels
 
 
+def each_object(value: Any):
+    """Every object under `value` (through dict values, lists, tuples and records), each once:
+    a pickle may share containers, so walking them as a tree could never end."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, Record):
+            stack.extend([*item.args, *item.state.values(), item.state_value])
+
+
 def _depth_exceeds(value: Any, limit: int) -> bool:
     """Iteratively, each container once (pickles can share and even cycle through containers)."""
     seen: set[int] = set()
