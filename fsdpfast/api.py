@@ -13,6 +13,7 @@ from .errors import BadInput, InterruptedAfterPublishing
 from .finish import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
 from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
+from .model_check import check_against_model, load_expected_model
 from .plan import MergePlan
 from .plan_checks import check_plan
 from .prepare import parse_dtype, prepare
@@ -35,6 +36,7 @@ class MergeReport:
     tied: dict[str, list[str]] = field(default_factory=dict)  # kept name -> names not written
     copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the output needs something more before it is usable
 
     def summary(self) -> str:
         lines = [
@@ -44,12 +46,18 @@ class MergeReport:
         ]
         lines += [f"tied: {', '.join(names)} written once as {kept}" for kept, names in self.tied.items()]
         lines += [f"note: {note}" for note in self.notes]
+        lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               **options) -> MergePlan:
+               allow_extra_tensors: bool = False, **options) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
+
+    When config.json is known (CKPT_DIR/huggingface/, the folder's own, or `config`) and
+    transformers is importable, the model class it names is built on the meta device and the
+    merge's names and shapes must match it: a missing weight, a wrong shape or (unless
+    `allow_extra_tensors`) a tensor the model does not have is refused before any byte moves.
 
     `options`, each for one layout (formats.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
@@ -62,13 +70,26 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
         if not os.path.isfile(os.path.join(config, "config.json")):
             raise BadInput(f"{config}: --config folder has no config.json")
         plan.config_dir = os.fspath(config)
-    return prepare(plan, dtype, plan.config_dir)
+    expected, why_not = load_expected_model(plan.config_dir)
+    plan = prepare(plan, dtype, plan.config_dir, expected)
+    if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
+        plan.options["allow_extra_tensors"] = True
+    if expected is not None:
+        shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
+        plan.notes += check_against_model(shapes, expected, allow_extra_tensors)
+    elif why_not == "no config.json":
+        plan.warnings.append("the output has no config.json, so from_pretrained cannot load it until one is added: "
+                             "pass --config DIR (a folder with the model's config.json), or copy it in")
+    else:
+        plan.notes.append(f"the names and shapes were not checked against the model: {why_not}")
+    return plan
 
 
-def inspect(src: str, *, layout: str | None = None, config: str | None = None, **options) -> dict:
+def inspect(src: str, *, layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False,
+            **options) -> dict:
     """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes,
     and what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order)."""
-    plan = plan_merge(src, layout=layout, config=config, **options)
+    plan = plan_merge(src, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
     tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
                 "tied": list(t.aliases)} for t in plan.tensors]
     return {
@@ -81,6 +102,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, *
         "source_files": sorted({s.path for s in plan.sources}),
         "config_dir": plan.config_dir,
         "notes": list(plan.notes),
+        "warnings": list(plan.warnings),
         "assumed": plan.assumed,
     }
 
@@ -96,6 +118,7 @@ def merge(
     overwrite: bool = False,
     engine: str = "auto",
     progress: bool = False,
+    allow_extra_tensors: bool = False,
     **options,
 ) -> MergeReport:
     """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
@@ -110,7 +133,7 @@ def merge(
     parse_dtype(dtype)
     check_engine_name(engine)
     check_output_place(dst, src, config)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
     files = plan_files(plan, max_shard_size)
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
@@ -149,15 +172,16 @@ def merge(
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
         notes=list(plan.notes),
+        warnings=list(plan.warnings),
     )
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, **options) -> dict:
+            layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False, **options) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
     check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, **options)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
     files = plan_files(plan, max_shard_size)
     return {
         "checkpoint": os.fspath(src),
@@ -169,6 +193,7 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
                                 "offset": p.offset, "bytes": p.nbytes} for p in f.tensors]} for f in files],
         "total_bytes": sum(p.nbytes for f in files for p in f.tensors),
         "notes": list(plan.notes) + _existing_output_notes(os.fspath(dst)),
+        "warnings": list(plan.warnings),
     }
 
 

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
     _add_layout_options(merge)
+    merge.add_argument("--allow-extra-tensors", action="store_true",
+                       help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
+    inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch")
@@ -128,16 +131,25 @@ def _merge(args) -> int:
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, **_layout_options(args))
+                       layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
+                       **_layout_options(args))
         print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
+        _warn(plan["warnings"])
         return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-        progress=not args.quiet, **_layout_options(args),
+        progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args),
     )
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
+    _warn(report.warnings)
     return 0
+
+
+def _warn(warnings: list[str]) -> None:
+    """Warnings go to stderr whatever the format (the text report also lists them on stdout)."""
+    for warning in warnings:
+        print(f"fsdpfast: warning: {warning}", file=sys.stderr)
 
 
 def _plan_text(plan: dict) -> str:
@@ -168,7 +180,8 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    found = inspect(args.checkpoint, layout=args.layout, config=args.config, **_layout_options(args))
+    found = inspect(args.checkpoint, layout=args.layout, config=args.config,
+                    allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args))
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
@@ -180,6 +193,8 @@ def _inspect(args) -> int:
         print(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
     for note in found["notes"]:
         print(f"note: {note}")
+    for warning in found["warnings"]:
+        print(f"warning: {warning}")
     _print_assumed(found["assumed"])
     return 0
 

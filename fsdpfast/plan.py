@@ -63,6 +63,7 @@ class MergePlan:
     sources: list[SourceBuffer]
     tensors: list[TensorPlan]
     notes: list[str] = field(default_factory=list)  # what else the checkpoint holds, what was assumed
+    warnings: list[str] = field(default_factory=list)  # what the user must act on before the output is usable
     config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any
     assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect)
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):

@@ -5,8 +5,11 @@ import os
 
 from .configs import load_config
 from .dtypes import TARGET_ALIASES, target_dtype
+from .engine.sources import SourceFiles
 from .errors import BadInput
+from .model_check import ExpectedModel, match_names
 from .plan import MergePlan, TensorPlan
+from .tensor_bytes import first_difference
 
 # Components that wrappers (FSDP1, torch.compile, activation checkpointing) add to names.
 _WRAPPER_COMPONENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
@@ -29,11 +32,16 @@ def parse_dtype(wanted: str | None) -> str | None:
     return TARGET_ALIASES[key]
 
 
-def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None) -> MergePlan:
+def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None, expected: ExpectedModel | None = None) -> MergePlan:
+    """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
+
+    `expected`: the model config.json describes (model_check), which says which names are tied;
+    without it, config.json's `tie_word_embeddings` does for the embeddings.
+    """
     wanted = parse_dtype(dtype)
     tensors = _rename(plan.tensors)
-    tensors = _drop_shared(tensors)
-    tensors = _drop_config_tied(tensors, _read_config(config_dir), plan.notes)
+    pairs = _tied_pairs(tensors, expected, _read_config(config_dir))
+    tensors = _drop_tied(tensors, pairs, plan)
     for tensor in tensors:
         tensor.target_dtype = target_dtype(tensor.source_dtype, wanted)
     plan.tensors = tensors
@@ -51,45 +59,54 @@ def _rename(tensors: list[TensorPlan]) -> list[TensorPlan]:
     return tensors
 
 
-def _drop_shared(tensors: list[TensorPlan]) -> list[TensorPlan]:
-    """Names that read exactly the same bytes (one storage under two names) are written once."""
-    kept: dict[tuple, TensorPlan] = {}
-    out = []
-    for tensor in tensors:
-        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
-        if tensor.extents and key in kept:
-            kept[key].aliases.append(tensor.name)
-            continue
-        kept[key] = tensor
-        out.append(tensor)
-    return out
-
-
-def _drop_config_tied(tensors: list[TensorPlan], config: dict, notes: list[str]) -> list[TensorPlan]:
-    """`tie_word_embeddings: true`: transformers rebuilds the output embedding from the input one.
-
-    Needed where the checkpoint stores both names in separate bytes (DCP does); one storage under
-    two names was already written once by _drop_shared.
-    """
-    if not config.get("tie_word_embeddings", False):
-        return tensors
+def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
+    """(kept, dropped) names that transformers ties when it loads the folder."""
+    names = [t.name for t in tensors]
+    if expected is not None:
+        ours = {model_name: name for name, model_name in match_names(names, expected).items()}
+        return [(ours[kept], ours[dropped]) for dropped, kept in expected.tied.items() if kept in ours and dropped in ours]
+    if config.get("tie_word_embeddings") is not True:
+        return []
     by_name = {t.name: t for t in tensors}
     inputs = [t for t in tensors if t.name.endswith(_INPUT_EMBEDDINGS)]
     outputs = [t for t in tensors if t.name.endswith(_OUTPUT_EMBEDDINGS)]
     pairs = []
-    if len(inputs) == 1 and len(outputs) == 1 and inputs[0].shape == outputs[0].shape:
-        pairs.append((inputs[0], outputs[0]))
+    if len(inputs) == 1 and len(outputs) == 1:
+        pairs.append((inputs[0].name, outputs[0].name))
     for tensor in outputs:  # a masked-LM decoder's bias is tied to the prediction head's bias
-        bias_name = tensor.name[: -len("decoder.weight")] + "decoder.bias"
-        head_bias = by_name.get(tensor.name[: -len("decoder.weight")] + "bias")
-        if tensor.name.endswith("decoder.weight") and bias_name in by_name and head_bias is not None:
-            if head_bias.shape == by_name[bias_name].shape:
-                pairs.append((head_bias, by_name[bias_name]))
-    for kept, dropped in pairs:
-        kept.aliases.append(dropped.name)
-        notes.append(f"{dropped.name} not written: config.json ties it to {kept.name} (tie_word_embeddings)")
-    dropped_names = {dropped.name for _, dropped in pairs}
-    return [t for t in tensors if t.name not in dropped_names]
+        head = tensor.name[: -len("decoder.weight")]
+        if tensor.name.endswith("decoder.weight") and head + "decoder.bias" in by_name and head + "bias" in by_name:
+            pairs.append((head + "bias", head + "decoder.bias"))
+    return pairs
+
+
+def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan) -> list[TensorPlan]:
+    """Write each tied name once, after checking that the checkpoint holds the same bytes under both;
+    one storage under two names that transformers will not re-tie is written under both."""
+    by_name = {t.name: t for t in tensors}
+    dropped = set()
+    with SourceFiles(plan.sources) as sources:
+        for kept, other in pairs:
+            a, b = by_name[kept], by_name[other]
+            if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
+                raise BadInput(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
+                               f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model (--config DIR)")
+            where = first_difference(a, b, sources)
+            if where is not None:
+                raise BadInput(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
+                               f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
+                               "set tie_word_embeddings to false in config.json (--config DIR)")
+            a.aliases.append(other)
+            dropped.add(other)
+    tied_names = {name for pair in pairs for name in pair}
+    shared: dict[tuple, str] = {}
+    for tensor in tensors:
+        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
+        if tensor.extents and key in shared and tensor.name not in tied_names:
+            plan.notes.append(f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
+                              "config does not tie them: both are written")
+        shared.setdefault(key, tensor.name)
+    return [t for t in tensors if t.name not in dropped]
 
 
 def _read_config(config_dir: str | None) -> dict:
