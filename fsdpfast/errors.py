@@ -23,6 +23,10 @@ class BadInput(FsdpfastError):
     exit_code = EXIT_BAD_INPUT
 
 
+class ModelMismatch(BadInput):
+    """The merged names or shapes are not those of the model config.json describes."""
+
+
 class UnsafeCheckpoint(BadInput):
     """A pickle asked for something a checkpoint of tensors never needs (code, arbitrary classes)."""
 

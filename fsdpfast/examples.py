@@ -54,11 +54,12 @@ def model_config(spec: CheckpointSpec):
         base = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
                     tie_word_embeddings=spec.model == "llama-tied")
-        return transformers.LlamaConfig(**{**base, **spec.sizes})
+        # `architectures` as a model's save_pretrained records it (a bare config's would be None)
+        return transformers.LlamaConfig(**{**base, **spec.sizes}, architectures=["LlamaForCausalLM"])
     if spec.model == "bert":
         base = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
                     vocab_size=103, max_position_embeddings=40)
-        return transformers.BertConfig(**{**base, **spec.sizes})
+        return transformers.BertConfig(**{**base, **spec.sizes}, architectures=["BertForMaskedLM"])
     raise ValueError(f"unknown example model {spec.model!r}")
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from .configs import load_config
-from .errors import BadInput
+from .errors import ModelMismatch
 
 SHOWN = 3  # names listed per kind of problem in the one-line error
 
@@ -30,34 +30,54 @@ class ExpectedModel:
     prefix: str  # base_model_prefix: a base model's names lack it, and transformers maps them
     ignore_missing: tuple[str, ...]  # patterns transformers itself does not miss
     ignore_unexpected: tuple[str, ...]
+    base_only: bool = False  # config.json names no class: the base model, the head's tensors unchecked
 
 
 def load_expected_model(config_dir: str | None) -> tuple[ExpectedModel | None, str]:
-    """(the model config.json describes, "") or (None, why the check cannot run)."""
+    """(the model config.json describes, "") or (None, why the check cannot run).
+
+    A config.json without `architectures` (saved from a bare config, not a model) names no head:
+    the base model of its `model_type` is built instead, and only the tensors under it are checked.
+    """
     if not config_dir or not os.path.isfile(os.path.join(config_dir, "config.json")):
         return None, "no config.json"
     path = os.path.join(config_dir, "config.json")
     config = load_config(path)
     architectures = config.get("architectures")
-    if not architectures or not isinstance(architectures, list) or not isinstance(architectures[0], str):
-        return None, f"{path} has no 'architectures' field naming the model class"
-    name = architectures[0]
+    named = isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+    if not named and not isinstance(config.get("model_type"), str):
+        return None, f"{path} has neither an 'architectures' field naming the model class nor a 'model_type'"
     try:
         import torch
         import transformers
     except ImportError:
         return None, "transformers is not installed"
-    cls = getattr(transformers, name, None)
-    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
-        return None, f"{path} names {name}, which this transformers ({transformers.__version__}) does not ship (custom model code is never run)"
+    if named:
+        cls = getattr(transformers, architectures[0], None)
+        if not isinstance(cls, type) or not hasattr(cls, "config_class"):
+            return None, (f"{path} names {architectures[0]}, which this transformers ({transformers.__version__}) "
+                          "does not ship (custom model code is never run)")
+    else:
+        cls = _base_model_class(transformers, config["model_type"])
+        if cls is None:
+            return None, (f"{path} has no 'architectures' field and transformers ({transformers.__version__}) "
+                          f"knows no model_type {config['model_type']!r}")
     try:
         model = _build_on_meta(torch, transformers, cls, config)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the check cannot run, said in a note
-        return None, f"{name} could not be built from {path} ({type(exc).__name__}: {str(exc)[:200]})"
+        return None, f"{cls.__name__} could not be built from {path} ({type(exc).__name__}: {str(exc)[:200]})"
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    return ExpectedModel(name, path, shapes, _tied_names(model), getattr(model, "base_model_prefix", "") or "",
+    return ExpectedModel(cls.__name__, path, shapes, _tied_names(model), getattr(model, "base_model_prefix", "") or "",
                          _patterns(model, "_keys_to_ignore_on_load_missing"),
-                         _patterns(model, "_keys_to_ignore_on_load_unexpected")), ""
+                         _patterns(model, "_keys_to_ignore_on_load_unexpected"), base_only=not named), ""
+
+
+def _base_model_class(transformers, model_type: str):
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        return transformers.MODEL_MAPPING[config_class]
+    except (KeyError, ValueError):
+        return None
 
 
 def _build_on_meta(torch, transformers, cls, config: dict):
@@ -103,6 +123,8 @@ def match_names(names: list[str], expected: ExpectedModel) -> dict[str, str]:
 def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedModel, allow_extra: bool) -> list[str]:
     """Refuse a merge that would not load as `expected` with every weight; notes about what was accepted."""
     mapping = match_names(list(shapes), expected)
+    head = sorted(name for name, mapped in mapping.items() if expected.base_only and mapped not in expected.shapes)
+    mapping = {name: mapped for name, mapped in mapping.items() if name not in head}
     present = set(mapping.values())
     missing = sorted(name for name in expected.shapes if name not in present
                      and expected.tied.get(name) not in present and not _ignored(name, expected.ignore_missing))
@@ -121,14 +143,17 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedMo
         hint = "check that config.json describes the trained model (--config DIR)"
         if extra and not missing and not wrong:
             hint += ", or pass --allow-extra-tensors to keep tensors the model class does not have (e.g. a value head)"
-        raise BadInput(f"the merged tensors do not match {expected.architecture} built from {expected.config_path}: "
-                       f"{'; '.join(problems)}; {hint}")
+        raise ModelMismatch(f"the merged tensors do not match {expected.architecture} built from {expected.config_path}: "
+                            f"{'; '.join(problems)}; {hint}")
     notes = [f"checked against {expected.architecture} built from {expected.config_path} on the meta device: "
              f"every weight present with the model's shape"]
+    if head:
+        notes.append(f"{expected.config_path} has no 'architectures' field, so only the base model was checked; "
+                     f"{len(head)} tensors outside it were not ({_listed(head)}); add 'architectures' for the full check")
     if extra:
         notes.append(f"kept {len(extra)} tensors {expected.architecture} does not have (--allow-extra-tensors): {_listed(extra)}")
     renamed = sum(1 for name, mapped in mapping.items() if name != mapped)
-    if renamed:
+    if renamed and not expected.base_only:
         notes.append(f"{renamed} names differ from the model's by its '{expected.prefix}.' prefix; transformers maps them on load")
     return notes
 

@@ -6,7 +6,7 @@ import os
 from .configs import load_config
 from .dtypes import TARGET_ALIASES, target_dtype
 from .engine.sources import SourceFiles
-from .errors import BadInput
+from .errors import BadInput, ModelMismatch
 from .model_check import ExpectedModel, match_names
 from .plan import MergePlan, TensorPlan
 from .tensor_bytes import first_difference
@@ -62,7 +62,7 @@ def _rename(tensors: list[TensorPlan]) -> list[TensorPlan]:
 def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
     """(kept, dropped) names that transformers ties when it loads the folder."""
     names = [t.name for t in tensors]
-    if expected is not None:
+    if expected is not None and not expected.base_only:
         ours = {model_name: name for name, model_name in match_names(names, expected).items()}
         return [(ours[kept], ours[dropped]) for dropped, kept in expected.tied.items() if kept in ours and dropped in ours]
     if config.get("tie_word_embeddings") is not True:
@@ -89,11 +89,11 @@ def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: Me
         for kept, other in pairs:
             a, b = by_name[kept], by_name[other]
             if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
-                raise BadInput(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
+                raise ModelMismatch(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
                                f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model (--config DIR)")
             where = first_difference(a, b, sources)
             if where is not None:
-                raise BadInput(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
+                raise ModelMismatch(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
                                f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
                                "set tie_word_embeddings to false in config.json (--config DIR)")
             a.aliases.append(other)

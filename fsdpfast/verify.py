@@ -16,7 +16,7 @@ from . import _ops
 from .dtypes import CASTABLE, itemsize, target_dtype
 from .engine.rows import build_rows, native_pair
 from .engine.sources import SourceFiles
-from .errors import BadInput
+from .errors import BadInput, ModelMismatch
 from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
 from .plan import TensorPlan
 from .stored import DamagedFile, MappedFiles, StoredTensor, read_folder
@@ -190,8 +190,12 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
     recorded = (manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {}
-    plan = plan_merge(checkpoint, dtype="keep", layout=layout, config=report.out_dir if has_config else None,
-                      **{**recorded, **{name: value for name, value in options.items() if value is not None}})
+    try:
+        plan = plan_merge(checkpoint, dtype="keep", layout=layout, config=report.out_dir if has_config else None,
+                          **{**recorded, **{name: value for name, value in options.items() if value is not None}})
+    except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
+        report.mismatches.append(Mismatch("(model)", str(exc)))
+        return
     _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
     wanted_dtype = manifest.get("dtype")
     jobs = []
