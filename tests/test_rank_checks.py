@@ -16,10 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fsdpfast
 from fsdpfast import copy_checks
 from fsdpfast.errors import BadInput
+from fsdpfast.formats.placements import chunk_span
+from fsdpfast.formats.plain_pieces import _concatenate_to
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
 from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
@@ -115,6 +119,20 @@ def test_buffer_copies_that_differ_are_refused(checkpoints, tmp_path):
     edit_state_dict(guide_file(folder, 1), lambda state: add_one_at(state, BUFFER, 5))
     cli_refuses(folder, tmp_path / "out", "--allow-extra-tensors",
                 mentions=[BUFFER, "first at element 5", guide_file(folder, 0), guide_file(folder, 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(2, 6), st.data())
+def test_only_the_split_dimension_rebuilds_the_shape(shape, world, data):
+    # torch.chunk's pieces, trailing ranks given empty ones as FSDP2 does: exactly one dimension
+    # lays them end to end into the full shape (so the choice is never a guess), with torch.chunk's sizes.
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    chunks = list(torch.chunk(torch.empty(shape), world, dim))
+    empty = [0 if d == dim else size for d, size in enumerate(shape)]
+    pieces = [tuple(c.shape) for c in chunks] + [tuple(empty)] * (world - len(chunks))
+    assert [d for d in range(len(shape)) if _concatenate_to(pieces, tuple(shape), d)] == [dim]
+    assert [p[dim] for p in pieces] == [chunk_span(shape[dim], world, r)[1] for r in range(world)]
+    assert any(p != tuple(shape) for p in pieces)  # never mistaken for whole copies
 
 
 # --- 2. the guide layout's metadata: rank and step -------------------------------------------------
