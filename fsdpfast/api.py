@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import formats
+from .copy_checks import check_copies
 from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
 from .errors import BadInput, InterruptedAfterPublishing
@@ -51,7 +52,7 @@ class MergeReport:
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               allow_extra_tensors: bool = False, **options) -> MergePlan:
+               allow_extra_tensors: bool = False, full_copy_check: bool = False, **options) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
 
     When config.json is known (CKPT_DIR/huggingface/, the folder's own, or `config`) and
@@ -59,16 +60,20 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     merge's names and shapes must match it: a missing weight, a wrong shape or (unless
     `allow_extra_tensors`) a tensor the model does not have is refused before any byte moves.
 
+    Copies the checkpoint holds twice (buffers on every rank, HSDP replicas) must agree with the
+    one that is read: a sample of each is compared (copy_checks), every byte with `full_copy_check`.
+
     `options`, each for one layout (formats.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
     tag, default the one `latest` names; `wrap` (fsdp1-flat) the module class names FSDP1 wrapped,
     default the model's decoder-layer class; `use_orig_params` (fsdp1-flat), default detected.
     """
+    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
+        raise BadInput(f"{config}: --config folder has no config.json")
     plan = formats.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
+    check_copies(plan, full=full_copy_check)
     if config is not None:
-        if not os.path.isfile(os.path.join(config, "config.json")):
-            raise BadInput(f"{config}: --config folder has no config.json")
         plan.config_dir = os.fspath(config)
     expected, why_not = load_expected_model(plan.config_dir)
     plan = prepare(plan, dtype, plan.config_dir, expected)

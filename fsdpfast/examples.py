@@ -32,13 +32,20 @@ class CheckpointSpec:
     hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
     shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
     wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
-    fsdp: bool = True  # False: plain model.state_dict() (a world of one)
+    fsdp: bool = True  # False: plain model.state_dict() (a world of one; DDP when there are more ranks)
+    full_state: bool = False  # FSDP2, but every rank saves the full state dict (get_model_state_dict, full_state_dict)
     buffer: bool = False  # a persistent buffer every rank holds whole
+    architecture: bool = False  # huggingface/config.json names the model class (so fsdpfast can build it)
+    verl_files: bool = False  # fsdp-ranks: also each rank's optim_ and extra_state_ files, as verl's checkpoint manager
+    second_save: bool = False  # after everything, one more training step saved into `{name}-step2`
     seed: int = 0
     sizes: dict = field(default_factory=dict)  # config overrides
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
+
+    def second_folder(self, root: str) -> str:
+        return os.path.join(root, f"{self.name}-step2")
 
     def reference_path(self, root: str) -> str:
         return os.path.join(root, f"{self.name}.reference.pt")
@@ -128,7 +135,9 @@ def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> N
     folder = spec.folder(root)
     os.makedirs(folder, exist_ok=True)
     model = build_model(spec)
+    architecture = type(model).__name__  # fully_shard swaps the class for an FSDP subclass
     trained = model
+    runner = model  # what the training step calls
     if spec.wrappers:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -144,18 +153,36 @@ def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> N
         for layer in _layers(model):
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
         fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-    _train_one_step(model, spec)
+    elif world_size > 1:  # DDP: every rank trains and saves the whole model (names under `module.`)
+        from torch.nn.parallel import DistributedDataParallel
+
+        runner = DistributedDataParallel(model)
+    _train_one_step(model, spec, runner)
     logits = _probe_logits(model, spec)
-    state_owner = model
+    state_owner = runner
     if spec.wrappers:  # an outer DDP-style `module.` and a torch.compile `_orig_mod.` on top
         state_owner = torch.compile(_Outer(model))
-    state = state_owner.state_dict()
+    state = _state_to_save(state_owner, spec)
     _save_rank(folder, rank, world_size, spec, state, trained)
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save({"state_dict": full, "tied": _tied_names(model)}, spec.reference_path(root))
         torch.save(logits, spec.logits_path(root))
         _write_hf_files(os.path.join(folder, "huggingface"), spec)
+        if spec.architecture:
+            name_architecture(os.path.join(folder, "huggingface", "config.json"), architecture)
+    if spec.second_save:  # the next step's files, for tests of folders that mix two saves
+        _train_one_step(model, spec, runner)
+        os.makedirs(spec.second_folder(root), exist_ok=True)
+        _save_rank(spec.second_folder(root), rank, world_size, spec, _state_to_save(state_owner, spec), trained)
+
+
+def _state_to_save(owner, spec: CheckpointSpec) -> dict:
+    if spec.full_state:  # every rank gathers and saves the whole model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(owner, options=StateDictOptions(full_state_dict=True))
+    return owner.state_dict()
 
 
 def _tied_names(model) -> list[str]:
@@ -178,16 +205,29 @@ def _layers(model):
     return model.bert.encoder.layer if hasattr(model, "bert") else model.model.layers
 
 
-def _train_one_step(model, spec: CheckpointSpec) -> None:
-    generator = torch.Generator().manual_seed(1000 + spec.seed)
+def _train_one_step(model, spec: CheckpointSpec, runner=None) -> None:
+    """One AdamW step (a second call continues the same optimizer, and scheduler if any); `runner`
+    is what is called (a DDP wrapper), `model` the module itself."""
+    step = getattr(model, "_fsdpfast_steps", 0)
+    generator = torch.Generator().manual_seed(1000 + spec.seed + 100 * step)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, 9), generator=generator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss = model(input_ids=ids, labels=ids).loss
+    if step == 0:  # kept for the layouts that save optimizer (and scheduler) state
+        model._fsdpfast_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model._fsdpfast_scheduler = (torch.optim.lr_scheduler.LambdaLR(model._fsdpfast_optimizer, _warmup)
+                                     if spec.verl_files else None)
+    optimizer = model._fsdpfast_optimizer
+    loss = (runner or model)(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
+    if model._fsdpfast_scheduler is not None:
+        model._fsdpfast_scheduler.step()
     optimizer.zero_grad()
-    model._fsdpfast_optimizer = optimizer  # kept for the layouts that save optimizer state
+    model._fsdpfast_steps = step + 1
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
 
 
 @torch.no_grad()
@@ -202,6 +242,8 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
 
     if spec.layout == "fsdp-ranks":
         torch.save(state, os.path.join(folder, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        if spec.verl_files:  # what verl's FSDP checkpoint manager saves beside the model
+            _save_verl_extras(folder, rank, world_size, model)
         return
     if spec.layout.startswith("dcp"):  # torch.distributed.checkpoint: a collective save into one folder
         import torch.distributed.checkpoint as dcp
@@ -232,9 +274,20 @@ def _save_rank(folder: str, rank: int, world_size: int, spec: CheckpointSpec, st
     payload = {
         "state_dict": state,
         "optimizer_state": model._fsdpfast_optimizer.state_dict(),
-        "metadata": {"world_size": world_size, "rank": rank, "step": 1, "model": spec.model},
+        "metadata": {"world_size": world_size, "rank": rank, "step": model._fsdpfast_steps, "model": spec.model},
     }
     torch.save(payload, os.path.join(folder, f"model_pt_rank_{rank}.pt"))
+
+
+def _save_verl_extras(folder: str, rank: int, world_size: int, model) -> None:
+    import random
+
+    import numpy
+
+    torch.save(model._fsdpfast_optimizer.state_dict(), os.path.join(folder, f"optim_world_size_{world_size}_rank_{rank}.pt"))
+    extra = {"lr_scheduler": model._fsdpfast_scheduler.state_dict(),
+             "rng": {"cpu": torch.get_rng_state(), "numpy": numpy.random.get_state(), "random": random.getstate()}}
+    torch.save(extra, os.path.join(folder, f"extra_state_world_size_{world_size}_rank_{rank}.pt"))
 
 
 def _write_hf_files(folder: str, spec: CheckpointSpec) -> None:
@@ -249,3 +302,14 @@ def _write_hf_files(folder: str, spec: CheckpointSpec) -> None:
         json.dump({"model_max_length": 64}, f)
     with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": "<s>"}, f)
+
+
+def name_architecture(path: str, cls: str) -> None:
+    """config.json names the model class, as a model's save_pretrained writes it."""
+    import json
+
+    with open(path) as f:
+        config = json.load(f)
+    config["architectures"] = [cls]
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -17,7 +17,8 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model, serve_rank
+from .examples import (CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model,
+                       name_architecture, serve_rank)
 
 FILE_NAME = "pytorch_model_fsdp_rank{rank}.bin"  # accelerate's name for LOCAL_STATE_DICT rank files
 
@@ -88,15 +89,5 @@ def write_one(rank: int, root: str, spec: Fsdp1Spec, device: torch.device) -> No
         torch.save({"state_dict": full, "tied": tied}, spec.reference_path(root))
         hf = os.path.join(folder, "huggingface")
         _write_hf_files(hf, example)
-        _name_architecture(os.path.join(hf, "config.json"), type(model).__name__)
+        name_architecture(os.path.join(hf, "config.json"), type(model).__name__)
 
-
-def _name_architecture(path: str, cls: str) -> None:
-    """config.json names the model class, as a model's save_pretrained writes it."""
-    import json
-
-    with open(path) as f:
-        config = json.load(f)
-    config["architectures"] = [cls]
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)

@@ -56,6 +56,20 @@ class TensorPlan:
         return prod(self.shape)
 
 
+@dataclass(frozen=True)
+class Copy:
+    """A piece the checkpoint holds twice (a tensor every rank holds whole, an HSDP replica's shard):
+    the merge reads `kept`, so `other` must hold the same bytes or the choice would be silent.
+    Each is a TensorPlan of its own (the local piece's shape) over the plan's sources."""
+
+    name: str  # the tensor, as the checkpoint names it
+    kept: TensorPlan
+    other: TensorPlan
+    kept_at: str  # where each copy is, for the message: "rank 0 (path)"
+    other_at: str
+    problem: str  # what a difference means and what to do
+
+
 @dataclass
 class MergePlan:
     layout: str  # which reader produced it
@@ -69,3 +83,4 @@ class MergePlan:
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
     # recorded in the manifest so that verify --against reads the same plan again.
     options: dict = field(default_factory=dict)
+    copies: list[Copy] = field(default_factory=list)  # checked by copy_checks before any byte moves

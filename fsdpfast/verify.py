@@ -190,8 +190,11 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
     recorded = (manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {}
+    # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
+    # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
         plan = plan_merge(checkpoint, dtype="keep", layout=layout, config=report.out_dir if has_config else None,
+                          full_copy_check=True,
                           **{**recorded, **{name: value for name, value in options.items() if value is not None}})
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdpfast
-from conftest import SPECS
+from conftest import MERGE_OPTIONS, SPECS
 from helpers import assert_bit_exact, load_reference, read_index, read_merged, transformers_logits
 
 ALL = sorted(SPECS, key=lambda n: (SPECS[n][0], n))
@@ -18,7 +18,7 @@ def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path
     spec, folder = checkpoints.get(name)
     reference, tied = load_reference(spec.reference_path(checkpoints.root))
     out = tmp_path / "merged"
-    report = fsdpfast.merge(folder, out)
+    report = fsdpfast.merge(folder, out, **MERGE_OPTIONS.get(name, {}))
     assert_bit_exact(read_merged(out), reference, tied=tied)
     assert report.tensors == len(reference) - len(tied)
     assert sorted(n for names in report.tied.values() for n in names) == sorted(tied)

@@ -18,7 +18,8 @@ LAYOUT_OPTIONS = {
     "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
     "order_from": fsdp1_flat.NAME,  # not for users: the merge records it, verify --against passes it back
 }
-CONFIG_READERS = (fsdp1_flat.NAME, dcp_hf.NAME)  # readers that read config.json themselves (`config`: --config)
+# Readers that read config.json themselves (`config`: --config): to rebuild the model, or to place plain pieces.
+CONFIG_READERS = (fsdp1_flat.NAME, dcp_hf.NAME, fsdp_ranks.NAME, guide_ranks.NAME)
 
 
 def detect(folder: str) -> str:

@@ -62,6 +62,7 @@ class _Metadata:
     entries: list[str]  # flat names of every entry, tensors or not (bytes, objects), in order
     storage: dict[tuple[str, tuple[int, ...]], Record]  # (flat name, chunk offsets) -> its file range (_StorageInfo)
     paths: dict[str, tuple]  # flat name of a tensor -> its path in the nested state dict (planner_data)
+    referenced: frozenset[str]  # the files the storage entries name (relative paths)
 
 
 def read(folder: str, prefix: str | None = None) -> MergePlan:
@@ -73,13 +74,22 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     for flat_name, name in names.items():
         tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
     skipped = [k for k in metadata.entries if k not in names]
-    ranks = {int(m.group(1)) for f in os.listdir(folder) if (m := _RANK_FILE.fullmatch(f))}
-    plan = MergePlan(NAME, len(ranks) or 1, sources, tensors)
+    plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
     if skipped:
         plan.notes.append(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
+    stale = sorted(f for f in os.listdir(folder) if f.endswith(".distcp") and f not in metadata.referenced)
+    if stale:  # a leftover of an earlier save into the folder: not part of this checkpoint
+        plan.notes.append(f"not read: {len(stale)} .distcp files that .metadata does not reference "
+                          f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones")
     hf = os.path.join(folder, "huggingface")
     plan.config_dir = hf if os.path.isdir(hf) else None
     return plan
+
+
+def _ranks(files: frozenset[str]) -> set[int]:
+    """The ranks that wrote these files (`__{rank}_{i}.distcp`), or one per file if named otherwise."""
+    found = {_RANK_FILE.fullmatch(os.path.basename(f)) for f in files}
+    return {int(m.group(1)) for m in found if m} if all(found) else set(files)
 
 
 def _read_metadata(path: str) -> Record:
@@ -120,7 +130,9 @@ def _parse_structure(metadata: Record, where: str) -> _Metadata:
         if not isinstance(path, (tuple, list)) or not all(isinstance(part, (str, int)) for part in path):
             raise BadInput(f"{where}: the planner_data path of {flat_name} is {reprlib.repr(path)}, not a list of keys; the file is damaged")
         paths[flat_name] = tuple(path)
-    return _Metadata(tensors, list(entries), _storage_index(metadata, where), paths)
+    storage = _storage_index(metadata, where)
+    referenced = frozenset(str(info.args[0] if info.args else info.get("relative_path")) for info in storage.values())
+    return _Metadata(tensors, list(entries), storage, paths, referenced)
 
 
 def _mapping(value, field: str, where: str) -> dict:

@@ -18,7 +18,11 @@ def rank_files(folder: str, pattern: re.Pattern) -> dict[int, dict[int, str]]:
         if match and os.path.isfile(os.path.join(folder, entry)):
             groups = [int(g) for g in match.groups()]
             world, rank = (groups[0], groups[1]) if len(groups) == 2 else (0, groups[0])
-            found.setdefault(world, {})[rank] = os.path.join(folder, entry)
+            same = found.setdefault(world, {}).get(rank)
+            if same is not None:  # rank_1 and rank_01: which one is the checkpoint's cannot be told
+                raise BadInput(f"{same} and {entry} both name rank {rank}; remove the one that does not belong "
+                               "to this checkpoint")
+            found[world][rank] = os.path.join(folder, entry)
     return found
 
 

@@ -9,6 +9,7 @@ from ..errors import BadInput
 from ..plan import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks
+from .saved_steps import check_same_step
 
 NAME = "fsdp-ranks"
 DESCRIPTION = "model_world_size_{W}_rank_{r}.pt: per-rank FSDP/FSDP2 state dicts (verl)"
@@ -19,7 +20,8 @@ def matches(folder: str) -> bool:
     return bool(rank_files(folder, _PATTERN))
 
 
-def read(folder: str) -> MergePlan:
+def read(folder: str, config: str | None = None) -> MergePlan:
+    """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
     by_world = rank_files(folder, _PATTERN)
     if len(by_world) > 1:
         sizes = ", ".join(f"{w} ({len(r)} files)" for w, r in sorted(by_world.items()))
@@ -27,12 +29,15 @@ def read(folder: str) -> MergePlan:
     (world, ranks), = by_world.items()
     _check_fsdp_config(folder, world)
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_world_size_{world}_rank_{r}.pt")
+    steps_note = check_same_step(folder, world)
+    hf = os.path.join(folder, "huggingface")
     states = load_rank_states(ordered, _model_part)
-    plan = plan_from_ranks(states, NAME)
+    plan = plan_from_ranks(states, NAME, config or (hf if os.path.isdir(hf) else None))
     others = sorted(f for f in os.listdir(folder) if f.startswith(("optim_world_size_", "extra_state_world_size_")))
     if others:
         plan.notes.append(f"not merged: {len(others)} optimizer / extra-state files ({others[0]}, ...)")
-    hf = os.path.join(folder, "huggingface")
+    if steps_note:
+        plan.notes.append(steps_note)
     plan.config_dir = hf if os.path.isdir(hf) else None
     return plan
 

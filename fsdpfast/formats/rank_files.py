@@ -2,9 +2,10 @@
 
 Shared by the per-rank layouts: a reader finds the files and says where the model's state
 dict sits in each file's object; this module checks the ranks agree and turns every
-tensor's pieces into extents. DTensors say where their piece goes; plain tensors are either
-whole on every rank (buffers next to DTensors, or a world of one) or, in files with no
-DTensor at all, torch.chunk pieces along dim 0.
+tensor's pieces into extents. DTensors say where their piece goes (HSDP replicas of a piece
+are compared with the one read); plain tensors next to DTensors are whole on every rank
+(buffers; the copies are compared); in files with no DTensor at all, plain_pieces decides
+per tensor between whole copies and torch.chunk pieces.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from typing import Any, Callable
 from ..errors import BadInput
 from ..plan import Extent, MergePlan, TensorPlan
 from .boxes import box_extents
-from .placements import chunk_span, read_layout
+from .local_pieces import local_source as _local_source
+from .local_pieces import replica_copies, whole_copies
+from .placements import read_layout
+from .plain_pieces import plan_plain_tensors
 from .safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .storage_sources import StorageSources
 from .torch_zip import TorchZip
@@ -57,21 +61,22 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
     return states
 
 
-def plan_from_ranks(states: list[RankState], layout: str) -> MergePlan:
-    """The plan for these ranks; their archives are closed once it is made (the plan holds paths)."""
+def plan_from_ranks(states: list[RankState], layout: str, config_dir: str | None = None) -> MergePlan:
+    """The plan for these ranks; their archives are closed once it is made (the plan holds paths).
+    `config_dir`: the folder of the model's config.json, which places plain pieces (plain_pieces)."""
     try:
-        return _plan(states, layout)
+        return _plan(states, layout, config_dir)
     finally:
         for state in states:
             state.archive.close()
 
 
-def _plan(states: list[RankState], layout: str) -> MergePlan:
+def _plan(states: list[RankState], layout: str, config_dir: str | None) -> MergePlan:
     world = len(states)
     _check_same_names(states)
     any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())
     sources = StorageSources()
-    tensors = []
+    tensors, copies, notes = [], [], []
     for name in states[0].tensors:
         pieces = [(s, s.tensors[name]) for s in states]
         kinds = {type(v) for _, v in pieces}
@@ -79,15 +84,16 @@ def _plan(states: list[RankState], layout: str) -> MergePlan:
             raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
         if kinds == {DTensorRef}:
             tensors.append(_plan_dtensor(name, pieces, world, sources))
+            copies += replica_copies(name, pieces, sources)
         elif world == 1 or any_dtensor:
             tensors.append(plan_replicated(name, pieces, sources))
-        else:
-            tensors.append(_plan_dim0_pieces(name, pieces, sources))
-    notes = []
+            copies += whole_copies(name, pieces, sources)
+    if world > 1 and not any_dtensor:
+        tensors, copies, notes = plan_plain_tensors(list(states[0].tensors), states, config_dir, sources)
     skipped = sorted({k for s in states for k in s.skipped})
     if skipped:
         notes.append(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
-    return MergePlan(layout, world, sources.buffers, tensors, notes)
+    return MergePlan(layout, world, sources.buffers, tensors, notes, copies=copies)
 
 
 def _check_same_names(states: list[RankState]) -> None:
@@ -100,14 +106,6 @@ def _check_same_names(states: list[RankState]) -> None:
             extra = sorted(other - names)
             what = f"lacks {missing[0]}" if missing else f"has {extra[0]} which {first.path} lacks"
             raise BadInput(f"{state.path}: its state dict differs from rank {first.rank}'s: it {what}")
-
-
-def _local_source(state: RankState, name: str, local: TensorRef, sources: StorageSources) -> tuple[int, int]:
-    if not local.is_contiguous():
-        raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
-    if local.offset + prod(local.shape) > local.storage.numel:
-        raise BadInput(f"{state.path}: {name} reaches past the end of its storage; the file is corrupt")
-    return sources.index(state.path, local, state.archive), local.offset
 
 
 def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> TensorPlan:
@@ -150,7 +148,8 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> Ten
 
 
 def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
-    """A plain tensor every rank holds whole: the ranks must agree on it; rank 0's copy is read."""
+    """A plain tensor every rank holds whole: the ranks must agree on its shape and dtype (and bytes:
+    whole_copies); rank 0's copy is read."""
     first_state, first = pieces[0]
     for state, value in pieces[1:]:
         if value.shape != first.shape or value.dtype != first.dtype:
@@ -162,27 +161,6 @@ def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
     numel = prod(first.shape)
     extents = [Extent(source, offset, numel, 0)] if numel else []
     return TensorPlan(name, tuple(first.shape), first.dtype, first.dtype, extents)
-
-
-def _plan_dim0_pieces(name: str, pieces, sources: StorageSources) -> TensorPlan:
-    first_state, first = pieces[0]
-    if len(first.shape) == 0:
-        return plan_replicated(name, pieces, sources)
-    rows = sum(v.shape[0] for _, v in pieces)
-    shape = (rows, *first.shape[1:])
-    extents = []
-    for index, (state, value) in enumerate(pieces):
-        if value.dtype != first.dtype or tuple(value.shape[1:]) != tuple(first.shape[1:]):
-            raise BadInput(f"{state.path}: piece of {name} is {value.dtype}{list(value.shape)}, rank {first_state.rank} has {first.dtype}{list(first.shape)}")
-        start, length = chunk_span(rows, len(pieces), index)
-        if value.shape[0] != length:
-            raise BadInput(
-                f"{state.path}: piece of {name} has {value.shape[0]} rows; torch.chunk of {rows} rows over "
-                f"{len(pieces)} ranks gives rank {state.rank} {length}"
-            )
-        source, offset = _local_source(state, name, value, sources)
-        extents += box_extents(source, offset, shape, (start, *[0] * (len(shape) - 1)), tuple(value.shape))
-    return TensorPlan(name, shape, first.dtype, first.dtype, extents)
 
 
 def _check_coverage(name: str, shape, extents: list[Extent], where: str) -> None:
