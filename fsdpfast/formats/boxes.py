@@ -7,22 +7,28 @@ from math import prod
 from ..plan import Extent
 
 
-def box_extents(source: int, src_offset: int, global_shape, offsets, sizes) -> list[Extent]:
-    """Extents copying a row-major local piece of shape `sizes` into the box at `offsets`.
+def box_extents(source: int, src_offset: int, global_shape, offsets, sizes, local_shape=None, local_offsets=None) -> list[Extent]:
+    """Extents copying a box of shape `sizes` from a row-major local piece into the global box at `offsets`.
 
-    The innermost partial dimension and the full dimensions inside it make one contiguous run;
-    the dimensions outside it, up to and including the next partial one, become the strided
-    runs of one extent; any dimensions further out are enumerated, one extent each.
+    The box is the whole local piece unless `local_shape` (the piece's shape) and `local_offsets`
+    (where the box starts in it) say otherwise, as for the row-blocks of a _StridedShard piece.
+    The innermost partial dimension and the full dimensions inside it make one contiguous run
+    (full in the global tensor means full in the piece too); the dimensions outside it, up to
+    and including the next partial one, become the strided runs of one extent; any dimensions
+    further out are enumerated, one extent each.
     """
     ndim = len(global_shape)
     if prod(sizes) == 0:
         return []
+    local_shape = tuple(sizes) if local_shape is None else tuple(local_shape)
+    l_strides = _row_major_strides(local_shape)
+    if local_offsets is not None:
+        src_offset += sum(o * s for o, s in zip(local_offsets, l_strides))
     partial = [d for d in range(ndim) if sizes[d] != global_shape[d]]
     if not partial:
         return [Extent(source, src_offset, prod(global_shape), 0)]
     k = partial[-1]
     g_strides = _row_major_strides(global_shape)
-    l_strides = _row_major_strides(sizes)
     count = sizes[k] * g_strides[k]
     base = offsets[k] * g_strides[k]
     if k == 0:

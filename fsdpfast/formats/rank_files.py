@@ -18,7 +18,7 @@ from ..plan import Extent, MergePlan, TensorPlan
 from .boxes import box_extents
 from .local_pieces import local_source as _local_source
 from .local_pieces import replica_copies, whole_copies
-from .placements import read_layout
+from .placements import choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
 from .safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .storage_sources import StorageSources
@@ -112,13 +112,9 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> Ten
     first_state, first = pieces[0]
     where0 = f"{first_state.path}: {name}"
     reference = read_layout(first.spec, where0)
-    if prod(reference.mesh_shape) != world:
-        raise BadInput(
-            f"{where0}: its DeviceMesh has {prod(reference.mesh_shape)} ranks but the folder holds {world} rank files; "
-            "all rank files of one checkpoint are needed"
-        )
-    extents: list[Extent] = []
-    seen_coordinates = {}
+    copies = _copies_per_coordinate(reference, world, where0)
+    layouts, wheres = [], []
+    holders: dict[tuple[int, ...], list[str]] = {}
     for state, value in pieces:
         where = f"{state.path}: {name}"
         layout = read_layout(value.spec, where)
@@ -130,21 +126,45 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> Ten
         ):
             if mine != theirs:
                 raise BadInput(f"{where}: {field} {mine} disagrees with {theirs} in {first_state.path}")
-        if layout.coordinate in seen_coordinates:
-            raise BadInput(f"{where}: same mesh coordinate {layout.coordinate} as {seen_coordinates[layout.coordinate]}; are two files copies of one rank?")
-        seen_coordinates[layout.coordinate] = state.path
-        offsets, sizes = layout.local_box()
-        if tuple(value.local.shape) != sizes:
-            raise BadInput(
-                f"{where}: local shape {tuple(value.local.shape)} but {layout.describe()} of {layout.global_shape} "
-                f"over mesh {layout.mesh_shape} gives {sizes} at coordinate {layout.coordinate}"
-            )
-        if not layout.is_primary_replica():
+        if layout.mesh_rank is not None and layout.mesh_rank != state.rank:
+            raise BadInput(f"{where}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
+                           "are two files copies of one rank?")
+        same = holders.setdefault(layout.coordinate, [])
+        same.append(state.path)
+        if len(same) > copies:
+            raise BadInput(f"{where}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?")
+        layouts.append(layout)
+        wheres.append(where)
+    reading = choose_reading(layouts, [tuple(value.local.shape) for _, value in pieces], wheres)
+    extents: list[Extent] = []
+    for (state, value), layout in zip(pieces, layouts):
+        # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
+        # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
+        if holders[layout.coordinate][0] != state.path or not layout.is_primary_replica():
             continue
         source, offset = _local_source(state, name, value.local, sources)
-        extents += box_extents(source, offset, layout.global_shape, offsets, sizes)
+        shape = tuple(value.local.shape)
+        for box in layout.local_boxes(reading):
+            extents += box_extents(source, offset, layout.global_shape, box.offsets, box.sizes, shape, box.local_offsets)
     _check_coverage(name, reference.global_shape, extents, first_state.path)
     return TensorPlan(name, reference.global_shape, first.local.dtype, first.local.dtype, extents)
+
+
+def _copies_per_coordinate(layout, world: int, where: str) -> int:
+    """How many rank files hold each mesh coordinate: 1 on a mesh of all ranks; world / mesh size
+    on a sub-mesh (mesh["dp"] of a dp x tp mesh), whose pieces repeat across the other dims."""
+    ranks = prod(layout.mesh_shape)
+    if layout.mesh_world is not None and layout.mesh_world != world:
+        raise BadInput(f"{where}: its DeviceMesh belongs to a mesh of {layout.mesh_world} ranks but the folder holds "
+                       f"{world} rank files; all rank files of one checkpoint are needed")
+    if ranks == world:
+        return 1
+    if ranks > world or world % ranks:
+        raise BadInput(
+            f"{where}: its DeviceMesh has {ranks} ranks but the folder holds {world} rank files; "
+            "all rank files of one checkpoint are needed"
+        )
+    return world // ranks
 
 
 def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
