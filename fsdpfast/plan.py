@@ -68,3 +68,6 @@ class MergePlan:
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
     # recorded in the manifest so that verify --against reads the same plan again.
     options: dict = field(default_factory=dict)
+    # The sub-folder of the given folder that holds the model, where a framework put it there
+    # (formats.framework_folders); None: the folder given.
+    model_folder: str | None = None
