@@ -4,9 +4,9 @@
   one AdamW step changes every weight, then `Accelerator.save_state` (a DCP folder per model,
   `pytorch_model_fsdp_{i}/`, beside `optimizer_{i}/` and rng states) or `save_fsdp_model(...,
   use_dcp=False)` (per-rank `pytorch_model_fsdp_{i}_rank{r}.bin`) writes it. On the CPU accelerate
-  does not choose FSDP by itself: its state's distributed type, plugin and device are set after
-  the Accelerator is constructed, as the accelerate tests of FSDP do through the launcher's
-  environment; everything after that is accelerate's own code.
+  does not choose FSDP by itself (it does only on accelerators): its state's distributed type,
+  plugin and device are set after the Accelerator is constructed; everything after that
+  (prepare, the FSDP wrapping, the saving) is accelerate's own code.
 - a Hugging Face Trainer's `checkpoint-N/`: the files `Trainer._save_checkpoint` writes under
   FSDP, by the same calls (accelerate's `save_fsdp_model` and `save_fsdp_optimizer`, `torch.save`
   of the scheduler and rng states, `trainer_state.json`); the Trainer itself selects FSDP only

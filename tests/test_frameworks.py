@@ -188,6 +188,15 @@ def test_config_without_architectures_names_the_field(frameworks, tmp_path):
         json.dump(config, f)
     error = _refused("merge", run / "checkpoint-1", "--out", tmp_path / "out")
     assert f'{run / "config.json"}: has no "architectures" field' in error and '["LlamaForCausalLM"]' in error
+    config["architectures"] = None  # what a config written from a bare PretrainedConfig holds
+    with open(run / "config.json", "w") as f:
+        json.dump(config, f)
+    assert 'has no "architectures" field' in _refused("merge", run / "checkpoint-1", "--out", tmp_path / "out")
+    config["architectures"] = ["LlamaForCausalLM"]
+    del config["model_type"]
+    with open(run / "config.json", "w") as f:
+        json.dump(config, f)
+    assert f'{run / "config.json"}: has no "model_type" field' in _refused("merge", run / "checkpoint-1", "--out", tmp_path / "out")
 
 
 @needs_accelerate
