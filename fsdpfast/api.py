@@ -100,6 +100,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, a
     return {
         "checkpoint": os.fspath(src),
         "layout": plan.layout,
+        "model_folder": plan.model_folder,  # where a framework put the model inside the folder given (None: itself)
         "world_size": plan.world_size,
         "tensors": tensors,
         "total_tensors": len(tensors),

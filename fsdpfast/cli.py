@@ -185,7 +185,8 @@ def _inspect(args) -> int:
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
-    print(f"{found['checkpoint']}: layout {found['layout']}, {found['world_size']} ranks, "
+    inside = f" (the model in {found['model_folder']}/)" if found["model_folder"] else ""
+    print(f"{found['checkpoint']}{inside}: layout {found['layout']}, {found['world_size']} ranks, "
           f"{found['total_tensors']} tensors, {found['total_bytes'] / 1e9:.3f} GB, {len(found['source_files'])} files")
     width = max((len(t["name"]) for t in found["tensors"]), default=0)
     for t in found["tensors"]:

@@ -16,8 +16,11 @@ from .errors import BadInput
 from .manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
 from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, write_marker
 
-# Weight files and indexes never copied from a config folder (it may be a whole base model).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp", ".index.json")
+# Weight files and indexes never copied from a config folder (it may be a whole base model), nor
+# pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp", ".index.json",
+                    ".pkl")
+_TRAINING_STATE = ("trainer_state.json",)
 
 
 class StagingFolder:
@@ -156,7 +159,8 @@ def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str 
     copied = []
     for entry in sorted(os.listdir(config_dir)):
         source = os.path.join(config_dir, entry)
-        if not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".") or entry == MANIFEST_NAME:
+        if (not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".")
+                or entry in (MANIFEST_NAME, *_TRAINING_STATE)):
             continue
         if entry == "config.json" and torch_dtype:
             _write_config_with_dtype(source, staging.file(entry), torch_dtype)

@@ -84,3 +84,6 @@ class MergePlan:
     # recorded in the manifest so that verify --against reads the same plan again.
     options: dict = field(default_factory=dict)
     copies: list[Copy] = field(default_factory=list)  # checked by copy_checks before any byte moves
+    # The sub-folder of the given folder that holds the model, where a framework put it there
+    # (formats.framework_folders); None: the folder given.
+    model_folder: str | None = None

@@ -21,6 +21,11 @@ def smoke_test(out_dir: str) -> list[str]:
     except ImportError as exc:
         raise BadInput(f"--smoke needs transformers ({exc}); pip install transformers") from None
     transformers.utils.logging.disable_progress_bar()  # our report is the output
+    from .configs import load_config
+
+    if not isinstance(load_config(os.path.join(out_dir, "config.json")).get("model_type"), str):
+        raise BadInput(f"{out_dir}/config.json: has no \"model_type\" field, so transformers cannot tell which model to "
+                       "build; add it (e.g. \"model_type\": \"llama\") or merge with --config DIR")
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model, info = _load(transformers, torch, config, out_dir)
     problems = [f"{key}: not in the folder (the model would start from random values)" for key in info.get("missing_keys", [])]

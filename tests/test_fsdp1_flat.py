@@ -315,7 +315,7 @@ def test_config_without_architectures(fsdp1, tmp_path):
     del config["architectures"]
     with open(path, "w") as f:
         json.dump(config, f)
-    assert "names no 'architectures'" in _refused(folder, tmp_path / "out")
+    assert 'has no "architectures" field' in _refused(folder, tmp_path / "out")
 
 
 def test_fsdp1_options_on_other_layouts(checkpoints, tmp_path):

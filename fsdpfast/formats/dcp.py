@@ -63,6 +63,7 @@ class _Metadata:
     storage: dict[tuple[str, tuple[int, ...]], Record]  # (flat name, chunk offsets) -> its file range (_StorageInfo)
     paths: dict[str, tuple]  # flat name of a tensor -> its path in the nested state dict (planner_data)
     referenced: frozenset[str]  # the files the storage entries name (relative paths)
+    tops: dict[str, str]  # flat name of every entry -> its top-level key in the state dict
 
 
 def read(folder: str, prefix: str | None = None) -> MergePlan:
@@ -75,6 +76,11 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
         tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
     skipped = [k for k in metadata.entries if k not in names]
     plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
+    nested = any(len(path) > 1 for path in metadata.paths.values())
+    if prefix is None and nested and all(len(metadata.paths[k]) == 1 for k in names):
+        parts = list(dict.fromkeys(metadata.tops[k] for k in skipped))
+        plan.notes.append(f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
+                          f"it); not merged: {', '.join(parts)} (--prefix picks a nested part instead)")
     if skipped:
         plan.notes.append(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
     stale = sorted(f for f in os.listdir(folder) if f.endswith(".distcp") and f not in metadata.referenced)
@@ -132,7 +138,11 @@ def _parse_structure(metadata: Record, where: str) -> _Metadata:
         paths[flat_name] = tuple(path)
     storage = _storage_index(metadata, where)
     referenced = frozenset(str(info.args[0] if info.args else info.get("relative_path")) for info in storage.values())
-    return _Metadata(tensors, list(entries), storage, paths, referenced)
+    tops = {}
+    for flat_name in entries:
+        path = planner_data.get(flat_name)
+        tops[flat_name] = str(path[0]) if isinstance(path, (tuple, list)) and path else str(flat_name)
+    return _Metadata(tensors, list(entries), storage, paths, referenced, tops)
 
 
 def _mapping(value, field: str, where: str) -> dict:
@@ -185,6 +195,11 @@ def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> di
         return {k: k for k in paths}  # a flat model state dict
     if prefix is None:
         candidates = [p for p in _MODEL_PREFIXES if p in tops]
+        top_level = {k: str(path[0]) for k, path in paths.items() if len(path) == 1}
+        if not candidates and top_level:
+            # torchtitan's resumable checkpoints: the model's tensors at the top level, beside
+            # `optimizer`, `lr_scheduler`, `dataloader` and `train_state`
+            return top_level
         if len(candidates) != 1:
             raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with --prefix")
         prefix = candidates[0]

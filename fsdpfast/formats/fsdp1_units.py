@@ -57,10 +57,17 @@ def meta_model(config_dir: str):
     """(the model config.json names, built on the meta device; its class name)."""
     path = os.path.join(config_dir, "config.json")
     config = load_config(path)
-    names = config.get("architectures") or []
-    if not names:
-        raise BadInput(f"{path}: names no 'architectures' and FSDP1's parameter order depends on the model class: "
-                       "add it (e.g. \"architectures\": [\"LlamaForCausalLM\"]) or pass --config with a config.json that names it")
+    names = config.get("architectures")
+    if not names:  # absent, null or []: a config saved on its own (AutoConfig, a model made with from_config)
+        raise BadInput(f"{path}: has no \"architectures\" field, and fsdp1-flat needs the model class (FSDP1 flattens "
+                       f"parameters in its order): add \"architectures\": [\"{_class_for(config)}\"] or pass --config DIR "
+                       "with a config.json that has it")
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise BadInput(f"{path}: \"architectures\" is {str(names)[:80]!r}, not a list of class names "
+                       "(e.g. [\"LlamaForCausalLM\"])")
+    if not isinstance(config.get("model_type"), str):
+        raise BadInput(f"{path}: has no \"model_type\" field, which transformers needs to build {names[0]} "
+                       "(e.g. \"model_type\": \"llama\"); add it or pass --config DIR with a complete config.json")
     torch, transformers = _imports()
     cls = getattr(transformers, str(names[0]), None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):  # nothing else is built
@@ -72,6 +79,18 @@ def meta_model(config_dir: str):
     except Exception as exc:  # transformers raises many kinds for configs it cannot build
         raise BadInput(f"{path}: transformers cannot build {names[0]} from it ({type(exc).__name__}: {exc})") from None
     return model, names[0]
+
+
+def _class_for(config: dict) -> str:
+    """The causal-LM class transformers maps config.json's model_type to, for the error that asks for it."""
+    model_type = config.get("model_type")
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    except ImportError:
+        return "LlamaForCausalLM"
+    if not isinstance(model_type, str):
+        return "LlamaForCausalLM"
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type) or "LlamaForCausalLM"
 
 
 def order_source(model) -> str:
