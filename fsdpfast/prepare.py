@@ -5,7 +5,7 @@ import os
 
 from .configs import load_config
 from .dtypes import TARGET_ALIASES, target_dtype
-from .errors import BadInput
+from .errors import BadInput, option
 from .plan import MergePlan, TensorPlan
 
 # Components that wrappers (FSDP1, torch.compile, activation checkpointing) add to names.
@@ -23,9 +23,9 @@ def clean_name(name: str) -> str:
 
 
 def parse_dtype(wanted: str | None) -> str | None:
-    key = "keep" if wanted is None else str(wanted).lower()
+    key = "keep" if wanted is None else str(wanted)
     if key not in TARGET_ALIASES:
-        raise BadInput(f"--dtype {wanted!r} is not one of keep, bf16, fp16, fp32")
+        raise BadInput(f"{option('dtype', wanted)} is not one of {', '.join(TARGET_ALIASES)}")
     return TARGET_ALIASES[key]
 
 

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 
 from ..configs import load_config
-from ..errors import BadInput
+from ..errors import BadInput, option
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def meta_model(config_dir: str):
     names = config.get("architectures") or []
     if not names:
         raise BadInput(f"{path}: names no 'architectures' and FSDP1's parameter order depends on the model class: "
-                       "add it (e.g. \"architectures\": [\"LlamaForCausalLM\"]) or pass --config with a config.json that names it")
+                       f"add it (e.g. \"architectures\": [\"LlamaForCausalLM\"]) or pass {option('config')} with a config.json that names it")
     torch, transformers = _imports()
     cls = getattr(transformers, str(names[0]), None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):  # nothing else is built
@@ -96,7 +96,7 @@ def units(model, wrap: list[str]) -> list[Unit]:
     unknown = [name for name in wrap if name not in present]
     if unknown:
         known = sorted({type(m).__name__ for m in model.modules()})
-        raise BadInput(f"--wrap {unknown[0]}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
+        raise BadInput(f"{option('wrap', unknown[0])}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
     wanted = set(wrap)
     targets = []
     _post_order(model, "", wanted, targets, set())
