@@ -144,7 +144,9 @@ def probe_this_torch():
         arch_flags = cpp_extension._get_cuda_arch_flags()  # what the build will ask nvcc for
     except Exception:  # a private helper: without it, the probe compiles for nvcc's default arch
         arch_flags = []
-    why = probe_cuda(torch.version.cuda, nvcc, includes + pip_cuda_includes(), arch_flags)
+    # In the build's order: the pip CUDA headers (include_dirs of the extension) before torch's and
+    # CUDA_HOME's, so that a toolkit of another version there is found as the compile would find it.
+    why = probe_cuda(torch.version.cuda, nvcc, pip_cuda_includes() + includes, arch_flags)
     return None if why is None else f"{why} (torch {torch.__version__}, CUDA_HOME {home})"
 
 
@@ -180,7 +182,7 @@ def build_command(base, setting: str, probe, cuda_ops, cpu_ops, record):
                 if not (cuda and setting == "auto"):
                     raise
                 detail = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-                why = f"the CUDA compile failed ({detail[:200]})"
+                why = f"the CUDA compile failed ({detail[:200]}; the compiler's messages are in the build log: pip install -v)"
                 say(f"building the CPU engine only, no CUDA ops: {why}; FSDPFAST_CUDA=1 makes this an error")
                 facts.update(CUDA_OPS=False, CUDA_SKIPPED=why)
                 self._use(cpu_ops())
