@@ -7,8 +7,9 @@
   (csrc/cuda/) when the CUDA toolchain is usable.
 
 FSDPFAST_CUDA=auto (the default) builds the CUDA ops only when a quick probe finds the whole
-toolchain usable (a CUDA build of torch, nvcc of the same CUDA major version, every header
-torch's CUDA headers include, a compiling nvcc); otherwise, or when their compile fails, it
+toolchain usable (a CUDA build of torch, nvcc of the same CUDA major version, torch's CUDA
+headers and every header they include found and accepted by that nvcc, a kernel compiled for
+the target archs); otherwise, or when their compile fails, it
 builds the CPU ops and says why in one line. FSDPFAST_CUDA=1 makes either an error,
 FSDPFAST_CUDA=0 skips the CUDA ops. FSDPFAST_NATIVE=0 skips all native code (the pure-torch
 engine still works).
@@ -74,7 +75,8 @@ def pip_cuda_includes() -> list:
     torch's CUDA headers include. Searched on sys.path, since under pip's build isolation they lie
     in the build environment, not in this interpreter's site-packages."""
     roots = dict.fromkeys([p for p in sys.path if p and os.path.isdir(p)] + [sysconfig.get_paths()["purelib"]])
-    return sorted({d for root in roots for d in glob.glob(os.path.join(root, "nvidia", "*", "include"))})
+    found = [d for root in roots for d in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include")))]
+    return list(dict.fromkeys(found))  # sys.path's order: the environment's own copy first
 
 
 def nvcc_release(nvcc: str):
@@ -87,7 +89,8 @@ def nvcc_release(nvcc: str):
 def probe_cuda(torch_cuda, nvcc, include_dirs, arch_flags=()):
     """None when the CUDA ops can be built, else one phrase saying why not. Quick (seconds): it
     compiles one trivial kernel for the archs asked (nvcc, its host compiler, the archs) and
-    preprocesses torch's CUDA headers (every header they include is found), nothing more."""
+    preprocesses torch's CUDA headers with `include_dirs` in the build's order (every header they
+    include is found, and the CUDA headers found agree with this nvcc), nothing more."""
     if torch_cuda is None:
         return "torch is a CPU build"
     if not nvcc or not os.path.isfile(nvcc):
