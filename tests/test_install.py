@@ -226,7 +226,7 @@ def test_a_build_for_another_torch_still_merges_with_the_cpu_engine(checkpoints,
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert cuda.returncode == 2 and not (tmp_path / "cuda").exists()
     line = cuda.stderr.strip()
-    assert "\n" not in line and line.startswith("fsdpfast: error: --engine cuda: ") and "built against torch 1.0.0" in line, line
+    assert "\n" not in line and line.startswith("fsdpfast: error: --engine 'cuda': ") and "built against torch 1.0.0" in line, line
     version = subprocess.run([sys.executable, "-m", "fsdpfast", "--version"], env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=120)
     assert re.fullmatch(r"fsdpfast \S+: native cpu engine built; CUDA ops built against torch 1\.0\.0\n", version.stdout), version.stdout
