@@ -3,7 +3,9 @@
 - fsdpfast._native: the CPU kernels as a plain module; the native CPU engine uses it, so a
   merge never has to import torch.
 - fsdpfast._C: the same kernels as torch ops (torch.ops.fsdpfast.*), with CUDA implementations
-  when built with CUDA; loaded only when asked for, since it needs torch imported first.
+  when built with CUDA; loaded only when asked for, since it needs torch imported first. It is
+  tied to the torch it was built against (torch has no stable C++ ABI): under another torch
+  version it is not loaded, and torch_ops_error() says why; only the cuda engine needs it.
 """
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import glob
 import os
 
 try:
-    from ._build_config import CUDA_OPS  # written by setup.py
+    from . import _build_config  # written by setup.py
 except ImportError:  # a source tree that was never built
-    CUDA_OPS = False
+    _build_config = None
+CUDA_OPS = bool(getattr(_build_config, "CUDA_OPS", False))
+CUDA_SKIPPED: str | None = getattr(_build_config, "CUDA_SKIPPED", None)  # why the build left the CUDA ops out
+TORCH_BUILT: str | None = getattr(_build_config, "TORCH_VERSION", None)  # the torch _C was built against
 
 # Element codes of csrc/convert.h: equal codes mean a plain byte copy.
 CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
@@ -48,14 +53,33 @@ def torch_ops() -> bool:
     global _torch_ops_loaded, _torch_ops_error
     if not _torch_ops_loaded and _torch_ops_error is None:
         try:
-            import torch  # noqa: F401  (the ops library links against it)
-
-            from . import _C  # noqa: F401  (loading the library registers the ops)
-
-            _torch_ops_loaded = True
+            import torch  # the ops library links against it
         except ImportError as exc:
-            _torch_ops_error = str(exc)
+            _torch_ops_error = f"torch is not installed ({exc})"
+            return False
+        _torch_ops_error = torch_mismatch(torch.__version__)
+        if _torch_ops_error is None:
+            try:
+                from . import _C  # noqa: F401  (loading the library registers the ops)
+
+                _torch_ops_loaded = True
+            except Exception as exc:  # ImportError, OSError: missing libraries, undefined symbols
+                _torch_ops_error = f"fsdpfast._C did not load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
     return _torch_ops_loaded
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]  # 2.14.1+cu130 -> 2.14.1: CPU and CUDA builds of one release share the ABI
+
+
+def torch_mismatch(installed: str, built: str | None = None) -> str | None:
+    """Why fsdpfast._C, built against torch `built` (default: this install's), cannot be used with torch `installed`, or None."""
+    built = built or TORCH_BUILT
+    if built is None or _release(built) == _release(installed):
+        return None
+    return (f"fsdpfast's torch ops (_C) were built against torch {built}, this is torch {installed}; the cpu "
+            "engine does not use them; for the cuda engine, reinstall fsdpfast from source against this torch "
+            "(pip install --no-build-isolation --no-deps --force-reinstall SOURCE)")
 
 
 def torch_ops_error() -> str | None:
@@ -65,6 +89,15 @@ def torch_ops_error() -> str | None:
 
 def native_cuda_built() -> bool:
     return bool(CUDA_OPS) and torch_ops()
+
+
+def cuda_unavailable() -> str:
+    """Why the cuda engine cannot run here (call when native_cuda() is False)."""
+    if not CUDA_OPS:
+        return f"the CUDA ops were not built ({CUDA_SKIPPED or 'no CUDA toolchain when fsdpfast was built'})"
+    if not torch_ops():
+        return torch_ops_error() or "the CUDA ops did not load"
+    return "no GPU is visible"
 
 
 def gpu_device_present() -> bool:

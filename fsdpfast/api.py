@@ -10,7 +10,7 @@ from . import formats
 from .copy_checks import check_copies
 from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
-from .errors import BadInput, InterruptedAfterPublishing
+from .errors import BadInput, InterruptedAfterPublishing, option
 from .finish import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
 from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
@@ -19,6 +19,7 @@ from .plan import MergePlan
 from .plan_checks import check_plan
 from .prepare import parse_dtype, prepare
 from .progress import Progress
+from .wording import count, size
 from .writer import write_file
 
 log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
@@ -26,6 +27,11 @@ log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
 
 @dataclass
 class MergeReport:
+    """What `merge` did: where, from which layout and world size, with which engine, how many tensors
+    and bytes in which files, how long; `tied` maps each name written to the names it stands for,
+    `copied` the config and tokenizer files, `notes` what was assumed or left out. `summary()` is
+    the command line's text."""
+
     out_dir: str
     layout: str
     world_size: int
@@ -41,7 +47,7 @@ class MergeReport:
 
     def summary(self) -> str:
         lines = [
-            f"merged {self.tensors} tensors ({self.bytes_written / 1e9:.3f} GB) from {self.world_size} ranks "
+            f"merged {count(self.tensors, 'tensor')} ({size(self.bytes_written)}) from {count(self.world_size, 'rank')} "
             f"[{self.layout}] into {self.out_dir} in {self.seconds:.2f} s with the {self.engine} engine",
             f"files: {', '.join(self.files)}",
         ]
@@ -65,8 +71,10 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
 
     `options`, each for one layout (formats.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
-    tag, default the one `latest` names; `wrap` (fsdp1-flat) the module class names FSDP1 wrapped,
-    default the model's decoder-layer class; `use_orig_params` (fsdp1-flat), default detected.
+    tag, default the one `latest` names; `exclude_frozen` (deepspeed-zero) True leaves out frozen
+    parameters, as zero_to_fp32's exclude_frozen_parameters; `wrap` (fsdp1-flat) the module class
+    names FSDP1 wrapped, default the model's decoder-layer class; `use_orig_params` (fsdp1-flat),
+    default detected.
     """
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
@@ -127,12 +135,27 @@ def merge(
     allow_extra_tensors: bool = False,
     **options,
 ) -> MergeReport:
-    """Merge the sharded checkpoint in `src` into a Hugging Face folder `dst`.
+    """Merge the sharded checkpoint in folder `src` into a Hugging Face folder `dst`; a MergeReport.
 
-    `dst` appears complete or not at all: everything is written to a hidden sibling folder
-    that is renamed into place at the end, with the manifest (fsdpfast-manifest.json). A source
-    file that changes size or modification time during the merge aborts it. `progress`: a bar
-    on stderr when it is a terminal. `options`: the layout options of `plan_merge`.
+    dtype: "keep" (default), "bf16", "fp16" or "fp32" (or "bfloat16", "float16", "float32"):
+        floating tensors are cast, rounding as torch's `.to()`; others are kept.
+    max_shard_size: the largest output file ("5GB", "500MB", "2GiB" or bytes); more than one file
+        adds model.safetensors.index.json.
+    layout: force a layout instead of detecting it ("fsdp-ranks", "guide-ranks", "dcp", "dcp-hf",
+        "deepspeed-zero", "fsdp1-flat").
+    config: a folder whose config.json, generation config and tokenizer files are copied (default:
+        the checkpoint's huggingface/ folder).
+    overwrite: replace `dst` if it is an earlier merge (an empty `dst` is replaced anyway; any other
+        existing folder is refused).
+    engine: "auto" (default: cuda, else the native cpu engine, else torch), "cpu", "cuda", "torch".
+    progress: a progress bar on stderr when it is a terminal.
+    options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
+
+    `dst` (and its missing parents) appears complete or not at all: everything is written to a
+    hidden sibling folder that is renamed into place at the end, with the manifest
+    (fsdpfast-manifest.json). A source file that changes size or modification time during the
+    merge aborts it (SourceChanged). Raises BadInput (a ValueError) for input it cannot merge as
+    given, FsdpfastError for the rest.
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -205,10 +228,14 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
 
 def _existing_output_notes(dst: str) -> list[str]:
     if not os.path.lexists(dst):
-        return []
+        parent = os.path.dirname(os.path.abspath(dst))
+        return [] if os.path.isdir(parent) else [f"{parent} does not exist: the merge will create it"]
+    if os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst):
+        return [f"{dst} is an empty folder: the merge will replace it"]
     if os.path.isdir(dst) and replaceable(dst):
-        return [f"{dst} exists: the merge needs --overwrite"]
-    return [f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, even with --overwrite"]
+        return [f"{dst} exists: the merge needs {option('overwrite', True)}"]
+    return [f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, "
+            f"even with {option('overwrite', True)}"]
 
 
 def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from dataclasses import asdict
 
-from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, FsdpfastError
+from . import __version__, formats
+from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, FsdpfastError, command_line_messages
+from .wording import count, size
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -22,37 +24,87 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"fsdpfast: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.")
-    parser.add_argument("--version", action="version", version=f"fsdpfast {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_OneLineParser)
+class _VersionAction(argparse.Action):
+    """--version: the version and which engines this install has (the build's reason when CUDA ops are missing)."""
 
-    merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder")
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from . import _ops
+
+        native = "built" if _ops.native_cpu() else f"missing ({_ops.NATIVE_ERROR})"
+        cuda = f"built against torch {_ops.TORCH_BUILT}" if _ops.CUDA_OPS else f"not built ({_ops.CUDA_SKIPPED or 'unknown'})"
+        _emit(f"fsdpfast {__version__}: native cpu engine {native}; CUDA ops {cuda}")
+        parser.exit(0)
+
+
+_DTYPES = "keep (default), bf16, fp16 or fp32 (or torch's names bfloat16, float16, float32); only floating tensors are cast"
+_MERGE_EXAMPLES = """examples:
+  fsdpfast merge checkpoints/global_step_100/actor --out merged
+  fsdpfast merge ckpt --out merged --dtype bf16 --max-shard-size 2GB
+  fsdpfast merge ds_checkpoint --out merged --tag global_step500 --exclude-frozen
+  fsdpfast merge ckpt --out merged --dry-run          # the plan; writes nothing
+
+layouts (detected; --layout forces one):
+""" + "\n".join(f"  {name:<15} {reader.DESCRIPTION}" for name, reader in formats.READERS.items())
+_INSPECT_EXAMPLES = """examples:
+  fsdpfast inspect checkpoints/global_step_100/actor
+  fsdpfast inspect ds_checkpoint --tag global_step500 --json"""
+_VERIFY_EXAMPLES = """examples:
+  fsdpfast verify merged                              # checksums against the manifest; needs no sources
+  fsdpfast verify merged --against checkpoints/global_step_100/actor
+  fsdpfast verify merged --reference hf_export --atol 1e-6
+  fsdpfast verify merged --manifest earlier_merge --smoke
+
+exit status: 0 all checks passed, 3 a mismatch, 2 bad input"""
+_DEMO_EXAMPLES = """examples:
+  fsdpfast demo
+  fsdpfast demo --world-size 2 --workdir /tmp/fsdpfast-demo   # keep the files"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.",
+                            epilog="exit status: 0 done, 2 bad input, 3 verify found a mismatch, 1 anything else; "
+                                   "'fsdpfast COMMAND --help' shows examples")
+    parser.add_argument("--version", action=_VersionAction, help="show the version and which engines this install has")
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_OneLineParser)
+    examples = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
+    layouts = ", ".join(formats.READERS)
+
+    merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder", epilog=_MERGE_EXAMPLES,
+                             description="Merge a sharded checkpoint folder into a Hugging Face safetensors folder, bit for bit.",
+                             **examples)
     merge.add_argument("checkpoint", help="folder holding the rank files")
-    merge.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    merge.add_argument("--dtype", default="keep", help="keep (default), bf16, fp16 or fp32; only floating tensors are cast")
+    merge.add_argument("--out", required=True, help="output folder; created with its parents, or an empty folder replaced "
+                       "(an earlier merge only with --overwrite)")
+    merge.add_argument("--dtype", default="keep", metavar="DTYPE", help=_DTYPES)
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
-    merge.add_argument("--layout", default=None, help="force a layout instead of detecting it")
+    merge.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
     merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
     _add_layout_options(merge)
     merge.add_argument("--allow-extra-tensors", action="store_true",
                        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
-    merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder once the new one is complete")
+    merge.add_argument("--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
     merge.add_argument("--quiet", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
     merge.add_argument("-v", "--verbose", action="store_true", help="log each decision (layout, engine, tensor -> file) on stderr")
 
-    inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write")
+    inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write",
+                               description="Show a checkpoint's layout, ranks, every tensor and the totals, from metadata alone.",
+                               epilog=_INSPECT_EXAMPLES, **examples)
     inspect.add_argument("checkpoint", help="folder holding the rank files")
-    inspect.add_argument("--layout", default=None, help="force a layout instead of detecting it")
+    inspect.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
     inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
-    verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch")
+    verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch",
+                              description="Check a merged folder against its manifest (default), the shards, a reference "
+                                          "folder or another merge's manifest.", epilog=_VERIFY_EXAMPLES, **examples)
     verify.add_argument("out_dir", help="the merged folder")
     verify.add_argument("--against", metavar="CKPT_DIR", default=None, help="recompute every tensor from the shards and compare bit for bit")
     verify.add_argument("--reference", metavar="HF_DIR", default=None, help="compare with another safetensors folder, exact unless --rtol/--atol")
@@ -60,13 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--atol", type=float, default=None, help="absolute tolerance for --reference")
     verify.add_argument("--manifest", metavar="FILE_OR_DIR", default=None, help="another merge's manifest (e.g. an earlier merge of the same checkpoint): the checksums must match")
     verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
-    verify.add_argument("--layout", default=None, help="--against: force the checkpoint layout")
+    verify.add_argument("--layout", default=None, metavar="NAME", help=f"--against: force the checkpoint layout: {layouts}")
     _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
-    demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit")
+    demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit",
+                            description="Write a tiny Llama's FSDP2 checkpoint with real gloo ranks, merge it (as it is and "
+                                        "to bf16) and check every tensor and transformers' logits. Needs transformers.",
+                            epilog=_DEMO_EXAMPLES, **examples)
     demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
-    demo.add_argument("--world-size", type=int, default=4)
+    demo.add_argument("--world-size", type=int, default=4, metavar="N", help="how many ranks write the checkpoint (default 4)")
     return parser
 
 
@@ -74,6 +129,9 @@ def _add_layout_options(verb, purpose: str = "") -> None:
     """The options of one layout each (formats.LAYOUT_OPTIONS); verify's default is what the merge recorded."""
     verb.add_argument("--prefix", default=None, help=f"{purpose}dcp: the part of a nested state dict that is the model (default: found)")
     verb.add_argument("--tag", default=None, help=f"{purpose}deepspeed-zero: the checkpoint tag (default: the one `latest` names)")
+    verb.add_argument("--exclude-frozen", action="store_true", default=None,
+                      help=f"{purpose}deepspeed-zero: leave out frozen parameters (requires_grad False), as DeepSpeed's "
+                           "zero_to_fp32 --exclude_frozen_parameters does")
     verb.add_argument("--wrap", default=None, help=f"{purpose}fsdp1-flat: module classes FSDP1 wrapped, comma-separated "
                       "(default: the model's decoder-layer class, its _no_split_modules; 'none': the root only)")
     verb.add_argument("--use-orig-params", action=argparse.BooleanOptionalAction, default=None,
@@ -81,38 +139,61 @@ def _add_layout_options(verb, purpose: str = "") -> None:
 
 
 def _layout_options(args) -> dict:
-    return {"prefix": args.prefix, "tag": args.tag, "wrap": args.wrap, "use_orig_params": args.use_orig_params}
+    return {"prefix": args.prefix, "tag": args.tag, "exclude_frozen": args.exclude_frozen, "wrap": args.wrap,
+            "use_orig_params": args.use_orig_params}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        signal.signal(signal.SIGTERM, _on_terminate)
-    except ValueError:  # main() called from a thread other than the main one: leave signals alone
-        pass
-    try:
-        if args.verb == "merge":
-            return _merge(args)
-        if args.verb == "inspect":
-            return _inspect(args)
-        if args.verb == "verify":
-            return _verify(args)
-        if args.verb == "demo":
-            from .demo import run_demo
+    with command_line_messages():
+        args = build_parser().parse_args(argv)
+        try:
+            signal.signal(signal.SIGTERM, _on_terminate)
+        except ValueError:  # main() called from a thread other than the main one: leave signals alone
+            pass
+        try:
+            if args.verb == "merge":
+                return _merge(args)
+            if args.verb == "inspect":
+                return _inspect(args)
+            if args.verb == "verify":
+                return _verify(args)
+            if args.verb == "demo":
+                from .demo import run_demo
 
-            return run_demo(args.workdir, args.world_size)
-    except FsdpfastError as exc:
-        print(f"fsdpfast: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:  # the reader of our output went away (| head); nothing to report
-        return EXIT_FAILURE
-    except KeyboardInterrupt as exc:  # InterruptedAfterPublishing says what was published
-        print(f"fsdpfast: interrupted; {str(exc) or 'nothing was published'}", file=sys.stderr)
-        return 130
-    except OSError as exc:
-        print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    return EXIT_BAD_INPUT
+                return run_demo(args.workdir, args.world_size)
+        except FsdpfastError as exc:
+            print(f"fsdpfast: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except BrokenPipeError:  # the reader of our output went away (| head) while the demo printed
+            _silence_stdout()
+            return EXIT_FAILURE
+        except KeyboardInterrupt as exc:  # InterruptedAfterPublishing says what was published
+            print(f"fsdpfast: interrupted; {str(exc) or 'nothing was published'}", file=sys.stderr)
+            return 130
+        except OSError as exc:
+            print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        return EXIT_BAD_INPUT
+
+
+def _emit(text: str) -> None:
+    """Print the report on stdout. A reader that went away (`| head`) does not change the exit status,
+    which says what was done: the rest of the output is dropped, quietly."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    # Later writes, and the interpreter's flush at exit (which would print an error and exit 120), go nowhere.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _on_terminate(signum, frame):
@@ -133,7 +214,7 @@ def _merge(args) -> int:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                        layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
                        **_layout_options(args))
-        print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
+        _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
     report = merge(
@@ -141,7 +222,7 @@ def _merge(args) -> int:
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
         progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args),
     )
-    print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
+    _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     _warn(report.warnings)
     return 0
 
@@ -153,9 +234,9 @@ def _warn(warnings: list[str]) -> None:
 
 
 def _plan_text(plan: dict) -> str:
-    lines = [f"dry run: {plan['checkpoint']} [{plan['layout']}, {plan['world_size']} ranks] -> {plan['out_dir']}: "
-             f"{sum(len(f['tensors']) for f in plan['files'])} tensors, {plan['total_bytes']:,d} B in "
-             f"{len(plan['files'])} files; nothing written"]
+    tensors = sum(len(f["tensors"]) for f in plan["files"])
+    lines = [f"dry run: {plan['checkpoint']} [{plan['layout']}, {count(plan['world_size'], 'rank')}] -> {plan['out_dir']}: "
+             f"{count(tensors, 'tensor')}, {size(plan['total_bytes'])} in {count(len(plan['files']), 'file')}; nothing written"]
     for f in plan["files"]:
         lines.append(f"{f['name']}  {f['bytes']:,d} B (header {f['header_bytes']:,d} B)")
         width = max((len(t["name"]) for t in f["tensors"]), default=0)
@@ -170,11 +251,9 @@ def _verify(args) -> int:
 
     report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
                     smoke=args.smoke, layout=args.layout, manifest_of=args.manifest, **_layout_options(args))
-    if args.json:
-        print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
-    else:
-        print(report.summary())
-    return 0 if report.ok else EXIT_MISMATCH
+    status = 0 if report.ok else EXIT_MISMATCH  # decided before printing: a closed stdout cannot change it
+    _emit(json.dumps({**asdict(report), "ok": report.ok}, indent=2) if args.json else report.summary())
+    return status
 
 
 def _inspect(args) -> int:
@@ -183,32 +262,32 @@ def _inspect(args) -> int:
     found = inspect(args.checkpoint, layout=args.layout, config=args.config,
                     allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args))
     if args.json:
-        print(json.dumps(found, indent=2))
+        _emit(json.dumps(found, indent=2))
         return 0
     inside = f" (the model in {found['model_folder']}/)" if found["model_folder"] else ""
-    print(f"{found['checkpoint']}{inside}: layout {found['layout']}, {found['world_size']} ranks, "
-          f"{found['total_tensors']} tensors, {found['total_bytes'] / 1e9:.3f} GB, {len(found['source_files'])} files")
+    lines = [f"{found['checkpoint']}{inside}: layout {found['layout']}, {count(found['world_size'], 'rank')}, "
+             f"{count(found['total_tensors'], 'tensor')}, {size(found['total_bytes'])}, {count(len(found['source_files']), 'file')}"]
     width = max((len(t["name"]) for t in found["tensors"]), default=0)
     for t in found["tensors"]:
         tied = f"  (also {', '.join(t['tied'])})" if t["tied"] else ""
-        print(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
-    for note in found["notes"]:
-        print(f"note: {note}")
-    for warning in found["warnings"]:
-        print(f"warning: {warning}")
-    _print_assumed(found["assumed"])
+        lines.append(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
+    lines += [f"note: {note}" for note in found["notes"]]
+    lines += [f"warning: {warning}" for warning in found["warnings"]]
+    lines += _assumed_lines(found["assumed"])
+    _emit("\n".join(lines))
     return 0
 
 
-def _print_assumed(assumed: dict) -> None:
+def _assumed_lines(assumed: dict) -> list[str]:
     """fsdp1-flat: the model, wrap classes, units and each unit's parameter order that were assumed."""
     if not assumed.get("units"):
-        return
-    print(f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
-          f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})")
+        return []
+    lines = [f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
+             f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"]
     for unit in assumed["units"]:
-        print(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
-              f"{unit['padding']:,} padding, {len(unit['params'])} parameters in this order:")
+        lines.append(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
+                     f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:")
         for param in unit["params"]:
             tied = f"  (also {', '.join(param['tied'])})" if param["tied"] else ""
-            print(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")
+            lines.append(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")
+    return lines

@@ -25,17 +25,15 @@ DTYPES: dict[str, tuple[int, str]] = {
 # The dtypes --dtype converts between; everything else is copied as it is.
 CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 
-# --dtype spellings accepted on the command line and in the API.
+# --dtype spellings accepted on the command line and in the API, exactly these (the help lists them).
 TARGET_ALIASES = {
     "keep": None,
     "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
     "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
     "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
     "float32": "float32",
-    "float": "float32",
 }
 
 

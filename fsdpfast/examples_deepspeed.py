@@ -10,7 +10,8 @@ then writes:
   (fp32 master weights of every trained parameter with deepspeed.utils.safe_get_full_fp32_param,
   frozen parameters and persistent buffers as the module holds them), plus the tied names;
 - `<name>.oracle.pt`: DeepSpeed's own `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`
-  on the saved folder, or the error it raised, and whether its safetensors export worked.
+  on the saved folder, or the error it raised, whether its safetensors export worked, and (with
+  frozen parameters) its output with `exclude_frozen_parameters=True`.
 
 Needs deepspeed (installed with DS_BUILD_OPS=0; the CPU accelerator JIT-builds one small
 shared-memory op on first use) and transformers.
@@ -155,11 +156,14 @@ def _write_oracle(base: str, spec: DeepSpeedSpec) -> None:
 
     from deepspeed.utils import zero_to_fp32
 
-    result = {"state_dict": None, "error": None, "safetensors_error": None}
+    result = {"state_dict": None, "error": None, "safetensors_error": None, "excluding_frozen": None}
     quiet = contextlib.redirect_stdout(io.StringIO())
     try:
         with quiet:
             result["state_dict"] = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(spec.root(base))
+            if spec.frozen:  # zero_to_fp32 --exclude_frozen_parameters
+                result["excluding_frozen"] = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                    spec.root(base), exclude_frozen_parameters=True)
     except Exception as exc:  # recorded: the tests show where fsdpfast does better
         result["error"] = f"{type(exc).__name__}: {exc}"
     with tempfile.TemporaryDirectory() as out:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from .dtypes import itemsize, safetensors_code
-from .errors import BadInput
+from .errors import BadInput, option
 from .plan import MergePlan, TensorPlan
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -41,10 +41,10 @@ def parse_size(text: str | int) -> int:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
         if not match:
-            raise BadInput(f"--max-shard-size {text!r} is not a size like 500MB, 5GB, 2GiB or a number of bytes")
+            raise BadInput(f"{option('max_shard_size', text)} is not a size like 500MB, 5GB, 2GiB or a number of bytes")
         value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     if value <= 0:
-        raise BadInput(f"--max-shard-size must be positive, got {text!r}")
+        raise BadInput(f"{option('max_shard_size', text)}: the size must be positive")
     return value
 
 

@@ -129,7 +129,7 @@ def _check_fields(path: str, manifest) -> None:
         if key in manifest and not isinstance(manifest[key], kinds):
             _damaged(path, f"{key!r} is a {type(manifest[key]).__name__}")
     if manifest.get("dtype") not in _MERGE_DTYPES:
-        _damaged(path, f"'dtype' is {str(manifest['dtype'])[:20]!r}, not one --dtype writes")
+        _damaged(path, f"'dtype' is {str(manifest['dtype'])[:20]!r}, not one a merge writes")
     for key, value in (manifest.get("layout_options") or {}).items():
         if not (isinstance(value, (str, bool, type(None))) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
             _damaged(path, f"layout option {key[:40]!r} is a {type(value).__name__}")

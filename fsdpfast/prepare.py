@@ -6,7 +6,7 @@ import os
 from .configs import load_config
 from .dtypes import TARGET_ALIASES, target_dtype
 from .engine.sources import SourceFiles
-from .errors import BadInput, ModelMismatch
+from .errors import BadInput, ModelMismatch, option
 from .model_check import ExpectedModel, match_names
 from .plan import MergePlan, TensorPlan
 from .tensor_bytes import first_difference
@@ -26,9 +26,9 @@ def clean_name(name: str) -> str:
 
 
 def parse_dtype(wanted: str | None) -> str | None:
-    key = "keep" if wanted is None else str(wanted).lower()
+    key = "keep" if wanted is None else str(wanted)
     if key not in TARGET_ALIASES:
-        raise BadInput(f"--dtype {wanted!r} is not one of keep, bf16, fp16, fp32")
+        raise BadInput(f"{option('dtype', wanted)} is not one of {', '.join(TARGET_ALIASES)}")
     return TARGET_ALIASES[key]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import BadInput
+from .errors import BadInput, option
 
 SMOKE_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79]  # a fixed input; ids past the vocabulary wrap around
 
@@ -14,12 +14,12 @@ SMOKE_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79]  # a fixed input; ids past the vo
 def smoke_test(out_dir: str) -> list[str]:
     """Problems found (empty if the model loads every weight and gives finite outputs of the right shape)."""
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise BadInput(f"{out_dir}: --smoke needs config.json in the folder (merge with --config DIR)")
+        raise BadInput(f"{out_dir}: {option('smoke', True)} needs config.json in the folder (merge with {option('config', meta='DIR')})")
     try:
         import torch
         import transformers
     except ImportError as exc:
-        raise BadInput(f"--smoke needs transformers ({exc}); pip install transformers") from None
+        raise BadInput(f"{option('smoke', True)} needs transformers ({exc}); pip install transformers") from None
     transformers.utils.logging.disable_progress_bar()  # our report is the output
     from .configs import load_config
 

@@ -16,10 +16,11 @@ from . import _ops
 from .dtypes import CASTABLE, itemsize, target_dtype
 from .engine.rows import build_rows, native_pair
 from .engine.sources import SourceFiles
-from .errors import BadInput, ModelMismatch
+from .errors import BadInput, ModelMismatch, on_command_line, option
 from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
 from .plan import TensorPlan
 from .stored import DamagedFile, MappedFiles, StoredTensor, read_folder
+from .wording import count, size
 
 SLICE_BYTES = 16 << 20  # bytes compared (or converted to float64) at once
 CHUNK_BYTES = 1 << 20  # recomputed per thread at once, as in the native engine
@@ -40,12 +41,23 @@ class Mismatch:
 
 @dataclass
 class VerifyReport:
+    """What `verify` checked (`checks`), how many tensors and bytes, and every mismatch found;
+    `ok` is True when there is none. `summary()` is the command line's text."""
+
     out_dir: str
     checks: list[str] = field(default_factory=list)  # manifest, against CKPT, reference DIR, smoke
     tensors: int = 0
-    bytes_checked: int = 0
+    bytes_checked: int = 0  # output bytes some check read, each counted once however many checks read it
     mismatches: list[Mismatch] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._checked: set[str] = set()  # not a field: the JSON report holds the count
+
+    def count_checked(self, tensor: StoredTensor) -> None:
+        if tensor.name not in self._checked:
+            self._checked.add(tensor.name)
+            self.bytes_checked += tensor.nbytes
 
     @property
     def ok(self) -> bool:
@@ -54,10 +66,11 @@ class VerifyReport:
     def summary(self) -> str:
         lines = [f"mismatch: {m.line()}" for m in self.mismatches[:MAX_LISTED]]
         if len(self.mismatches) > MAX_LISTED:
-            lines.append(f"... and {len(self.mismatches) - MAX_LISTED} more mismatches (--json lists them all)")
+            lines.append(f"... and {count(len(self.mismatches) - MAX_LISTED, 'more mismatch', 'more mismatches')} "
+                         f"({'--json lists' if on_command_line() else 'the report lists'} them all)")
         lines += [f"note: {note}" for note in self.notes]
-        verdict = "OK" if self.ok else f"FAILED, {len(self.mismatches)} mismatches"
-        lines.append(f"verify {self.out_dir}: {verdict}: {self.tensors} tensors, {self.bytes_checked:,d} bytes "
+        verdict = "OK" if self.ok else f"FAILED, {count(len(self.mismatches), 'mismatch', 'mismatches')}"
+        lines.append(f"verify {self.out_dir}: {verdict}: {count(self.tensors, 'tensor')}, {size(self.bytes_checked)} "
                      f"checked ({'; '.join(self.checks)})")
         return "\n".join(lines)
 
@@ -65,9 +78,20 @@ class VerifyReport:
 def verify(out_dir: str, *, against: str | None = None, reference: str | None = None, rtol: float | None = None,
            atol: float | None = None, smoke: bool = False, layout: str | None = None,
            manifest_of: str | None = None, **options) -> VerifyReport:
-    """Check `out_dir` (see the module's docstring); `manifest_of`: another merge's manifest (its file or
-    folder) whose checksums this output must match, e.g. an earlier merge of the same checkpoint.
-    `options`: layout options for --against (api.plan_merge), by default those the merge recorded."""
+    """Check the merged folder `out_dir`; a VerifyReport (`.ok`, `.mismatches`, `.summary()`).
+
+    With no other argument, every tensor's place and CRC-32C against the folder's own manifest.
+    against: the checkpoint folder: every tensor recomputed from the shards, compared byte for byte.
+    reference: another safetensors folder, compared tensor by tensor: exactly, or within `rtol` /
+        `atol` (in float64) when either is given.
+    manifest_of: another merge's manifest (its file or folder), e.g. an earlier merge of the same
+        checkpoint: every tensor's dtype, shape and checksum must match it.
+    smoke: load the folder with transformers and run one forward pass.
+    layout, options: for `against`, as in `plan_merge`; by default what the merge recorded.
+
+    Mismatches are reported, not raised; BadInput (a ValueError) means the check itself could not
+    run as asked.
+    """
     out_dir = os.fspath(out_dir)
     # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
     try:
@@ -79,16 +103,16 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         manifest = read_manifest(out_dir)
     except DamagedManifest as exc:
         report.checks.append("manifest")
-        report.mismatches.append(Mismatch("(manifest)", f"{exc}; check the output with --against CKPT_DIR"))
+        report.mismatches.append(Mismatch("(manifest)", f"{exc}; check the output with {option('against', meta='CKPT_DIR')}"))
         manifest = None
     if (rtol is not None or atol is not None) and reference is None:
-        raise BadInput("--rtol and --atol apply to --reference")
+        raise BadInput(f"{option('rtol')} and {option('atol')} apply to {option('reference', meta='HF_DIR')}")
     other = _other_manifest(os.fspath(manifest_of)) if manifest_of is not None else None  # bad input: refused first
     if against is None and reference is None and manifest is None and manifest_of is None and not smoke:
         if report.mismatches:  # the damaged manifest was all there was to check against
             return report
         raise BadInput(f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
-                       "check it with --against CKPT_DIR or --reference HF_DIR")
+                       f"check it with {option('against', meta='CKPT_DIR')} or {option('reference', meta='HF_DIR')}")
     with MappedFiles(stored) as files:
         if manifest is not None:
             _note_source_changes(report, manifest, against)
@@ -161,13 +185,13 @@ def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files
         crc = _crc(view)
         view.release()
         files.done(name)
-        report.bytes_checked += have.nbytes
+        report.count_checked(have)
         if crc != int(want[CHECKSUM], 16):
             report.mismatches.append(Mismatch(name, f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} " +
                                               ("(the file changed after the merge)" if where is None else f"in {where}")))
     if manifest.get("checksum") != CHECKSUM:
         report.notes.append("the manifest has no checksums (merged without the native extension); "
-                            "only names, places, dtypes and shapes were checked; use --against CKPT_DIR")
+                            f"only names, places, dtypes and shapes were checked; use {option('against', meta='CKPT_DIR')}")
 
 
 def _crc(view: memoryview) -> int:
@@ -175,7 +199,7 @@ def _crc(view: memoryview) -> int:
     for start in range(0, len(view), SLICE_BYTES):
         crc = _ops.crc32c(view[start: start + SLICE_BYTES], crc)
         if crc is None:
-            raise BadInput("checking checksums needs fsdpfast's native extension (not built); use --against CKPT_DIR")
+            raise BadInput(f"checking checksums needs fsdpfast's native extension (not built); use {option('against', meta='CKPT_DIR')}")
     return crc
 
 
@@ -218,7 +242,7 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     with SourceFiles(plan.sources) as sources:
         for batch in _batches(jobs):
             for (tensor, have), (first, crc) in zip(batch, _recompute_and_compare(batch, files, sources)):
-                report.bytes_checked += have.nbytes
+                report.count_checked(have)
                 if first >= 0:
                     report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
                                                       first, first // itemsize(have.dtype)))
@@ -285,7 +309,7 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
                                                   f"{want.dtype} {list(want.shape)}"))
                 continue
             ours, expected = files.tensor(have.name), reference_files.tensor(want.name)
-            report.bytes_checked += have.nbytes
+            report.count_checked(have)
             if tolerant:
                 found = _first_not_close(ours, have.dtype, expected, want.dtype, rtol or 0.0, atol or 0.0)
                 if found is not None:

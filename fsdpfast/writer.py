@@ -14,7 +14,7 @@ BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input
 def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles, progress=None) -> dict[str, int | None]:
     """Write the file; each tensor's CRC-32C by name. `progress(nbytes)` is told as batches finish."""
     checksums = {p.tensor.name: _ops.crc32c(b"") for p in planned.tensors if not p.nbytes}
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask, as open() gives
     try:
         _write(fd, planned, engine, sources, checksums, progress)
     except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error

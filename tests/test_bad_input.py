@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -84,14 +85,25 @@ def cli_refuses(src, out: Path, *options, mentions=()) -> str:
     return line
 
 
+def api_form(mention):
+    """How the Python API names what the command line calls `--tag` (`the tag argument`) or `--tag 'x'` (`tag='x'`)."""
+    found = re.fullmatch(r"--([a-z][a-z-]*)(?: ('.*'))?", mention) if isinstance(mention, str) else None
+    if not found:
+        return mention
+    name = found.group(1).replace("-", "_")
+    return f"{name}={found.group(2)}" if found.group(2) else f"the {name} argument"
+
+
 def api_refuses(src, out: Path, mentions=(), **options) -> str:
-    """fsdpfast.merge raises BadInput with a one-line message; nothing written, nothing changed."""
+    """fsdpfast.merge raises BadInput with a one-line message; nothing written, nothing changed.
+    The message names options as the API takes them (`mentions` may name them as flags)."""
     before = tree_digest(src)
     with pytest.raises(BadInput) as caught:
         fsdpfast.merge(src, out, **options)
     message = str(caught.value)
     assert "\n" not in message, message
-    assert_mentions(message, mentions)
+    assert "--" not in message, message
+    assert_mentions(message, [api_form(m) for m in mentions])
     assert not leftovers(out), leftovers(out)
     assert tree_digest(src) == before, "the checkpoint was modified"
     return message
@@ -428,11 +440,13 @@ def test_existing_output_file_is_not_replaced_even_with_overwrite(checkpoints, t
     assert leftovers(out) == [out.name]
 
 
-def test_output_parent_missing(checkpoints, tmp_path):
+def test_output_parent_that_is_a_file(checkpoints, tmp_path):
+    # missing parents are created (tests/test_output_folder.py); a file in the way is not replaced
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    (tmp_path / "no").write_text("a file")
     out = tmp_path / "no" / "such" / "merged"
-    line = cli_refuses(folder, out, mentions=["parent"])
-    assert str(out.parent) in line
+    cli_refuses(folder, out, mentions=[tmp_path / "no", "is not a folder"])
+    assert (tmp_path / "no").read_text() == "a file"
 
 
 @pytest.mark.parametrize("spelling,overwrite", [
@@ -481,7 +495,7 @@ def test_bad_dtype_cli(w2_copy, tmp_path, dtype):
 
 
 def test_bad_dtype_api(w2_copy, tmp_path):
-    api_refuses(w2_copy, tmp_path / "merged", dtype="float8", mentions=["--dtype", "'float8'"])
+    api_refuses(w2_copy, tmp_path / "merged", dtype="float8", mentions=["dtype='float8'"])
 
 
 @pytest.mark.parametrize("size", ["5XB", "-1GB", "0.1B"])
@@ -492,7 +506,7 @@ def test_bad_max_shard_size_cli(w2_copy, tmp_path, size):
 
 @pytest.mark.parametrize("size", [0, -5, "5 parsecs", "1e9", "0"])
 def test_bad_max_shard_size_api(w2_copy, tmp_path, size):
-    api_refuses(w2_copy, tmp_path / "merged", max_shard_size=size, mentions=["--max-shard-size"])
+    api_refuses(w2_copy, tmp_path / "merged", max_shard_size=size, mentions=[f"max_shard_size={size!r}"])
 
 
 @pytest.mark.parametrize("argv", [("merge", "{src}"), ("merge", "{src}", "--out", "{out}", "--max-shard-size", "-1GB")],

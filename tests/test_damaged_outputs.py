@@ -70,7 +70,7 @@ def assert_one_mismatch_line(result: subprocess.CompletedProcess, *mentions: str
     assert result.stderr == "" and "Traceback" not in output, output
     lines = [line for line in result.stdout.splitlines() if line.startswith("mismatch:")]
     assert len(lines) == 1 and all(m in lines[0] for m in mentions), output
-    assert "FAILED, 1 mismatches" in result.stdout.splitlines()[-1]
+    assert "FAILED, 1 mismatch:" in result.stdout.splitlines()[-1]
 
 
 def assert_bad_input_line(result: subprocess.CompletedProcess, *mentions: str) -> None:

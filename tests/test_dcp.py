@@ -44,10 +44,10 @@ def test_nested_checkpoint_reports_the_optimizer_it_skips(checkpoints, tmp_path)
 def test_prefix_chooses_the_part_and_rejects_unknown_ones(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")
     fsdpfast.merge(folder, tmp_path / "merged", prefix="model")
-    with pytest.raises(BadInput, match="no tensors under --prefix 'ema'"):
+    with pytest.raises(BadInput, match="no tensors under prefix='ema'"):
         fsdpfast.merge(folder, tmp_path / "other", prefix="ema")
     _, flat = checkpoints.get("w2-llama")
-    with pytest.raises(BadInput, match="--prefix applies to dcp"):
+    with pytest.raises(BadInput, match="the prefix argument applies to dcp"):
         fsdpfast.merge(flat, tmp_path / "third", prefix="model")
 
 

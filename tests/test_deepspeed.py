@@ -98,7 +98,7 @@ def test_tag_picks_the_older_checkpoint(deepspeed_checkpoints, tmp_path):
     assert fsdpfast.verify(tmp_path / "by-tag", against=root).ok
     assert not fsdpfast.verify(tmp_path / "by-tag", against=root, tag="global_step2").ok
     planned = fsdpfast.api.dry_run(root, tmp_path / "dry", tag="first")
-    assert "ZeRO stage 2, tag first (--tag)" in planned["notes"][0] and not (tmp_path / "dry").exists()
+    assert "ZeRO stage 2, tag first (the tag argument)" in planned["notes"][0] and not (tmp_path / "dry").exists()
 
 
 def test_inspect_shows_stage_world_size_and_tag(deepspeed_checkpoints):
@@ -110,7 +110,7 @@ def test_inspect_shows_stage_world_size_and_tag(deepspeed_checkpoints):
     assert "2 frozen parameters" in result.stdout and "never read" in result.stdout
     _, root = deepspeed_checkpoints.get("ds-w2-z2-bf16-frozen-tags")
     found = fsdpfast.inspect(root, tag="first")
-    assert found["world_size"] == 2 and "ZeRO stage 2, tag first (--tag)" in found["notes"][0]
+    assert found["world_size"] == 2 and "ZeRO stage 2, tag first (the tag argument)" in found["notes"][0]
     # the fp32 partitions are read in place from the optimizer files, the rest from the model states
     assert {p.rsplit("/", 1)[-1] for p in found["source_files"]} == {
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
@@ -146,3 +146,50 @@ def test_merges_without_deepspeed_importable(deepspeed_checkpoints, tmp_path):
     assert json.loads(result.stdout)["layout"] == "deepspeed-zero"
     reference = load(spec.reference_path(deepspeed_checkpoints.root))
     assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"], tied=reference["tied"])
+
+
+FROZEN_SPECS = [name for name, (_, spec) in DS_SPECS.items() if spec.frozen]
+
+
+@pytest.mark.parametrize("name", FROZEN_SPECS)
+def test_exclude_frozen_matches_zero_to_fp32_exclude_frozen_parameters(deepspeed_checkpoints, name, tmp_path):
+    spec, root, report, merged, reference, oracle = merged_and_refs(deepspeed_checkpoints, name, tmp_path, exclude_frozen=True)
+    converted = oracle["excluding_frozen"]  # zero_to_fp32 with exclude_frozen_parameters=True
+    assert converted is not None and not set(FROZEN) & set(converted)
+    assert set(merged) == set(converted) - set(reference["tied"])  # the same tensors, tied ones written once
+    for tensor_name, got in merged.items():
+        want = converted[tensor_name]
+        if tensor_name == BUFFER and got.dtype != want.dtype:
+            got = got.to(want.dtype)  # zero_to_fp32 widens buffers to fp32; fsdpfast keeps them as saved
+        assert got.dtype == want.dtype and torch.equal(bits(got), bits(want)), tensor_name
+    kept = {k: v for k, v in reference["state_dict"].items() if k not in FROZEN}
+    assert_bit_exact(merged, kept, tied=reference["tied"])  # and the engine's own values
+    assert any(f"{len(FROZEN)} frozen parameters left out (exclude_frozen=True)" in note for note in report.notes), report.notes
+    # the manifest records the option: verify --against recomputes without them, and finds the output whole
+    assert fsdpfast.verify(tmp_path / "out", against=root).ok
+
+
+def test_exclude_frozen_on_the_command_line(deepspeed_checkpoints, tmp_path):
+    _, root = deepspeed_checkpoints.get("ds-w3-z3-bf16-frozen")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300)
+    merged = run("merge", root, "--out", tmp_path / "out", "--exclude-frozen", "--json")
+    assert merged.returncode == 0, merged.stderr
+    assert not set(FROZEN) & set(read_merged(str(tmp_path / "out")))
+    assert any("frozen parameters left out (--exclude-frozen)" in note for note in json.loads(merged.stdout)["notes"])
+    found = run("inspect", root, "--exclude-frozen")
+    listed = [line.split()[0] for line in found.stdout.splitlines() if line.startswith("  ")]
+    assert found.returncode == 0 and listed and not set(FROZEN) & set(listed), found.stdout
+    checked = run("verify", tmp_path / "out", "--against", root)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with_frozen = fsdpfast.verify(tmp_path / "out", against=root, exclude_frozen=False)  # overrides what was recorded
+    assert {m.tensor for m in with_frozen.mismatches} == set(FROZEN)
+
+
+def test_exclude_frozen_applies_to_deepspeed_only(checkpoints, tmp_path):
+    _, folder = checkpoints.get("w2-llama")
+    with pytest.raises(fsdpfast.BadInput, match="the exclude_frozen argument applies to deepspeed-zero checkpoints"):
+        fsdpfast.merge(folder, tmp_path / "out", exclude_frozen=True)
+    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--exclude-frozen"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--exclude-frozen applies to deepspeed-zero checkpoints" in result.stderr
+    assert not (tmp_path / "out").exists()

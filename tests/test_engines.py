@@ -51,7 +51,7 @@ def test_cuda_engine_without_gpu_is_one_clear_error(checkpoints, tmp_path):
     result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--engine", "cuda"],
                             capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "--engine cuda" in result.stderr
+    assert result.stderr.count("\n") == 1 and "--engine 'cuda'" in result.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -94,8 +94,8 @@ def test_use_orig_params_is_detected_and_can_be_given(fsdp1, tmp_path):
     found = fsdpfast.inspect(orig)["assumed"]
     assert found["use_orig_params"] is True and found["alignment_elements"] == 4
     assert fsdpfast.inspect(fsdp1.get("w3-bf16-orig")[1])["assumed"]["alignment_elements"] == 8  # 16 bytes of bf16
-    assert fsdpfast.inspect(plain, use_orig_params=False)["assumed"]["alignment_source"] == "--no-use-orig-params"
-    with pytest.raises(BadInput, match="use_orig_params=True; drop --no-use-orig-params"):
+    assert fsdpfast.inspect(plain, use_orig_params=False)["assumed"]["alignment_source"] == "use_orig_params=False"
+    with pytest.raises(BadInput, match="use_orig_params=True; drop use_orig_params=False"):
         fsdpfast.inspect(orig, use_orig_params=False)
     with pytest.raises(BadInput, match="flattens to"):
         fsdpfast.inspect(plain, use_orig_params=True)
@@ -179,10 +179,10 @@ def test_cli_merge_with_wrap_and_flag(fsdp1, tmp_path):
 
 def test_two_plausible_layouts_need_layout(fsdp1, tmp_path):
     _, folder = fsdp1.get("w2-verl-names")  # verl's file names, FSDP1 flat parameters inside
-    with pytest.raises(BadInput, match=r"several layouts \(fsdp-ranks, fsdp1-flat\); choose one with --layout"):
+    with pytest.raises(BadInput, match=r"several layouts \(fsdp-ranks, fsdp1-flat\); choose one with the layout argument"):
         fsdpfast.merge(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(BadInput, match="is a ShardedTensor; FSDP1 flat parameters: read them with --layout fsdp1-flat"):
+    with pytest.raises(BadInput, match="is a ShardedTensor; FSDP1 flat parameters: read them with layout='fsdp1-flat'"):
         fsdpfast.merge(folder, tmp_path / "out", layout="fsdp-ranks")
     fsdpfast.merge(folder, tmp_path / "out", layout="fsdp1-flat")
     reference, tied = fsdp1.reference("w2-verl-names")
@@ -192,7 +192,7 @@ def test_two_plausible_layouts_need_layout(fsdp1, tmp_path):
 def test_config_from_elsewhere(fsdp1, tmp_path):
     folder = fsdp1.copy("w2-llama", tmp_path)
     shutil.move(os.path.join(folder, "huggingface"), tmp_path / "config")
-    with pytest.raises(BadInput, match="pass --config DIR"):
+    with pytest.raises(BadInput, match="pass config=DIR"):
         fsdpfast.merge(folder, tmp_path / "out")
     fsdpfast.merge(folder, tmp_path / "out", config=tmp_path / "config")
     reference, tied = fsdp1.reference("w2-llama")
@@ -287,9 +287,9 @@ def test_wrong_wrap_suggests_the_files_units(fsdp1, tmp_path):
     assert "(the files' units are LlamaDecoderLayer, LlamaMLP)" in error
     error = _refused(fsdp1.get("w3-tied")[1], tmp_path / "out", "--wrap", "LlamaMLP")
     assert "(the files' units are LlamaDecoderLayer)" in error
-    with pytest.raises(BadInput, match="--wrap GPT2Block: no module of that class in LlamaForCausalLM"):
+    with pytest.raises(BadInput, match="wrap='GPT2Block': no module of that class in LlamaForCausalLM"):
         fsdpfast.inspect(folder, wrap="GPT2Block")
-    with pytest.raises(BadInput, match=r"\(the files' units are the root only: --wrap none\)"):
+    with pytest.raises(BadInput, match=r"\(the files' units are the root only: wrap='none'\)"):
         fsdpfast.inspect(fsdp1.get("w2-root-only")[1])  # the default wraps the decoder layers
 
 
@@ -320,7 +320,7 @@ def test_config_without_architectures(fsdp1, tmp_path):
 
 def test_fsdp1_options_on_other_layouts(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
-    with pytest.raises(BadInput, match="--wrap applies to fsdp1-flat"):
+    with pytest.raises(BadInput, match="the wrap argument applies to fsdp1-flat"):
         fsdpfast.merge(folder, tmp_path / "out", wrap="LlamaDecoderLayer")
 
 

@@ -151,7 +151,7 @@ def test_a_flipped_bit_is_named_by_every_check(checkpoints, tmp_path, engine):
         assert len(mismatch_lines) == 1 and target in mismatch_lines[0], result.stdout
         if options:  # recomputed or compared bytes: the exact place
             assert f"element {element}, byte 1001" in mismatch_lines[0]
-        assert "FAILED, 1 mismatches" in result.stdout.splitlines()[-1]
+        assert "FAILED, 1 mismatch:" in result.stdout.splitlines()[-1]
     assert run_cli("verify", good, "--against", folder).returncode == 0
 
 

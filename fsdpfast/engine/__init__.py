@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 
 ENGINES = ("auto", "cpu", "cuda", "torch")
 _said_missing = False
@@ -20,7 +20,7 @@ _said_missing = False
 
 def check_engine_name(name: str) -> None:
     if name not in ENGINES:
-        raise BadInput(f"--engine {name!r} is not one of {', '.join(ENGINES)}")
+        raise BadInput(f"{option('engine', name)} is not one of {', '.join(ENGINES)}")
 
 
 def available_engines() -> list[str]:
@@ -44,14 +44,13 @@ def select_engine(name: str = "auto"):
         _say_if_missing(_ops)
     if name == "cuda":
         if not _ops.native_cuda():
-            why = "no GPU is visible" if _ops.native_cuda_built() else "the CUDA ops were not built"
-            raise BadInput(f"--engine cuda: {why}; use --engine cpu or auto")
+            raise BadInput(f"{option('engine', 'cuda')}: {_ops.cuda_unavailable()}; use {option('engine', 'cpu')} or auto")
         from .cuda import CudaEngine
 
         return CudaEngine()
     if name == "cpu":
         if not _ops.native_cpu():
-            raise BadInput(f"--engine cpu: the native extension is not available ({_ops.NATIVE_ERROR}); use --engine torch")
+            raise BadInput(f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}")
         from .native import NativeCpuEngine
 
         return NativeCpuEngine()
@@ -61,7 +60,13 @@ def select_engine(name: str = "auto"):
 
 
 def _say_if_missing(ops) -> None:
+    """`auto` tells, once, when a faster engine was built but cannot run (a GPU with CUDA ops that do not load)."""
     global _said_missing
-    if not ops.native_cpu() and not _said_missing:
+    if _said_missing:
+        return
+    if not ops.native_cpu():
         print(f"fsdpfast: note: native extension not available ({ops.NATIVE_ERROR}); using the pure-torch engine", file=sys.stderr)
+        _said_missing = True
+    elif ops.CUDA_OPS and ops.gpu_device_present() and not ops.native_cuda_built():
+        print(f"fsdpfast: note: the cuda engine cannot run ({ops.torch_ops_error()}); using the cpu engine", file=sys.stderr)
         _said_missing = True

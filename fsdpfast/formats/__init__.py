@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan import MergePlan
 from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
 
@@ -15,6 +15,7 @@ READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_
 LAYOUT_OPTIONS = {
     "prefix": dcp.NAME,  # the model part of a nested state dict
     "tag": deepspeed_zero.NAME,  # which checkpoint tag
+    "exclude_frozen": deepspeed_zero.NAME,  # leave frozen parameters out (zero_to_fp32 --exclude_frozen_parameters)
     "wrap": fsdp1_flat.NAME,  # the module classes FSDP1 wrapped
     "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
     "order_from": fsdp1_flat.NAME,  # not for users: the merge records it, verify --against passes it back
@@ -42,7 +43,7 @@ def detect(folder: str) -> str:
         known = "; ".join(reader.DESCRIPTION for reader in READERS.values())
         raise BadInput(f"{folder}: no known checkpoint layout found (looked for {known})")
     if len(found) > 1:
-        raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with --layout")
+        raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with {option('layout')}")
     return found[0]
 
 
@@ -62,7 +63,7 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
         if name not in LAYOUT_OPTIONS:
             raise BadInput(f"unknown layout option {name!r}; known: {', '.join(LAYOUT_OPTIONS)}")
     if layout is not None and layout not in READERS:
-        raise BadInput(f"--layout {layout!r} is not a known layout; known: {', '.join(READERS)}")
+        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(READERS)}")
     model = framework_folders.locate(folder, _holds_layout)  # the folder itself, or where a framework put the model
     source = model.path
     if layout is None:
@@ -71,7 +72,7 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
         raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
-            raise BadInput(f"--{name.replace('_', '-')} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
+            raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
     found_config, config_note = (None, None) if config else framework_folders.config_dir(model)
     if layout in CONFIG_READERS:
         given["config"] = config or found_config

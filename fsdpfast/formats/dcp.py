@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..dtypes import DTYPES, itemsize
-from ..errors import BadInput, UnsafeCheckpoint
+from ..errors import BadInput, UnsafeCheckpoint, option
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents
 from .discover import check_not_broken_link
@@ -201,11 +201,11 @@ def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> di
             # `optimizer`, `lr_scheduler`, `dataloader` and `train_state`
             return top_level
         if len(candidates) != 1:
-            raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with --prefix")
+            raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with {option('prefix')}")
         prefix = candidates[0]
     chosen = {k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix}
     if not chosen:
-        raise BadInput(f"{folder}: no tensors under --prefix {prefix!r} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})")
+        raise BadInput(f"{folder}: no tensors under {option('prefix', prefix)} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})")
     return chosen
 
 

@@ -20,7 +20,7 @@ import re
 from math import prod
 
 from ..configs import load_config
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan import MergePlan, SourceBuffer, TensorPlan
 from .boxes import box_extents, first_overlap
 from .safetensors_input import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
@@ -59,7 +59,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     plan.notes.append(f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
                       "none), so a missing last shard file cannot be detected from them" +
                       (f"; the embeddings' shapes agree with {checked}" if checked else
-                       "; no config.json to check the embeddings' shapes against (give one with --config)"))
+                       f"; no config.json to check the embeddings' shapes against (give one with {option('config')})"))
     return plan
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from .discover import complete_ranks
 from .safe_load import Record, TensorRef, is_count, safe_unpickle
 from .torch_zip import TorchZip
@@ -48,28 +48,28 @@ def resolve_tag(folder: str, tag: str | None) -> tuple[str, str, str]:
     if is_tag_folder(folder):
         name = os.path.basename(os.path.normpath(folder))
         if tag is not None and tag != name:
-            raise BadInput(f"{folder} is the checkpoint of tag {name!r}; --tag {tag!r} picks a tag in a checkpoint root "
+            raise BadInput(f"{folder} is the checkpoint of tag {name!r}; {option('tag', tag)} picks a tag in a checkpoint root "
                            f"(the folder holding `latest`): give {os.path.dirname(os.path.normpath(folder)) or '.'}")
         return folder, name, "the folder given"
     tags = tags_in(folder)
     present = f"tags present: {', '.join(tags)}" if tags else "no tag folder holds DeepSpeed files"
     if tag is not None:
         if tag not in tags:
-            raise BadInput(f"--tag {tag!r}: no such checkpoint in {folder} ({present})")
-        return os.path.join(folder, tag), tag, "--tag"
+            raise BadInput(f"{option('tag', tag)}: no such checkpoint in {folder} ({present})")
+        return os.path.join(folder, tag), tag, option("tag")
     latest = os.path.join(folder, "latest")
     if os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
             named = f.read().strip()
         if named not in tags:
             what = "holds no DeepSpeed files" if os.path.isdir(os.path.join(folder, named)) else "is missing"
-            raise BadInput(f"{latest} names tag {named!r} but {os.path.join(folder, named)} {what} ({present}); choose one with --tag")
+            raise BadInput(f"{latest} names tag {named!r} but {os.path.join(folder, named)} {what} ({present}); choose one with {option('tag')}")
         return os.path.join(folder, named), named, "named by `latest`"
     if len(tags) == 1:
         return os.path.join(folder, tags[0]), tags[0], "the only tag; there is no `latest` file"
     if not tags:
         raise BadInput(f"{folder}: no DeepSpeed checkpoint here (no `latest` file and no folder with *_model_states.pt files)")
-    raise BadInput(f"{folder}: no `latest` file and several tags ({', '.join(tags)}); choose one with --tag")
+    raise BadInput(f"{folder}: no `latest` file and several tags ({', '.join(tags)}); choose one with {option('tag')}")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from math import prod
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan import Extent, MergePlan, TensorPlan
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
 from .flat_runs import FlatRuns
@@ -32,15 +32,26 @@ def matches(folder: str) -> bool:
     return is_tag_folder(folder) or bool(tags_in(folder))
 
 
-def read(folder: str, tag: str | None = None) -> MergePlan:
+def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None) -> MergePlan:
+    """`exclude_frozen`: leave frozen parameters out, as zero_to_fp32's exclude_frozen_parameters
+    (they are still read and checked, so a damaged file is refused either way)."""
     tag_dir, tag, how = resolve_tag(folder, tag)
     files = read_rank_files(tag_dir)
     model_path, model = files.model[0]
     shared = _shared_params(model, model_path)
     sources = StorageSources()
+    excluded: dict[str, TensorPlan] = {}
     try:
         trained = (_stage12_trained if files.stage < 3 else _stage3_trained)(files, sources)
-        frozen, frozen_from = _frozen(files, sources, set(trained))
+        if exclude_frozen:
+            skipped = StorageSources()
+            try:
+                excluded, _ = _frozen(files, skipped, set(trained))
+            finally:
+                skipped.close()
+            frozen, frozen_from = {}, ""
+        else:
+            frozen, frozen_from = _frozen(files, sources, set(trained))
         buffers = _buffers(files, sources)
     finally:
         sources.close()
@@ -49,12 +60,16 @@ def read(folder: str, tag: str | None = None) -> MergePlan:
     tensors = [planned[name] for name in order]
     notes = [f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
              f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"]
-    tensors += _aliases(shared, planned, notes)
-    leftover = [str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared]
+    tensors += _aliases(shared, planned, notes, excluded)
+    leftover = [str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared and str(n) not in excluded]
     notes.append(f"{len(trained)} trained parameters: the fp32 master weights from the *_optim_states.pt files "
                  "(their Adam moments are never read)")
     if frozen:
         notes.append(f"{len(frozen)} frozen parameters as the model held them ({_dtypes(frozen)}), {frozen_from}")
+    if exclude_frozen:
+        notes.append(f"{len(excluded)} frozen parameters left out ({option('exclude_frozen', True)}), as DeepSpeed's "
+                     f"zero_to_fp32 --exclude_frozen_parameters does" + (f": {', '.join(list(excluded)[:3])}"
+                                                                          f"{', ...' if len(excluded) > 3 else ''}" if excluded else ""))
     if buffers:
         notes.append(f"{len(buffers)} buffers as saved ({_dtypes(buffers)}), from {os.path.basename(model_path)}")
     if leftover:
@@ -288,10 +303,14 @@ def _buffers(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]
     return _whole_tensors(path, module, shapes, sources, "module")
 
 
-def _aliases(shared: dict[str, str], planned: dict[str, TensorPlan], notes: list[str]) -> list[TensorPlan]:
+def _aliases(shared: dict[str, str], planned: dict[str, TensorPlan], notes: list[str],
+             excluded: dict[str, TensorPlan]) -> list[TensorPlan]:
     """Each shared name reads its partner's bytes; prepare writes such names once and lists them as tied."""
     out = []
     for alias, owner in shared.items():
+        if owner in excluded:
+            notes.append(f"not merged: {alias}, shared with the frozen {owner}, left out with it")
+            continue
         if owner not in planned:
             notes.append(f"not merged: {alias}, shared with {owner}, which the checkpoint does not hold")
             continue

@@ -23,7 +23,7 @@ from math import prod
 from typing import Any
 
 from ..dtypes import DTYPES, itemsize
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan import MergePlan, TensorPlan
 from .discover import complete_ranks
 from .flat_runs import FlatRuns
@@ -183,7 +183,7 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     views = _original_views(states, units)
     if views and use_orig_params is False:
         raise BadInput(f"{states[0].path}: holds the original parameters' views ({next(iter(views))}, ...), which FSDP1 saves "
-                       "only with use_orig_params=True; drop --no-use-orig-params")
+                       f"only with use_orig_params=True; drop {option('use_orig_params', False)}")
     if views:
         use_orig_params = True
     align, how = _alignment(flats, units, world, use_orig_params, arch, wrap_names, views)
@@ -202,7 +202,7 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     tensors.sort(key=lambda t: order.get(t.name, len(order)))
     plan = MergePlan(NAME, world, sources.buffers, tensors, config_dir=config_dir)
     unit_word = "unit" if len(flats) == 1 else "units"
-    source = "--wrap" if wrap_given else "default: the model's _no_split_modules"
+    source = option("wrap") if wrap_given else "default: the model's _no_split_modules"
     plan.notes.append(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {arch} (built on the meta device from "
                       f"{os.path.join(config_dir, 'config.json')}), wrapped by {', '.join(wrap_names) or 'nothing'} ({source})")
     plan.notes.append(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
@@ -244,9 +244,9 @@ def _config_dir(folder: str, config: str | None) -> str:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     if config:
-        raise BadInput(f"{config}: --config folder has no config.json")
+        raise BadInput(f"{config}: the {option('config')} folder has no config.json")
     raise BadInput(f"{folder}: FSDP1 flat parameters do not say which weights they hold; fsdpfast rebuilds that from the "
-                   "model's config.json, found in neither huggingface/ nor the checkpoint folder: pass --config DIR")
+                   f"model's config.json, found in neither huggingface/ nor the checkpoint folder: pass {option('config', meta='DIR')}")
 
 
 def _wrap_list(wrap) -> list[str] | None:
@@ -321,11 +321,11 @@ def _check_units(folder, flats, units, model, arch, wrap_names, fsdp1_units) -> 
     strangers = [p for p in only_saved if p not in modules]
     if strangers:
         raise BadInput(f"{folder}: the files hold flat parameters of units at {show(strangers)}, which are not modules of {arch} "
-                       "(config.json); pass --config with the config of the model that was trained")
+                       f"(config.json); pass {option('config')} with the config of the model that was trained")
     suggestion = fsdp1_units.module_classes(model, sorted(saved))
     detail = f"the files hold units {show(only_saved)} that it does not" if only_saved else f"it expects units {show(only_expected)} the files lack"
     raise BadInput(f"{folder}: {arch} wrapped by {', '.join(wrap_names) or 'nothing'} does not give FSDP1's units here ({detail}); "
-                   f"pass the classes FSDP1 wrapped with --wrap (the files' units are {', '.join(suggestion) or 'the root only: --wrap none'})")
+                   f"pass the classes FSDP1 wrapped with {option('wrap')} (the files' units are {', '.join(suggestion) or 'the root only: ' + option('wrap', 'none')})")
 
 
 def flat_layout(unit, align: int, world: int) -> tuple[list[tuple], int]:
@@ -359,14 +359,14 @@ def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views) ->
         path, flat = next((p, f) for p, f in flats.items() if flat_layout(units[p], candidates[0], world)[1] != f.size)
         sizes = " or ".join(f"{flat_layout(units[path], a, world)[1]:,} (use_orig_params={a > 0}"
                             + (f", {a}-element alignment)" if a else ")") for a in candidates[:2])
-        flag = "" if use_orig_params is None else ", or drop --use-orig-params / --no-use-orig-params"
+        flag = "" if use_orig_params is None else f", or drop {option('use_orig_params', use_orig_params)}"
         raise BadInput(f"{flat.shards[0][0].path}: {flat.key} holds {flat.size:,} elements, but unit {path or '(root)'} of {arch} "
                        f"wrapped by {', '.join(wrap_names) or 'nothing'} flattens to {sizes}; the model or the wrapping differs from "
-                       f"training: pass the wrapped classes with --wrap (and the model's config with --config){flag}")
+                       f"training: pass the wrapped classes with {option('wrap')} (and the model's config with {option('config')}){flag}")
     layouts = {tuple(tuple(o for _, o in flat_layout(units[p], a, world)[0]) for p in flats) for a in fitting}
     if len({a > 0 for a in fitting}) > 1 and len(layouts) > 1:
         raise BadInput("the flat parameters' sizes fit both use_orig_params=True and False with different layouts; "
-                       "say which with --use-orig-params or --no-use-orig-params")
+                       f"say which with {option('use_orig_params', True)} or {option('use_orig_params', False)}")
     if len(layouts) > 1:
         raise BadInput(f"the flat parameters' sizes fit alignments of {' and '.join(map(str, fitting))} elements "
                        "(mixed precision compute dtypes) with different layouts; not supported yet")
@@ -374,7 +374,7 @@ def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views) ->
     if views:
         how = "the files hold the original parameters' views"
     elif use_orig_params is not None:
-        how = "--use-orig-params" if use_orig_params else "--no-use-orig-params"
+        how = option("use_orig_params", bool(use_orig_params))
     elif len(fitting) == 1:
         how = "the only assumption under which the flat sizes add up"
     else:
@@ -412,7 +412,7 @@ def _check_views(views, flats, layouts, world) -> None:
             got = (view.offset - (shard.offset if shard else 0), prod(view.shape))
             if got[1] != want[1] or (want[1] and (shard is None or view.storage.key != shard.storage.key or got[0] != want[0])):
                 raise BadInput(f"{state.path}: the saved view of {name} holds {got[1]} elements at {got[0]} of the shard, "
-                               f"the assumed layout gives {want[1]} at {want[0]}; pass the wrapped classes with --wrap")
+                               f"the assumed layout gives {want[1]} at {want[0]}; pass the wrapped classes with {option('wrap')}")
 
 
 def _flat_runs(flat: _FlatParam, sources: StorageSources) -> FlatRuns:

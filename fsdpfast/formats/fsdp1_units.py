@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 
 from ..configs import load_config
-from ..errors import BadInput
+from ..errors import BadInput, option
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def units(model, wrap: list[str]) -> list[Unit]:
     unknown = [name for name in wrap if name not in present]
     if unknown:
         known = sorted({type(m).__name__ for m in model.modules()})
-        raise BadInput(f"--wrap {unknown[0]}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
+        raise BadInput(f"{option('wrap', unknown[0])}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
     wanted = set(wrap)
     targets = []
     _post_order(model, "", wanted, targets, set())

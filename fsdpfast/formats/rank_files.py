@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan import Extent, MergePlan, TensorPlan
 from .boxes import box_extents
 from .local_pieces import local_source as _local_source
@@ -52,7 +52,7 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
                 tensors[str(name)] = value
             elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
                 archive.close()
-                hint = ("FSDP1 flat parameters: read them with --layout fsdp1-flat" if str(name).endswith("_flat_param")
+                hint = (f"FSDP1 flat parameters: read them with {option('layout', 'fsdp1-flat')}" if str(name).endswith("_flat_param")
                         else "FSDP1 SHARDED_STATE_DICT rank files are not supported yet")
                 raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
             else:
