@@ -1,7 +1,7 @@
 """Build the package and its native code.
 
-- fsdpfast._C: the torch ops (csrc/ops.cpp + csrc/kernels.cpp), a torch CppExtension; their CUDA
-  implementations (csrc/cuda/) join them when torch has CUDA and nvcc is found.
+- fsdpfast._C: the torch ops (csrc/ops.cpp + csrc/kernels.cpp; csrc/lora_merge.cpp for --merge-lora), a torch
+  CppExtension; their CUDA implementations (csrc/cuda/) join them when torch has CUDA and nvcc is found.
 - fsdpfast._native: the same CPU kernels as a plain pybind11 module, so the native CPU engine
   runs without importing torch.
 
@@ -61,7 +61,7 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cxx = ["-O3", "-fopenmp"]
-    sources = ["csrc/ops.cpp", "csrc/kernels.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/kernels.cpp", "csrc/lora_merge.cpp"]
     plain = Pybind11Extension("fsdpfast._native", ["csrc/bindings.cpp", "csrc/kernels.cpp"],
                               extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], cxx_std=17)
     cuda = _cuda_wanted()
