@@ -50,6 +50,9 @@ class TensorPlan:
     target_dtype: str
     extents: list[Extent]
     aliases: list[str] = field(default_factory=list)  # tied names not written, listed for the report
+    # Set for a tensor computed from others rather than copied (lora_fuse.FusedWeight, --merge-lora): its
+    # extents are the unmerged weight's; the writer computes it, engines never see it.
+    compute: object | None = None
 
     @property
     def numel(self) -> int:
@@ -68,3 +71,5 @@ class MergePlan:
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
     # recorded in the manifest so that verify --against reads the same plan again.
     options: dict = field(default_factory=dict)
+    # PEFT adapters split off a LoRA checkpoint (peft_split.AdapterPlan), each written to its own folder.
+    adapters: list = field(default_factory=list)
