@@ -6,7 +6,8 @@ shards every decoder layer and the root (`fully_shard`), one AdamW step trains t
 and each rank saves `model.state_dict()` as verl's FSDPCheckpointManager does
 (`model_world_size_{W}_rank_{r}.pt`; with `lora_only`, only the LoRA tensors, as
 `save_lora_only` keeps them), or the same state dict in another layout (a DCP folder, a
-HuggingFaceStorageWriter folder, the guide's per-rank dicts). Rank 0
+HuggingFaceStorageWriter folder, the guide's per-rank dicts; or DeepSpeed ZeRO trains and
+saves it, write_peft_deepspeed_checkpoints). Rank 0
 writes verl's `lora_train_meta.json` and `huggingface/` (config.json), and the references
 taken from the live model: the sharded peft model's logits for each adapter, the full state
 dict (`full_tensor`), and from an unsharded copy of it (the same weights loaded into a fresh
@@ -33,7 +34,7 @@ from .examples import PROBE_INPUT, CheckpointSpec, _free_port, _write_hf_files, 
 @dataclass(frozen=True)
 class PeftSpec:
     name: str
-    layout: str = "fsdp-ranks"  # fsdp-ranks (verl) | guide-ranks | dcp | dcp-hf
+    layout: str = "fsdp-ranks"  # fsdp-ranks (verl) | guide-ranks | dcp | dcp-hf | deepspeed-zero2 (its own writer)
     model: str = "llama"  # llama | llama-tied (fsdpfast.examples)
     dtype: str = "float32"  # the model's dtype; adapters keep it (autocast_adapter_dtype=False)
     r: int = 8
@@ -123,6 +124,51 @@ def write_one(rank: int, world_size: int, root: str, spec: PeftSpec) -> None:
         _write_verl_files(folder, spec, world_size, model)
 
 
+def write_peft_deepspeed_checkpoints(root: str, specs: list[PeftSpec], world_size: int) -> None:
+    """The same peft models trained and saved by DeepSpeed ZeRO (`layout` "deepspeed-zero2"), gloo on the CPU."""
+    import torch.multiprocessing as mp
+
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_deepspeed_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+
+
+def _deepspeed_rank_main(rank: int, world_size: int, port: int, root: str, specs: list[PeftSpec]) -> None:
+    import contextlib
+    import io
+
+    from .examples import exit_rank
+
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel("ERROR")
+    deepspeed.init_distributed(dist_backend="gloo")
+    for spec in specs:
+        model, _ = build_peft_model(spec)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1_000_000,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                  "zero_optimization": {"stage": int(spec.layout[-1])}}
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                              config=config)
+        generator = torch.Generator().manual_seed(1000 + spec.seed)
+        ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=generator)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        engine.save_checkpoint(spec.folder(root))
+        logits = _logits_per_adapter(model, spec)
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}  # ZeRO 1/2: every rank holds the module whole
+        if rank == 0:
+            _write_references(root, spec, full, logits)
+            _write_verl_files(spec.folder(root), spec, world_size, model)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    exit_rank()
+
+
 def _train_adapters(model, spec: PeftSpec) -> None:
     """One AdamW step per adapter on its own trainable parameters (peft trains the active adapter)."""
     generator = torch.Generator().manual_seed(1000 + spec.seed)
@@ -173,8 +219,9 @@ def _write_verl_files(folder: str, spec: PeftSpec, world_size: int, model) -> No
     config["architectures"] = [type(model.base_model.model).__name__]
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    with open(os.path.join(folder, "fsdp_config.json"), "w") as f:
-        json.dump({"FSDP_version": 2, "world_size": world_size}, f)
+    if spec.layout == "fsdp-ranks":
+        with open(os.path.join(folder, "fsdp_config.json"), "w") as f:
+            json.dump({"FSDP_version": 2, "world_size": world_size}, f)
     if spec.meta:  # verl's lora_train_meta.json
         with open(os.path.join(folder, "lora_train_meta.json"), "w") as f:
             json.dump({"r": spec.r, "lora_alpha": spec.lora_alpha, "task_type": "CAUSAL_LM"}, f)

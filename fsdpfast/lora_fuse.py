@@ -22,6 +22,8 @@ from .peft_config import scaling
 from .peft_split import AdapterPlan, find_adapter
 from .plan import MergePlan, TensorPlan
 
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "decoder.weight")  # what tie_word_embeddings ties
+
 
 @dataclass
 class LoraStep:
@@ -80,6 +82,7 @@ def fuse(plan: MergePlan, names: list[str]) -> None:
             count += 1
         for name, trained in adapter.copies.items():  # modules_to_save: the adapter's copy is the module
             target = _base_tensor(by_name, name, adapter)
+            _check_untied(plan, target, adapter.name)
             if name in copied:
                 raise BadInput(f"--merge-lora: adapters {copied[name]} and {adapter.name} both train their own copy of {name}")
             if (target.shape, target.source_dtype) != (trained.shape, trained.source_dtype):
@@ -89,6 +92,19 @@ def fuse(plan: MergePlan, names: list[str]) -> None:
     _share_with_tied(plan.tensors)
     plan.notes.append(f"--merge-lora: adapter{'s' if len(names) > 1 else ''} {', '.join(names)} fused into {count} weights "
                       "(W + scaling * B @ A, computed as peft's merge_and_unload)")
+
+
+def _check_untied(plan: MergePlan, target: TensorPlan, adapter: str) -> None:
+    """A trained copy of a tied module (lm_head tied to embed_tokens) unties it, which the output cannot say."""
+    shared = any(t is not target and t.extents == target.extents for t in plan.tensors) and target.extents
+    config = {}
+    if plan.config_dir and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
+        from .configs import load_config
+
+        config = load_config(os.path.join(plan.config_dir, "config.json"))
+    if shared or (config.get("tie_word_embeddings") and target.name.endswith(_OUTPUT_EMBEDDINGS)):
+        raise BadInput(f"--merge-lora: adapter {adapter} trains its own copy of {target.name}, which the model ties to "
+                       "another weight; the fused model cannot keep both: merge without --merge-lora and use the adapter")
 
 
 def _check_fusable(adapter: AdapterPlan, module) -> None:

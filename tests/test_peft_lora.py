@@ -1,11 +1,12 @@
 """PEFT LoRA checkpoints, written as verl writes a LoRA actor, merged into a base model and adapter folders.
 
-Every checkpoint comes from a real peft model sharded by FSDP2 on gloo ranks and trained for a
+Every checkpoint comes from a real peft model sharded by FSDP2 (or DeepSpeed ZeRO-2) on gloo ranks, trained for a
 step (fsdpfast.examples_peft); the references are taken from that model by peft itself: the
 adapters' state dicts as peft saves them, the logits of the training model, merge_and_unload().
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import torch
 import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.examples import PROBE_INPUT
-from fsdpfast.examples_peft import PeftSpec, write_peft_checkpoints
+from fsdpfast.examples_peft import PeftSpec, write_peft_checkpoints, write_peft_deepspeed_checkpoints
 from helpers import CheckpointsByWorld, bits, read_merged
 
 peft = pytest.importorskip("peft")
@@ -37,12 +38,20 @@ SPECS = {spec.name: (world, spec) for world, spec in [
                  extras={"use_rslora": True}, meta=False, seed=47)),
     (3, PeftSpec("dcp-lora-only", layout="dcp", lora_only=True, seed=48)),
 ]}
+if importlib.util.find_spec("deepspeed") is not None:  # the test extra installs it; merging never needs it
+    SPECS["deepspeed-zero2"] = (2, PeftSpec("deepspeed-zero2", layout="deepspeed-zero2", seed=49))
 FULL = [n for n, (_, s) in SPECS.items() if not s.lora_only]
 
 
 class PeftCheckpoints(CheckpointsByWorld):
     def __init__(self, root: str):
-        super().__init__(root, SPECS, write_peft_checkpoints, lambda spec, root: spec.folder(root))
+        super().__init__(root, SPECS, self._write, lambda spec, root: spec.folder(root))
+
+    @staticmethod
+    def _write(root: str, specs: list[PeftSpec], world: int) -> None:
+        write_peft_checkpoints(root, [s for s in specs if not s.layout.startswith("deepspeed")], world)
+        if any(s.layout.startswith("deepspeed") for s in specs):  # DeepSpeed joins its process group its own way
+            write_peft_deepspeed_checkpoints(root, [s for s in specs if s.layout.startswith("deepspeed")], world)
 
     def reference(self, name: str) -> dict:
         return torch.load(SPECS[name][1].reference_path(self.root), weights_only=True)
