@@ -60,7 +60,13 @@ class AdapterPlan:
 
 
 def is_peft(plan: MergePlan) -> bool:
-    return any(_role(clean_name(t.name).split("."))[0] != "base" for t in plan.tensors)
+    return any(_role(*_inner(t.name))[0] != "base" for t in plan.tensors)
+
+
+def _inner(name: str) -> tuple[list[str], bool]:
+    """The name's parts without wrapper prefixes (FSDP1, torch.compile, DDP) and peft's, and whether peft's was there."""
+    full = clean_name(name)
+    return (full[len(PREFIX):] if full.startswith(PREFIX) else full).split("."), full.startswith(PREFIX)
 
 
 def split(plan: MergePlan) -> MergePlan:
@@ -68,9 +74,7 @@ def split(plan: MergePlan) -> MergePlan:
     base: dict[str, TensorPlan] = {}
     adapters: dict[str, AdapterPlan] = {}
     for tensor in plan.tensors:
-        full = clean_name(tensor.name)  # wrapper prefixes (FSDP1, torch.compile, DDP) first
-        inner = full[len(PREFIX):] if full.startswith(PREFIX) else full
-        role, adapter, module, part = _role(inner.split("."))
+        role, adapter, module, part = _role(*_inner(tensor.name))
         if role == "base":
             if module in base:
                 raise BadInput(f"{tensor.name} and {base[module].name} are both the base model's {module}; "
@@ -95,8 +99,9 @@ def split(plan: MergePlan) -> MergePlan:
     return plan
 
 
-def _role(parts: list[str]) -> tuple[str, str | None, str, str]:
-    """(base | lora | copy, adapter, module or base name, part) for a name split at its dots."""
+def _role(parts: list[str], prefixed: bool = True) -> tuple[str, str | None, str, str]:
+    """(base | lora | copy, adapter, module or base name, part) for a name split at its dots. Another `lora_*`
+    part under peft's prefix is a PEFT tensor fsdpfast does not know (AdaLoRA's lora_E...): refused."""
     for i, part in enumerate(parts):
         rest = parts[i + 1:]
         module = ".".join(parts[:i])
@@ -110,7 +115,7 @@ def _role(parts: list[str]) -> tuple[str, str | None, str, str]:
             return "copy", rest[0], module, ".".join(rest[1:])
         if part in (_BASE_LAYER, _ORIGINAL):  # the wrapped module's own parameters
             return "base", None, ".".join(parts[:i] + [p for p in rest if p != _BASE_LAYER]), ""
-        if part.startswith("lora_") or part in _PAIRS + _EMBEDDING + (_MAGNITUDE, _COPIES):
+        if prefixed and (part.startswith("lora_") or part == _COPIES):
             raise BadInput(f"{'.'.join(parts)}: a PEFT tensor of a kind fsdpfast does not know ({part}); "
                            "only LoRA (lora_A/B, lora_embedding_A/B, DoRA magnitudes, modules_to_save) is understood")
     return "base", None, ".".join(parts), ""
