@@ -2,7 +2,8 @@
 
 - fsdpfast._native: the CPU kernels and file writer as a plain pybind11 module; it does not link
   torch, so the native CPU engine works with any torch, or none.
-- fsdpfast._C: the same kernels as torch ops (csrc/ops.cpp + csrc/kernels.cpp), a torch
+- fsdpfast._C: the same kernels as torch ops (csrc/ops.cpp + csrc/kernels.cpp; csrc/lora_merge.cpp for
+  --merge-lora), a torch
   CppExtension tied to the torch it is built against; with the CUDA implementations
   (csrc/cuda/) when the CUDA toolchain is usable.
 
@@ -24,7 +25,7 @@ import sysconfig
 import tempfile
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdpfast")
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/kernels.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/kernels.cpp", "csrc/lora_merge.cpp"]
 CXX_FLAGS = ["-O3", "-fopenmp"]
 PROBE_TIMEOUT_S = 120  # each probe step; a working nvcc takes a few seconds
 

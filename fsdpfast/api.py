@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from . import formats
+from . import formats, peft_output, peft_plan
 from .copy_checks import check_copies
 from .engine import check_engine_name, select_engine
 from .engine.sources import SourceFiles
@@ -44,6 +44,7 @@ class MergeReport:
     copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # the output needs something more before it is usable
+    adapters: list[str] = field(default_factory=list)  # PEFT adapter folders written (OUT/lora_adapter...)
 
     def summary(self) -> str:
         lines = [
@@ -52,13 +53,17 @@ class MergeReport:
             f"files: {', '.join(self.files)}",
         ]
         lines += [f"tied: {', '.join(names)} written once as {kept}" for kept, names in self.tied.items()]
+        lines += [f"adapter: {os.path.join(self.out_dir, folder)} (PeftModel.from_pretrained(base, that folder))"
+                  for folder in self.adapters]
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
 def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               allow_extra_tensors: bool = False, full_copy_check: bool = False, **options) -> MergePlan:
+               allow_extra_tensors: bool = False, full_copy_check: bool = False, merge_lora=None,
+               lora_alpha: float | None = None, lora_r: int | None = None, base: str | None = None,
+               **options) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
 
     When config.json is known (CKPT_DIR/huggingface/, the folder's own, or `config`) and
@@ -75,6 +80,11 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     parameters, as zero_to_fp32's exclude_frozen_parameters; `wrap` (fsdp1-flat) the module class
     names FSDP1 wrapped, default the model's decoder-layer class; `use_orig_params` (fsdp1-flat),
     default detected.
+
+    PEFT LoRA checkpoints (peft_plan): the plan is the base model under its own names, with
+    `plan.adapters` to write beside it; `merge_lora` (True, or adapter names in order) fuses them
+    into the weights instead; `lora_alpha` / `lora_r` give what the checkpoint does not record;
+    `base` is the model folder a LoRA-only checkpoint was trained on.
     """
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
@@ -83,7 +93,11 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     check_copies(plan, full=full_copy_check)
     if config is not None:
         plan.config_dir = os.fspath(config)
-    expected, why_not = load_expected_model(plan.config_dir)
+    plan = peft_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
+        prepare(adapter.plan, dtype, None)
+    lora_only = not plan.tensors and bool(plan.adapters)
+    expected, why_not = load_expected_model(plan.config_dir) if not lora_only else (None, "a LoRA-only checkpoint")
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan.options["allow_extra_tensors"] = True
@@ -93,16 +107,18 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     elif why_not == "no config.json":
         plan.warnings.append("the output has no config.json, so from_pretrained cannot load it until one is added: "
                              "pass --config DIR (a folder with the model's config.json), or copy it in")
-    else:
+    elif not lora_only:
         plan.notes.append(f"the names and shapes were not checked against the model: {why_not}")
     return plan
 
 
 def inspect(src: str, *, layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False,
-            **options) -> dict:
+            lora_alpha: float | None = None, lora_r: int | None = None, **options) -> dict:
     """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes,
-    and what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order)."""
-    plan = plan_merge(src, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
+    what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order), and
+    PEFT LoRA adapters (rank, alpha, target modules)."""
+    plan = plan_merge(src, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, lora_alpha=lora_alpha,
+                      lora_r=lora_r, **options)
     tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
                 "tied": list(t.aliases)} for t in plan.tensors]
     return {
@@ -118,6 +134,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, a
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
         "assumed": plan.assumed,
+        "adapters": peft_plan.describe(plan),
     }
 
 
@@ -133,6 +150,10 @@ def merge(
     engine: str = "auto",
     progress: bool = False,
     allow_extra_tensors: bool = False,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
     **options,
 ) -> MergeReport:
     """Merge the sharded checkpoint in folder `src` into a Hugging Face folder `dst`; a MergeReport.
@@ -156,30 +177,41 @@ def merge(
     (fsdpfast-manifest.json). A source file that changes size or modification time during the
     merge aborts it (SourceChanged). Raises BadInput (a ValueError) for input it cannot merge as
     given, FsdpfastError for the rest.
+    merge_lora, lora_alpha, lora_r, base: PEFT LoRA checkpoints (plan_merge), whose adapters are
+        written to `dst/lora_adapter` unless fused.
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     parse_dtype(dtype)
     check_engine_name(engine)
     check_output_place(dst, src, config)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
-    files = plan_files(plan, max_shard_size)
+    if base:
+        check_output_place(dst, os.fspath(base), None)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
+                      merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
+    peft_output.check_writable(plan)
+    files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     staging = StagingFolder(dst, overwrite)
-    bar = Progress(sum(p.nbytes for f in files for p in f.tensors), enabled=progress)
+    adapter_files = [f for _, f in peft_output.dry_run_files(plan)]
+    bar = Progress(sum(p.nbytes for f in files + adapter_files for p in f.tensors), enabled=progress)
     checksums: dict[str, int | None] = {}
     try:
         with SourceFiles(plan.sources) as sources:
             for planned in files:
                 checksums.update(write_file(staging.file(planned.name), planned, runner, sources, bar.advance))
                 check_unchanged(src, identity)
+            adapters, adapter_notes = peft_output.write_adapters(plan, staging, runner, sources, bar.advance, src, identity,
+                                                                 parse_dtype(dtype), dst)
         if len(files) > 1:
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
-        copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir else []
-        write_json(staging.file(MANIFEST_NAME),
-                   build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype)))
+        copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir and files else []
+        manifest = build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype))
+        if adapters:
+            manifest["adapters"] = adapters  # each with a manifest of its own (peft_output)
+        write_json(staging.file(MANIFEST_NAME), manifest)
         check_unchanged(src, identity)
         staging.publish()
     except KeyboardInterrupt:
@@ -194,24 +226,30 @@ def merge(
         layout=plan.layout,
         world_size=plan.world_size,
         engine=runner.name,
-        tensors=len(plan.tensors),
-        bytes_written=sum(p.nbytes for f in files for p in f.tensors),
-        files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else []),
+        tensors=len(plan.tensors) + sum(len(a.plan.tensors) for a in plan.adapters),
+        bytes_written=sum(p.nbytes for f in files + adapter_files for p in f.tensors),
+        files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else [])
+        + peft_output.written_files(adapters),
         seconds=time.perf_counter() - start,
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
-        notes=list(plan.notes),
+        notes=list(plan.notes) + adapter_notes,
         warnings=list(plan.warnings),
+        adapters=adapters,
     )
 
 
 def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False, **options) -> dict:
+            layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False, merge_lora=None,
+            lora_alpha: float | None = None, lora_r: int | None = None, base: str | None = None, **options) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
     check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, **options)
-    files = plan_files(plan, max_shard_size)
+    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
+                      merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
+    peft_output.check_writable(plan)
+    files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
+    files += [replace(f, name=name) for name, f in peft_output.dry_run_files(plan)]
     return {
         "checkpoint": os.fspath(src),
         "out_dir": os.fspath(dst),

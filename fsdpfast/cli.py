@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_options(merge)
     merge.add_argument("--allow-extra-tensors", action="store_true",
                        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
+    _add_lora_options(merge)
     merge.add_argument("--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
     inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
+    inspect.add_argument("--lora-alpha", type=float, default=None, help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it")
+    inspect.add_argument("--lora-r", type=int, default=None, help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch",
@@ -136,6 +139,23 @@ def _add_layout_options(verb, purpose: str = "") -> None:
                       "(default: the model's decoder-layer class, its _no_split_modules; 'none': the root only)")
     verb.add_argument("--use-orig-params", action=argparse.BooleanOptionalAction, default=None,
                       help=f"{purpose}fsdp1-flat: whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)")
+
+
+def _add_lora_options(verb) -> None:
+    verb.add_argument("--merge-lora", nargs="?", const=True, default=None, metavar="ADAPTERS",
+                      help="PEFT LoRA: write one model with the adapter fused in (W + alpha/r * B @ A, as peft's merge_and_unload) "
+                      "instead of the base model and OUT/lora_adapter; several adapters: name them in order, e.g. default,second")
+    verb.add_argument("--lora-alpha", type=float, default=None, help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it")
+    verb.add_argument("--lora-r", type=int, default=None, help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)")
+    verb.add_argument("--base", metavar="HF_DIR", default=None, help="PEFT LoRA-only checkpoint (save_lora_only): the base model folder; "
+                      "writes the fused model and OUT/lora_adapter")
+
+
+def _lora_options(args) -> dict:
+    alpha = args.lora_alpha
+    if alpha is not None and alpha == int(alpha):
+        alpha = int(alpha)  # adapter_config.json says 16, as peft writes it, not 16.0
+    return {"merge_lora": args.merge_lora, "lora_alpha": alpha, "lora_r": args.lora_r, "base": args.base}
 
 
 def _layout_options(args) -> dict:
@@ -213,14 +233,14 @@ def _merge(args) -> int:
     if args.dry_run:
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                        layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
-                       **_layout_options(args))
+                       **_layout_options(args), **_lora_options(args))
         _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
     report = merge(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
         layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-        progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args),
+        progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args), **_lora_options(args),
     )
     _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     _warn(report.warnings)
@@ -259,7 +279,8 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    found = inspect(args.checkpoint, layout=args.layout, config=args.config,
+    alpha = int(args.lora_alpha) if args.lora_alpha is not None and args.lora_alpha == int(args.lora_alpha) else args.lora_alpha
+    found = inspect(args.checkpoint, layout=args.layout, config=args.config, lora_alpha=alpha, lora_r=args.lora_r,
                     allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args))
     if args.json:
         _emit(json.dumps(found, indent=2))
@@ -271,6 +292,12 @@ def _inspect(args) -> int:
     for t in found["tensors"]:
         tied = f"  (also {', '.join(t['tied'])})" if t["tied"] else ""
         lines.append(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
+    for adapter in found["adapters"]:
+        alpha = adapter["lora_alpha"] if adapter["lora_alpha"] is not None else "missing (give --lora-alpha)"
+        targets = adapter["target_modules"]
+        lines.append(f"adapter {adapter['adapter']} -> {adapter['folder']}: r {adapter['r']}, lora_alpha {alpha}, "
+                     f"{adapter['modules']} modules ({', '.join(targets) if isinstance(targets, list) else targets}), "
+                     f"{adapter['tensors']} tensors, {adapter['bytes']:,d} B{', DoRA' if adapter['use_dora'] else ''}")
     lines += [f"note: {note}" for note in found["notes"]]
     lines += [f"warning: {warning}" for warning in found["warnings"]]
     lines += _assumed_lines(found["assumed"])

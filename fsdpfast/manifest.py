@@ -131,7 +131,8 @@ def _check_fields(path: str, manifest) -> None:
     if manifest.get("dtype") not in _MERGE_DTYPES:
         _damaged(path, f"'dtype' is {str(manifest['dtype'])[:20]!r}, not one a merge writes")
     for key, value in (manifest.get("layout_options") or {}).items():
-        if not (isinstance(value, (str, bool, type(None))) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+        if not (isinstance(value, (str, bool, int, float, type(None)))  # numbers: --lora-alpha, --lora-r
+                or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
             _damaged(path, f"layout option {key[:40]!r} is a {type(value).__name__}")
     if manifest["checksum"] not in (CHECKSUM, None):
         _damaged(path, f"'checksum' is {manifest['checksum'][:20]!r}, not {CHECKSUM!r} or null")

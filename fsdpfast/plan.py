@@ -50,6 +50,9 @@ class TensorPlan:
     target_dtype: str
     extents: list[Extent]
     aliases: list[str] = field(default_factory=list)  # tied names not written, listed for the report
+    # Set for a tensor computed from others rather than copied (lora_fuse.FusedWeight, --merge-lora): its
+    # extents are the unmerged weight's; the writer computes it, engines never see it.
+    compute: object | None = None
 
     @property
     def numel(self) -> int:
@@ -87,3 +90,5 @@ class MergePlan:
     # The sub-folder of the given folder that holds the model, where a framework put it there
     # (formats.framework_folders); None: the folder given.
     model_folder: str | None = None
+    # PEFT adapters split off a LoRA checkpoint (peft_split.AdapterPlan), each written to its own folder.
+    adapters: list = field(default_factory=list)

@@ -27,7 +27,7 @@ def smoke_test(out_dir: str) -> list[str]:
         raise BadInput(f"{out_dir}/config.json: has no \"model_type\" field, so transformers cannot tell which model to "
                        "build; add it (e.g. \"model_type\": \"llama\") or merge with --config DIR")
     config = transformers.AutoConfig.from_pretrained(out_dir)
-    model, info = _load(transformers, torch, config, out_dir)
+    model, info = load_model(transformers, torch, config, out_dir)
     problems = [f"{key}: not in the folder (the model would start from random values)" for key in info.get("missing_keys", [])]
     problems += [f"{key}: shape differs from the model's ({detail})" for key, *detail in info.get("mismatched_keys", [])]
     vocab = getattr(config, "vocab_size", None) or 1
@@ -48,7 +48,7 @@ def smoke_test(out_dir: str) -> list[str]:
     return problems
 
 
-def _load(transformers, torch, config, out_dir: str):
+def load_model(transformers, torch, config, out_dir: str):
     """The class config.json names, else the first auto class that knows the model type."""
     names = [a for a in (getattr(config, "architectures", None) or []) if hasattr(transformers, a)]
     classes = [getattr(transformers, n) for n in names[:1]] or [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import _ops
+from . import _ops, verify_adapters
 from .dtypes import CASTABLE, itemsize, target_dtype
 from .engine.rows import build_rows, native_pair
 from .engine.sources import SourceFiles
@@ -95,7 +95,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
     out_dir = os.fspath(out_dir)
     # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
     try:
-        stored = read_folder(out_dir)
+        stored = {} if verify_adapters.adapters_only(out_dir) else read_folder(out_dir)
     except DamagedFile as exc:
         return VerifyReport(out_dir, checks=["headers"], mismatches=[Mismatch("(file)", str(exc))])
     report = VerifyReport(out_dir, tensors=len(stored))
@@ -124,11 +124,18 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
             _check_other_manifest(report, stored, files, os.fspath(manifest_of), other, manifest)
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
+    folders = verify_adapters.adapter_folders(manifest)  # PEFT adapter folders written beside the model
+    verify_adapters.check_adapters(report, out_dir, folders, against=against, reference=reference, rtol=rtol, atol=atol,
+                                   layout=layout, options=options)
     if smoke:
         from .smoke import smoke_test
 
-        report.checks.append("smoke: transformers forward pass")
-        report.mismatches += [Mismatch("(smoke)", problem) for problem in smoke_test(out_dir)]
+        report.checks.append("smoke: transformers forward pass" + (" with peft adapters" if folders else ""))
+        if verify_adapters.is_adapter_folder(out_dir):
+            problems = verify_adapters.smoke_adapter_folder(out_dir, report.notes)
+        else:
+            problems = smoke_test(out_dir) + verify_adapters.smoke_adapters(out_dir, folders, report.notes)
+        report.mismatches += [Mismatch("(smoke)", problem) for problem in problems]
     return report
 
 
@@ -213,7 +220,8 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     manifest = manifest or {}
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
-    recorded = (manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {}
+    recorded = dict((manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {})
+    adapter = recorded.pop("peft_adapter", None)  # this folder is one PEFT adapter of the checkpoint (peft_output)
     # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
     # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
@@ -223,6 +231,10 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))
         return
+    if adapter is not None:
+        from .peft_split import find_adapter
+
+        plan = find_adapter(plan, adapter).plan
     _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
     wanted_dtype = manifest.get("dtype")
     jobs = []
@@ -239,9 +251,10 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
             continue
         jobs.append((tensor, have))
     recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
+    fused_on = _fused_device(manifest, plan)
     with SourceFiles(plan.sources) as sources:
         for batch in _batches(jobs):
-            for (tensor, have), (first, crc) in zip(batch, _recompute_and_compare(batch, files, sources)):
+            for (tensor, have), (first, crc) in zip(batch, _recompute_and_compare(batch, files, sources, fused_on)):
                 report.count_checked(have)
                 if first >= 0:
                     report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
@@ -265,12 +278,23 @@ def _batches(jobs: list, limit: int = 64 << 20) -> list[list]:
     return batches + ([current] if current else [])
 
 
+def _fused_device(manifest: dict, plan) -> str:
+    """--merge-lora outputs: fused weights are recomputed on the kind of device the merge computed them on."""
+    from .lora_fuse import device_for
+
+    device = device_for(manifest.get("engine", "cpu"))
+    if device == "cuda" and any(t.compute is not None for t in plan.tensors) and not _ops.native_cuda():
+        raise BadInput("the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "
+                       "verify --against on a machine with a GPU, or check the output against its manifest")
+    return device
+
+
 def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: MappedFiles,
-                           sources: SourceFiles) -> list[tuple[int, int | None]]:
+                           sources: SourceFiles, fused_on: str = "cpu") -> list[tuple[int, int | None]]:
     """(first differing byte or -1, CRC-32C of the recomputed bytes) for each job."""
     results: dict[int, tuple[int, int | None]] = {}
     native = [i for i, (t, _) in enumerate(batch)
-              if _ops.native_cpu() and native_pair(t.source_dtype, t.target_dtype) and t.numel]
+              if _ops.native_cpu() and native_pair(t.source_dtype, t.target_dtype) and t.numel and t.compute is None]
     if native:
         views, rows = build_rows([batch[i][0] for i in native], sources)
         expected = [files.tensor(batch[i][1].name) for i in native]
@@ -286,7 +310,12 @@ def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: 
             from .engine.torch_ref import TorchEngine
 
             buffer = bytearray(have.nbytes)
-            TorchEngine().execute([(tensor, memoryview(buffer))], sources)
+            if tensor.compute is not None:  # --merge-lora: computed again, on the device the merge used
+                from .lora_fuse import compute_into
+
+                compute_into(tensor, memoryview(buffer), sources, fused_on)
+            else:
+                TorchEngine().execute([(tensor, memoryview(buffer))], sources)
             view = files.tensor(have.name)
             results[i] = (_first_difference(memoryview(buffer), view), _ops.crc32c(buffer))
             view.release()

@@ -36,7 +36,7 @@ def _write_failed(path: str, reason: str) -> FsdpfastError:
 def _write(fd: int, planned: OutputFile, engine, sources: SourceFiles, checksums: dict, progress) -> None:
     os.ftruncate(fd, planned.size)
     os.pwrite(fd, planned.header, 0)
-    tensors = [p for p in planned.tensors if p.nbytes]
+    tensors = [p for p in planned.tensors if p.nbytes and p.tensor.compute is None]
     if tensors:
         with engine.output(fd, planned.size) as output:
             for batch in _batches(tensors):
@@ -45,6 +45,11 @@ def _write(fd: int, planned: OutputFile, engine, sources: SourceFiles, checksums
                     progress(sum(p.nbytes for p in batch))
                 for source in {e.source for p in batch for e in p.tensor.extents}:
                     sources.release(source)
+    computed = [p for p in planned.tensors if p.nbytes and p.tensor.compute is not None]
+    if computed:  # --merge-lora: fused weights are computed, not copied
+        from .lora_fuse import write_computed
+
+        checksums.update(write_computed(fd, computed, sources, engine.name, progress))
     os.fsync(fd)
 
 
