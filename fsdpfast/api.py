@@ -106,7 +106,7 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
         plan.notes += check_against_model(shapes, expected, allow_extra_tensors)
     elif why_not == "no config.json":
         plan.warnings.append("the output has no config.json, so from_pretrained cannot load it until one is added: "
-                             "pass --config DIR (a folder with the model's config.json), or copy it in")
+                             f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in")
     elif not lora_only:
         plan.notes.append(f"the names and shapes were not checked against the model: {why_not}")
     return plan

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from .configs import load_config
-from .errors import ModelMismatch
+from .errors import ModelMismatch, option
 
 SHOWN = 3  # names listed per kind of problem in the one-line error
 
@@ -140,9 +140,9 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedMo
     if extra and not allow_extra:
         problems.append(f"{len(extra)} unexpected ({_listed(extra)})")
     if problems:
-        hint = "check that config.json describes the trained model (--config DIR)"
+        hint = f"check that config.json describes the trained model ({option('config', meta='DIR')})"
         if extra and not missing and not wrong:
-            hint += ", or pass --allow-extra-tensors to keep tensors the model class does not have (e.g. a value head)"
+            hint += f", or pass {option('allow_extra_tensors', True)} to keep tensors the model class does not have (e.g. a value head)"
         raise ModelMismatch(f"the merged tensors do not match {expected.architecture} built from {expected.config_path}: "
                             f"{'; '.join(problems)}; {hint}")
     notes = [f"checked against {expected.architecture} built from {expected.config_path} on the meta device: "
@@ -151,7 +151,7 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedMo
         notes.append(f"{expected.config_path} has no 'architectures' field, so only the base model was checked; "
                      f"{len(head)} tensors outside it were not ({_listed(head)}); add 'architectures' for the full check")
     if extra:
-        notes.append(f"kept {len(extra)} tensors {expected.architecture} does not have (--allow-extra-tensors): {_listed(extra)}")
+        notes.append(f"kept {len(extra)} tensors {expected.architecture} does not have ({option('allow_extra_tensors', True)}): {_listed(extra)}")
     renamed = sum(1 for name, mapped in mapping.items() if name != mapped)
     if renamed and not expected.base_only:
         notes.append(f"{renamed} names differ from the model's by its '{expected.prefix}.' prefix; transformers maps them on load")

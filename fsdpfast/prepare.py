@@ -90,12 +90,12 @@ def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: Me
             a, b = by_name[kept], by_name[other]
             if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
                 raise ModelMismatch(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
-                               f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model (--config DIR)")
+                               f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})")
             where = first_difference(a, b, sources)
             if where is not None:
                 raise ModelMismatch(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
                                f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
-                               "set tie_word_embeddings to false in config.json (--config DIR)")
+                               f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})")
             a.aliases.append(other)
             dropped.add(other)
     tied_names = {name for pair in pairs for name in pair}

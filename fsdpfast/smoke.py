@@ -25,7 +25,7 @@ def smoke_test(out_dir: str) -> list[str]:
 
     if not isinstance(load_config(os.path.join(out_dir, "config.json")).get("model_type"), str):
         raise BadInput(f"{out_dir}/config.json: has no \"model_type\" field, so transformers cannot tell which model to "
-                       "build; add it (e.g. \"model_type\": \"llama\") or merge with --config DIR")
+                       f"build; add it (e.g. \"model_type\": \"llama\") or merge with {option('config', meta='DIR')}")
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model, info = load_model(transformers, torch, config, out_dir)
     problems = [f"{key}: not in the folder (the model would start from random values)" for key in info.get("missing_keys", [])]

@@ -60,14 +60,14 @@ def meta_model(config_dir: str):
     names = config.get("architectures")
     if not names:  # absent, null or []: a config saved on its own (AutoConfig, a model made with from_config)
         raise BadInput(f"{path}: has no \"architectures\" field, and fsdp1-flat needs the model class (FSDP1 flattens "
-                       f"parameters in its order): add \"architectures\": [\"{_class_for(config)}\"] or pass --config DIR "
+                       f"parameters in its order): add \"architectures\": [\"{_class_for(config)}\"] or pass {option('config', meta='DIR')} "
                        "with a config.json that has it")
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise BadInput(f"{path}: \"architectures\" is {str(names)[:80]!r}, not a list of class names "
                        "(e.g. [\"LlamaForCausalLM\"])")
     if not isinstance(config.get("model_type"), str):
         raise BadInput(f"{path}: has no \"model_type\" field, which transformers needs to build {names[0]} "
-                       "(e.g. \"model_type\": \"llama\"); add it or pass --config DIR with a complete config.json")
+                       f"(e.g. \"model_type\": \"llama\"); add it or pass {option('config', meta='DIR')} with a complete config.json")
     torch, transformers = _imports()
     cls = getattr(transformers, str(names[0]), None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):  # nothing else is built

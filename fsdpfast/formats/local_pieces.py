@@ -45,7 +45,7 @@ def replica_copies(name: str, pieces, sources: StorageSources) -> list[Copy]:
     primary, replicas = {}, []
     for state, value in pieces:
         layout = read_layout(value.spec, f"{state.path}: {name}")
-        shard = tuple(c for c, (kind, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
+        shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
         if layout.is_primary_replica():
             primary[shard] = (state, value)
         else:

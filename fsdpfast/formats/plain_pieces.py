@@ -10,7 +10,7 @@ every rank (same shape, same bytes) are accepted; anything else is refused, not 
 """
 from __future__ import annotations
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..model_check import load_expected_model, match_names
 from ..plan import Copy, TensorPlan
 from .boxes import box_extents
@@ -40,11 +40,11 @@ def plan_plain_tensors(names: list[str], states, config_dir: str | None, sources
         pieces = [(s, s.tensors[name]) for s in states]
         expected = shapes.get(name) if shapes is not None else None
         if shapes is None:
-            unknown = (f"the model's shapes are unknown ({why_not}); give the model's config.json with --config DIR, "
+            unknown = (f"the model's shapes are unknown ({why_not}); give the model's config.json with {option('config', meta='DIR')}, "
                        "with transformers installed")
         else:
             unknown = (f"{name} is not in the model config.json describes, so its shape is unknown; "
-                       "if it belongs to the model, give the trained model's config.json with --config DIR")
+                       f"if it belongs to the model, give the trained model's config.json with {option('config', meta='DIR')}")
         tensor, dim = _place(name, pieces, expected, unknown, sources, copies)
         tensors.append(tensor)
         if dim is None:
@@ -112,11 +112,11 @@ def _refuse_pieces(name: str, pieces, expected: tuple) -> None:
         raise BadInput(f"{state.path}: the piece of {name} is {list(value.shape)}, but the other ranks' pieces split the "
                        f"model's shape {list(expected)} along dim {best}, which gives rank {state.rank} "
                        f"{list(chunk_shape(best, index))}; the file does not belong with the others, or config.json "
-                       "does not describe the trained model (--config DIR)")
+                       f"does not describe the trained model ({option('config', meta='DIR')})")
     state = pieces[0][0]
     raise BadInput(f"{state.path}: the pieces of {name} ({_listed([tuple(v.shape) for _, v in pieces])} on the "
                    f"{len(pieces)} ranks) do not make the model's shape {list(expected)} along any one dimension; "
-                   "check that config.json describes the trained model (--config DIR)")
+                   f"check that config.json describes the trained model ({option('config', meta='DIR')})")
 
 
 def _concatenate_to(shapes: list[tuple], expected: tuple, dim: int) -> bool:
