@@ -61,13 +61,18 @@ def model_config(spec: CheckpointSpec):
         base = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
                     tie_word_embeddings=spec.model == "llama-tied")
-        # `architectures` as a model's save_pretrained records it (a bare config's would be None)
-        return transformers.LlamaConfig(**{**base, **spec.sizes}, architectures=["LlamaForCausalLM"])
+        # `architectures` as a model's save_pretrained records it; a model with an extra probe buffer
+        # keeps a bare config's None, so the check covers the base model and leaves the buffer alone
+        return transformers.LlamaConfig(**{**base, **spec.sizes}, architectures=_named(spec, "LlamaForCausalLM"))
     if spec.model == "bert":
         base = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
                     vocab_size=103, max_position_embeddings=40)
-        return transformers.BertConfig(**{**base, **spec.sizes}, architectures=["BertForMaskedLM"])
+        return transformers.BertConfig(**{**base, **spec.sizes}, architectures=_named(spec, "BertForMaskedLM"))
     raise ValueError(f"unknown example model {spec.model!r}")
+
+
+def _named(spec: CheckpointSpec, cls: str) -> list[str] | None:
+    return None if spec.buffer else [cls]
 
 
 def build_model(spec: CheckpointSpec):

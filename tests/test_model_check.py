@@ -109,7 +109,9 @@ def test_a_config_of_another_family_is_refused_in_the_dry_run_too(checkpoints, t
 
 
 def test_tensors_the_model_lacks_need_allow_extra_tensors(checkpoints, tmp_path):
-    spec, folder = checkpoints.get("w3-wrapped-buffer")  # a persistent buffer LlamaForCausalLM does not have
+    spec, _ = checkpoints.get("w3-wrapped-buffer")  # a persistent buffer LlamaForCausalLM does not have
+    folder = copy_checkpoint(checkpoints, "w3-wrapped-buffer", tmp_path)
+    _edit_config(folder, architectures=["LlamaForCausalLM"])  # the fixture's config names no class
     with pytest.raises(ModelMismatch, match="1 unexpected .fsdpfast_probe_buffer.*allow.extra.tensors"):
         fsdpfast.merge(folder, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
