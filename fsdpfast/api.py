@@ -17,7 +17,7 @@ from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_ide
 from .model_check import check_against_model, load_expected_model
 from .plan import MergePlan
 from .plan_checks import check_plan
-from .prepare import parse_dtype, prepare
+from .prepare import clean_name, parse_dtype, prepare
 from .progress import Progress
 from .wording import count, size
 from .writer import write_file
@@ -103,7 +103,7 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
         plan.options["allow_extra_tensors"] = True
     if expected is not None:
         shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
-        plan.notes += check_against_model(shapes, expected, allow_extra_tensors)
+        plan.notes += check_against_model(shapes, expected, allow_extra_tensors, tuple(map(clean_name, plan.left_out)))
     elif why_not == "no config.json":
         plan.warnings.append("the output has no config.json, so from_pretrained cannot load it until one is added: "
                              f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in")

@@ -120,13 +120,16 @@ def match_names(names: list[str], expected: ExpectedModel) -> dict[str, str]:
     return max(candidates, key=lambda mapping: sum(v in expected.shapes for v in mapping.values()))
 
 
-def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedModel, allow_extra: bool) -> list[str]:
-    """Refuse a merge that would not load as `expected` with every weight; notes about what was accepted."""
-    mapping = match_names(list(shapes), expected)
+def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedModel, allow_extra: bool,
+                        left_out: tuple[str, ...] = ()) -> list[str]:
+    """Refuse a merge that would not load as `expected` with every weight; notes about what was accepted.
+    `left_out`: names the user asked to leave out (they may be missing)."""
+    mapping = match_names(list(shapes) + list(left_out), expected)
+    omitted = {mapping.pop(name) for name in left_out if name not in shapes}
     head = sorted(name for name, mapped in mapping.items() if expected.base_only and mapped not in expected.shapes)
     mapping = {name: mapped for name, mapped in mapping.items() if name not in head}
     present = set(mapping.values())
-    missing = sorted(name for name in expected.shapes if name not in present
+    missing = sorted(name for name in expected.shapes if name not in present and name not in omitted
                      and expected.tied.get(name) not in present and not _ignored(name, expected.ignore_missing))
     extra = sorted(name for name, mapped in mapping.items()
                    if mapped not in expected.shapes and not _ignored(mapped, expected.ignore_unexpected))

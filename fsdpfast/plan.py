@@ -80,6 +80,7 @@ class MergePlan:
     sources: list[SourceBuffer]
     tensors: list[TensorPlan]
     notes: list[str] = field(default_factory=list)  # what else the checkpoint holds, what was assumed
+    left_out: list[str] = field(default_factory=list)  # names left out on request (--exclude-frozen), not missing
     warnings: list[str] = field(default_factory=list)  # what the user must act on before the output is usable
     config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any
     assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect)

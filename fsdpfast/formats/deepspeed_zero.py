@@ -76,6 +76,8 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
         notes.append(f"not merged: {len(leftover)} module entries with no saved data ({', '.join(leftover[:3])}"
                      f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?")
     plan = MergePlan(NAME, files.world, sources.buffers, tensors, notes)
+    if exclude_frozen:  # missing from the output on purpose: the model-shape check allows them
+        plan.left_out = list(excluded)
     plan.config_dir = _config_dir(tag_dir, folder)
     plan.options = {"tag": tag}  # the tag read, so verify reads it again even after `latest` moves on
     return plan
