@@ -16,7 +16,7 @@ from ..errors import BadInput
 from ..plan import MergePlan
 from .discover import complete_ranks, rank_files
 from .placements import read_layout
-from .rank_files import RankState, load_rank_states, plan_from_ranks, plan_replicated
+from .rank_files import RankState, load_rank_states, plan_from_ranks, plan_replicated, whole_state_dict
 from .safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .sharded_tensors import plan_sharded, recorded_world
 from .storage_sources import StorageSources
@@ -55,9 +55,9 @@ def read(folder: str) -> MergePlan:
     first = ranks[min(ranks)]
     with TorchZip(first) as archive:
         whole = safe_unpickle(archive.pickle_bytes, first)
-    world = _recorded_world(_model_part(whole, first), first) or max(ranks) + 1
+    world = _recorded_world(whole_state_dict(whole, first), first) or max(ranks) + 1
     ordered = complete_ranks(folder, ranks, world, lambda r: f"pytorch_model_fsdp_{index}_rank{r}.bin")
-    states = load_rank_states(ordered, _model_part, sharded_tensors=True, unpickled={first: whole})
+    states = load_rank_states(ordered, whole_state_dict, sharded_tensors=True, unpickled={first: whole})
     if any(isinstance(v, ShardedTensorRef) for v in states[0].whole.values()):
         plan, kind = _plan_fsdp1(states, world), "FSDP1 ShardedTensors"
     else:
@@ -69,12 +69,6 @@ def read(folder: str) -> MergePlan:
     hf = os.path.join(folder, "huggingface")
     plan.config_dir = hf if os.path.isdir(hf) else None
     return plan
-
-
-def _model_part(whole, path: str) -> dict:
-    if not isinstance(whole, dict):
-        raise BadInput(f"{path}: holds a {type(whole).__name__}, not a state dict of tensors")
-    return whole
 
 
 def _recorded_world(state_dict: dict, path: str) -> int | None:

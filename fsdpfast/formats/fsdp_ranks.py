@@ -8,7 +8,7 @@ import re
 from ..errors import BadInput
 from ..plan import MergePlan
 from .discover import complete_ranks, rank_files
-from .rank_files import load_rank_states, plan_from_ranks
+from .rank_files import load_rank_states, plan_from_ranks, whole_state_dict
 from .saved_steps import check_same_step
 
 NAME = "fsdp-ranks"
@@ -31,7 +31,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_world_size_{world}_rank_{r}.pt")
     steps_note = check_same_step(folder, world)
     hf = os.path.join(folder, "huggingface")
-    states = load_rank_states(ordered, _model_part)
+    states = load_rank_states(ordered, whole_state_dict)
     plan = plan_from_ranks(states, NAME, config or (hf if os.path.isdir(hf) else None))
     others = sorted(f for f in os.listdir(folder) if f.startswith(("optim_world_size_", "extra_state_world_size_")))
     if others:
@@ -40,12 +40,6 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         plan.notes.append(steps_note)
     plan.config_dir = hf if os.path.isdir(hf) else None
     return plan
-
-
-def _model_part(whole, path: str) -> dict:
-    if not isinstance(whole, dict):
-        raise BadInput(f"{path}: holds a {type(whole).__name__}, not a state dict of tensors")
-    return whole
 
 
 def _check_fsdp_config(folder: str, world: int) -> None:

@@ -35,6 +35,13 @@ class RankState:
     whole: Any  # the whole unpickled object, for readers that report what else it holds
 
 
+def whole_state_dict(whole, path: str) -> dict:
+    """The model part of a file that holds a state dict and nothing else (verl's and accelerate's rank files)."""
+    if not isinstance(whole, dict):
+        raise BadInput(f"{path}: holds a {type(whole).__name__}, not a state dict of tensors")
+    return whole
+
+
 def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
                      sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None) -> list[RankState]:
     """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself.
