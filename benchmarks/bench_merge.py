@@ -41,7 +41,7 @@ DTYPES = ("bf16", "keep")
 def output_bytes(ckpt: str, dtype: str) -> int:
     """Bytes of tensor data a merge writes (from the plan: metadata only)."""
     from fsdpfast import plan_merge
-    from fsdpfast.layout import tensor_nbytes
+    from fsdpfast.plan.layout import tensor_nbytes
 
     return sum(tensor_nbytes(t) for t in plan_merge(ckpt, dtype=dtype).tensors)
 

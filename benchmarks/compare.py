@@ -85,7 +85,7 @@ def fsdpfast_version() -> str:
 
 def available_tools() -> list[str]:
     """Every tool this machine can run, in the default order: fsdpfast's engines, fastest first, then the others."""
-    from fsdpfast.engine import available_engines
+    from fsdpfast.execute.engines import available_engines
 
     return [f"fsdpfast-{e}" for e in available_engines()] + ["guide", "verl-style", "floor"]
 

@@ -79,7 +79,7 @@ def end_to_end(workdir: str, rounds: int) -> list[str]:
     files = rank_files(ckpt, 4)
     input_bytes = sum(os.path.getsize(f) for f in files)
     from fsdpfast import plan_merge
-    from fsdpfast.layout import tensor_nbytes
+    from fsdpfast.plan.layout import tensor_nbytes
 
     out_bytes = sum(tensor_nbytes(t) for t in plan_merge(ckpt, dtype="bf16").tensors)
     commands = {"floor (mmap writes)": [sys.executable, os.path.join(HERE, "io_floor.py"), os.path.join(workdir, "floor.bin"),

@@ -28,7 +28,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
 t1 = time.perf_counter()
-from fsdpfast.model_check import check_against_model, load_expected_model
+from fsdpfast.plan.model_check import check_against_model, load_expected_model
 expected, why = load_expected_model(sys.argv[1])
 assert expected is not None, why
 t2 = time.perf_counter()

@@ -6,21 +6,22 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from . import formats, peft_output, peft_plan
-from .copy_checks import check_copies
-from .engine import check_engine_name, select_engine
-from .engine.sources import SourceFiles
+from . import readers
+from .lora import output as lora_output, plan as lora_plan
+from .plan.copies import check_copies
+from .execute.engines import check_engine_name, select_engine
+from .io.sources import SourceFiles
 from .errors import BadInput, InterruptedAfterPublishing, option
-from .finish import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
-from .layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
+from .io.staging import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
+from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
-from .model_check import check_against_model, load_expected_model
-from .plan import MergePlan
-from .plan_checks import check_plan
-from .prepare import clean_name, parse_dtype, prepare
+from .plan.model_check import check_against_model, load_expected_model
+from .plan.model import MergePlan
+from .plan.checks import check_plan
+from .plan.normalise import clean_name, parse_dtype, prepare
 from .progress import Progress
 from .wording import count, size
-from .writer import write_file
+from .execute.writer import write_file
 
 log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
 
@@ -72,28 +73,28 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     `allow_extra_tensors`) a tensor the model does not have is refused before any byte moves.
 
     Copies the checkpoint holds twice (buffers on every rank, HSDP replicas) must agree with the
-    one that is read: a sample of each is compared (copy_checks), every byte with `full_copy_check`.
+    one that is read: a sample of each is compared (plan.copies), every byte with `full_copy_check`.
 
-    `options`, each for one layout (formats.LAYOUT_OPTIONS), None meaning not given:
+    `options`, each for one layout (readers.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
     tag, default the one `latest` names; `exclude_frozen` (deepspeed-zero) True leaves out frozen
     parameters, as zero_to_fp32's exclude_frozen_parameters; `wrap` (fsdp1-flat) the module class
     names FSDP1 wrapped, default the model's decoder-layer class; `use_orig_params` (fsdp1-flat),
     default detected.
 
-    PEFT LoRA checkpoints (peft_plan): the plan is the base model under its own names, with
+    PEFT LoRA checkpoints (lora.plan): the plan is the base model under its own names, with
     `plan.adapters` to write beside it; `merge_lora` (True, or adapter names in order) fuses them
     into the weights instead; `lora_alpha` / `lora_r` give what the checkpoint does not record;
     `base` is the model folder a LoRA-only checkpoint was trained on.
     """
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
-    plan = formats.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
+    plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
     check_copies(plan, full=full_copy_check)
     if config is not None:
         plan.config_dir = os.fspath(config)
-    plan = peft_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    plan = lora_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
@@ -134,7 +135,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, a
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
         "assumed": plan.assumed,
-        "adapters": peft_plan.describe(plan),
+        "adapters": lora_plan.describe(plan),
     }
 
 
@@ -189,13 +190,13 @@ def merge(
         check_output_place(dst, os.fspath(base), None)
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
                       merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
-    peft_output.check_writable(plan)
+    lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
     runner = select_engine(engine)
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     staging = StagingFolder(dst, overwrite)
-    adapter_files = [f for _, f in peft_output.dry_run_files(plan)]
+    adapter_files = [f for _, f in lora_output.dry_run_files(plan)]
     bar = Progress(sum(p.nbytes for f in files + adapter_files for p in f.tensors), enabled=progress)
     checksums: dict[str, int | None] = {}
     try:
@@ -203,14 +204,14 @@ def merge(
             for planned in files:
                 checksums.update(write_file(staging.file(planned.name), planned, runner, sources, bar.advance))
                 check_unchanged(src, identity)
-            adapters, adapter_notes = peft_output.write_adapters(plan, staging, runner, sources, bar.advance, src, identity,
+            adapters, adapter_notes = lora_output.write_adapters(plan, staging, runner, sources, bar.advance, src, identity,
                                                                  parse_dtype(dtype), dst)
         if len(files) > 1:
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir and files else []
         manifest = build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype))
         if adapters:
-            manifest["adapters"] = adapters  # each with a manifest of its own (peft_output)
+            manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)
         write_json(staging.file(MANIFEST_NAME), manifest)
         check_unchanged(src, identity)
         staging.publish()
@@ -229,7 +230,7 @@ def merge(
         tensors=len(plan.tensors) + sum(len(a.plan.tensors) for a in plan.adapters),
         bytes_written=sum(p.nbytes for f in files + adapter_files for p in f.tensors),
         files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else [])
-        + peft_output.written_files(adapters),
+        + lora_output.written_files(adapters),
         seconds=time.perf_counter() - start,
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
@@ -247,9 +248,9 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
     check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
     plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
                       merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
-    peft_output.check_writable(plan)
+    lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
-    files += [replace(f, name=name) for name, f in peft_output.dry_run_files(plan)]
+    files += [replace(f, name=name) for name, f in lora_output.dry_run_files(plan)]
     return {
         "checkpoint": os.fspath(src),
         "out_dir": os.fspath(dst),

@@ -12,7 +12,7 @@ import signal
 import sys
 from dataclasses import asdict
 
-from . import __version__, formats
+from . import __version__, readers
 from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, FsdpfastError, command_line_messages
 from .wording import count, size
 
@@ -47,7 +47,7 @@ _MERGE_EXAMPLES = """examples:
   fsdpfast merge ckpt --out merged --dry-run          # the plan; writes nothing
 
 layouts (detected; --layout forces one):
-""" + "\n".join(f"  {name:<15} {reader.DESCRIPTION}" for name, reader in formats.READERS.items())
+""" + "\n".join(f"  {name:<15} {reader.DESCRIPTION}" for name, reader in readers.READERS.items())
 _INSPECT_EXAMPLES = """examples:
   fsdpfast inspect checkpoints/global_step_100/actor
   fsdpfast inspect ds_checkpoint --tag global_step500 --json"""
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="show the version and which engines this install has")
     verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_OneLineParser)
     examples = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
-    layouts = ", ".join(formats.READERS)
+    layouts = ", ".join(readers.READERS)
 
     merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder", epilog=_MERGE_EXAMPLES,
                              description="Merge a sharded checkpoint folder into a Hugging Face safetensors folder, bit for bit.",
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_layout_options(verb, purpose: str = "") -> None:
-    """The options of one layout each (formats.LAYOUT_OPTIONS); verify's default is what the merge recorded."""
+    """The options of one layout each (readers.LAYOUT_OPTIONS); verify's default is what the merge recorded."""
     verb.add_argument("--prefix", default=None, help=f"{purpose}dcp: the part of a nested state dict that is the model (default: found)")
     verb.add_argument("--tag", default=None, help=f"{purpose}deepspeed-zero: the checkpoint tag (default: the one `latest` names)")
     verb.add_argument("--exclude-frozen", action="store_true", default=None,

@@ -15,7 +15,7 @@ def run_demo(workdir: str | None = None, world_size: int = 4) -> int:
     except ImportError:
         raise BadInput("the demo needs transformers: pip install 'fsdpfast[demo]'") from None
     from .api import merge
-    from .examples import CheckpointSpec, PROBE_INPUT, write_checkpoints
+    from .testing.examples import CheckpointSpec, PROBE_INPUT, write_checkpoints
 
     root = workdir or tempfile.mkdtemp(prefix="fsdpfast-demo-")
     try:

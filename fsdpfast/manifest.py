@@ -14,9 +14,9 @@ import re
 from . import __version__
 from .dtypes import TARGET_ALIASES
 from .errors import BadInput, FsdpfastError
-from .formats.safe_load import is_count
-from .layout import OutputFile
-from .plan import MergePlan
+from ._parsing.safe_load import is_count
+from .plan.layout import OutputFile
+from .plan.model import MergePlan
 
 MANIFEST_NAME = "fsdpfast-manifest.json"
 CHECKSUM = "crc32c"

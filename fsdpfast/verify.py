@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import _ops, verify_adapters
+from . import _ops
+from .lora import verify as lora_verify
 from .dtypes import CASTABLE, itemsize, target_dtype
-from .engine.rows import build_rows, native_pair
-from .engine.sources import SourceFiles
+from .execute.rows import build_rows, native_pair
+from .io.sources import SourceFiles
 from .errors import BadInput, ModelMismatch, on_command_line, option
 from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
-from .plan import TensorPlan
-from .stored import DamagedFile, MappedFiles, StoredTensor, read_folder
+from .plan.model import TensorPlan
+from .io.stored import DamagedFile, MappedFiles, StoredTensor, read_folder
 from .wording import count, size
 
 SLICE_BYTES = 16 << 20  # bytes compared (or converted to float64) at once
@@ -95,7 +96,7 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
     out_dir = os.fspath(out_dir)
     # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
     try:
-        stored = {} if verify_adapters.adapters_only(out_dir) else read_folder(out_dir)
+        stored = {} if lora_verify.adapters_only(out_dir) else read_folder(out_dir)
     except DamagedFile as exc:
         return VerifyReport(out_dir, checks=["headers"], mismatches=[Mismatch("(file)", str(exc))])
     report = VerifyReport(out_dir, tensors=len(stored))
@@ -124,17 +125,17 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
             _check_other_manifest(report, stored, files, os.fspath(manifest_of), other, manifest)
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
-    folders = verify_adapters.adapter_folders(manifest)  # PEFT adapter folders written beside the model
-    verify_adapters.check_adapters(report, out_dir, folders, against=against, reference=reference, rtol=rtol, atol=atol,
+    folders = lora_verify.adapter_folders(manifest)  # PEFT adapter folders written beside the model
+    lora_verify.check_adapters(report, out_dir, folders, against=against, reference=reference, rtol=rtol, atol=atol,
                                    layout=layout, options=options)
     if smoke:
         from .smoke import smoke_test
 
         report.checks.append("smoke: transformers forward pass" + (" with peft adapters" if folders else ""))
-        if verify_adapters.is_adapter_folder(out_dir):
-            problems = verify_adapters.smoke_adapter_folder(out_dir, report.notes)
+        if lora_verify.is_adapter_folder(out_dir):
+            problems = lora_verify.smoke_adapter_folder(out_dir, report.notes)
         else:
-            problems = smoke_test(out_dir) + verify_adapters.smoke_adapters(out_dir, folders, report.notes)
+            problems = smoke_test(out_dir) + lora_verify.smoke_adapters(out_dir, folders, report.notes)
         report.mismatches += [Mismatch("(smoke)", problem) for problem in problems]
     return report
 
@@ -221,7 +222,7 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
     recorded = dict((manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {})
-    adapter = recorded.pop("peft_adapter", None)  # this folder is one PEFT adapter of the checkpoint (peft_output)
+    adapter = recorded.pop("peft_adapter", None)  # this folder is one PEFT adapter of the checkpoint (lora.output)
     # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
     # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
@@ -232,7 +233,7 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
         report.mismatches.append(Mismatch("(model)", str(exc)))
         return
     if adapter is not None:
-        from .peft_split import find_adapter
+        from .lora.split import find_adapter
 
         plan = find_adapter(plan, adapter).plan
     _compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
@@ -280,7 +281,7 @@ def _batches(jobs: list, limit: int = 64 << 20) -> list[list]:
 
 def _fused_device(manifest: dict, plan) -> str:
     """--merge-lora outputs: fused weights are recomputed on the kind of device the merge computed them on."""
-    from .lora_fuse import device_for
+    from .lora.fuse import device_for
 
     device = device_for(manifest.get("engine", "cpu"))
     if device == "cuda" and any(t.compute is not None for t in plan.tensors) and not _ops.native_cuda():
@@ -307,11 +308,11 @@ def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: 
         results.update(zip(native, zip(firsts, crcs)))
     for i, (tensor, have) in enumerate(batch):
         if i not in results:  # rare dtype pairs, empty tensors, or no native module: one tensor in memory
-            from .engine.torch_ref import TorchEngine
+            from .execute.torch_ref import TorchEngine
 
             buffer = bytearray(have.nbytes)
             if tensor.compute is not None:  # --merge-lora: computed again, on the device the merge used
-                from .lora_fuse import compute_into
+                from .lora.fuse import compute_into
 
                 compute_into(tensor, memoryview(buffer), sources, fused_on)
             else:

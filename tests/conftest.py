@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling chatter from torch.load in tests
 
-from fsdpfast.examples import CheckpointSpec, write_checkpoints  # noqa: E402
+from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints  # noqa: E402
 from helpers import CheckpointsByWorld  # noqa: E402
 
 pytest_plugins = ["deepspeed_checkpoints"]  # the DeepSpeed ZeRO checkpoints' session fixture

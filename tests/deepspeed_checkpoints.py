@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from fsdpfast.examples_deepspeed import DeepSpeedSpec, write_deepspeed_checkpoints
+from fsdpfast.testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
 from helpers import CheckpointsByWorld
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied

@@ -6,9 +6,9 @@
 Targets, each fed by hypothesis from real files (mutated: bits flipped, bytes set, inserted,
 deleted, cut, spliced between files, little-endian integers replaced by edge values) or built
 from scratch:
-  unpickle         formats.safe_load.safe_unpickle on data.pkl and .metadata pickles
+  unpickle         readers.safe_load.safe_unpickle on data.pkl and .metadata pickles
   pickle_opcodes   safe_unpickle on opcode streams made of the globals and opcodes checkpoints use
-  torch_zip        formats.torch_zip.TorchZip on whole rank files (zip directory, local headers)
+  torch_zip        readers.torch_zip.TorchZip on whole rank files (zip directory, local headers)
   dcp_metadata     a real DCP folder whose .metadata is fuzzed, planned end to end
   safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
   merge            a real FSDP2 folder with one rank file fuzzed, merged end to end (cpu engine)
@@ -16,7 +16,7 @@ from scratch:
                    against its manifest
   verify_header    the same with only the safetensors header fuzzed (its bytes, or values in its JSON
                    replaced), verified against its manifest and used as another folder's --reference
-                   (formats/safetensors_input.py, the header reader every safetensors input uses)
+                   (formats/safetensors_header.py, the header reader every safetensors input uses)
   verify_manifest  a real merged folder whose fsdpfast-manifest.json is fuzzed (bytes or JSON values),
                    verified against it and given to another folder as --manifest
   deepspeed_optim  a real DeepSpeed ZeRO-2 tag folder whose rank 0 optimizer file's pickle is fuzzed, planned
@@ -52,9 +52,9 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import fsdpfast
 from fsdpfast.errors import FsdpfastError
-from fsdpfast.formats import dcp
-from fsdpfast.formats.safe_load import DTensorRef, StorageRef, TensorRef, each_object, safe_unpickle
-from fsdpfast.formats.torch_zip import TorchZip
+from fsdpfast.readers import dcp
+from fsdpfast._parsing.safe_load import DTensorRef, StorageRef, TensorRef, each_object, safe_unpickle
+from fsdpfast._parsing.torch_zip import TorchZip
 from fsdpfast.manifest import MANIFEST_NAME
 
 HANG_SECONDS = 20
@@ -403,7 +403,7 @@ def install_hang_alarm() -> None:
 def write_seed_checkpoints(root: str) -> dict[str, str]:
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import SPECS
-    from fsdpfast.examples import write_checkpoints
+    from fsdpfast.testing.examples import write_checkpoints
 
     folders = {}
     names = SEED_CHECKPOINTS + [READER_TARGETS["dcp_hf_header"][0]]
@@ -418,7 +418,7 @@ def write_reader_seeds(root: str) -> dict[str, str]:
     """target -> the folder of its seed checkpoint, for the readers' own targets (but dcp-hf, written above)."""
     import importlib.util
 
-    from fsdpfast.examples_fsdp1 import write_fsdp1_checkpoints
+    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
     from test_fsdp1_flat import SPECS as FSDP1_SPECS
 
     world, spec = FSDP1_SPECS[FSDP1_SEED]
@@ -426,7 +426,7 @@ def write_reader_seeds(root: str) -> dict[str, str]:
     found = {"fsdp1_rank": spec.folder(os.path.join(root, "fsdp1"))}
     if importlib.util.find_spec("deepspeed") is not None:
         from deepspeed_checkpoints import DS_SPECS
-        from fsdpfast.examples_deepspeed import write_deepspeed_checkpoints
+        from fsdpfast.testing.deepspeed_examples import write_deepspeed_checkpoints
 
         world, spec = DS_SPECS[DEEPSPEED_SEED]
         write_deepspeed_checkpoints(os.path.join(root, "deepspeed"), [spec], world)

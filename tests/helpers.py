@@ -66,7 +66,7 @@ def transformers_logits(out_dir: str, model_kind: str, dtype: str = "float32") -
     """
     import transformers
 
-    from fsdpfast.examples import PROBE_INPUT
+    from fsdpfast.testing.examples import PROBE_INPUT
 
     cls = transformers.BertForMaskedLM if model_kind == "bert" else transformers.LlamaForCausalLM
     torch.set_num_threads(1)

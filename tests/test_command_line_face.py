@@ -12,11 +12,11 @@ import sys
 import pytest
 
 import fsdpfast
-from fsdpfast import formats
+from fsdpfast import readers
 from fsdpfast.cli import build_parser
 from fsdpfast.dtypes import TARGET_ALIASES
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
-from fsdpfast.stored import read_folder
+from fsdpfast.io.stored import read_folder
 from fsdpfast.wording import count, size
 from test_bad_input import run_cli
 
@@ -35,7 +35,7 @@ def help_text(*verb: str) -> str:
 @pytest.mark.parametrize("verb", ["merge", "inspect", "verify"])
 def test_layout_help_names_every_layout(verb):
     line = next(line for line in help_text(verb).splitlines() if line.strip().startswith("--layout"))
-    assert all(name in line for name in formats.READERS), line
+    assert all(name in line for name in readers.READERS), line
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -6,8 +6,8 @@ import torch
 
 import fsdpfast
 from fsdpfast import _ops
-from fsdpfast.engine.sources import SourceFiles
-from fsdpfast.plan import Extent, SourceBuffer, TensorPlan
+from fsdpfast.io.sources import SourceFiles
+from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
 from test_native_convert import PAIRS, _name, assert_same_bits, every_16bit_value, float32_specials, torch_reference
 
 pytestmark = pytest.mark.skipif(not _ops.native_cuda(), reason="needs the CUDA ops and a GPU")
@@ -36,7 +36,7 @@ def test_device_kernel_on_every_16bit_value_and_float32_specials(source, target)
 
 def _staged(tmp_path, x: torch.Tensor, to: torch.dtype, staging_bytes: int, runs: int = 1) -> torch.Tensor:
     """Run the staged pipeline on a file-backed source through tiny staging buffers."""
-    from fsdpfast.engine.cuda import CudaEngine
+    from fsdpfast.execute.cuda import CudaEngine
 
     path = tmp_path / "source.bin"
     path.write_bytes(b"\0" * 24 + x.view(torch.uint8).numpy().tobytes())

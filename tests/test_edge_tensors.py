@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 
 import fsdpfast
-from fsdpfast.engine import select_engine
-from fsdpfast.engine.sources import SourceFiles
-from fsdpfast.layout import OutputFile, plan_files
-from fsdpfast.plan import Extent, MergePlan, SourceBuffer, TensorPlan
-from fsdpfast.writer import write_file
+from fsdpfast.execute.engines import select_engine
+from fsdpfast.io.sources import SourceFiles
+from fsdpfast.plan.layout import OutputFile, plan_files
+from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
+from fsdpfast.execute.writer import write_file
 from helpers import assert_bit_exact, bits, read_merged
 from test_bad_input import cli_refuses
 
@@ -68,7 +68,7 @@ def _write_odd_rank(rank: int, world: int, port: int, folder: str) -> None:
 def odd_checkpoint(tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
 
-    from fsdpfast.examples import _free_port
+    from fsdpfast.testing.examples import _free_port
 
     folder = tmp_path_factory.mktemp("odd")
     mp.spawn(_write_odd_rank, args=(2, _free_port(), str(folder)), nprocs=2, join=True)
@@ -138,7 +138,7 @@ def _fill(path: Path, record_offset: int, element_offset: int, values: torch.Ten
 
 
 def _record_offset(path: Path, key: str) -> int:
-    from fsdpfast.formats.torch_zip import TorchZip
+    from fsdpfast._parsing.torch_zip import TorchZip
 
     with TorchZip(str(path)) as archive:
         return archive.storage_span(key)[0]

@@ -11,7 +11,7 @@ import torch
 
 import fsdpfast
 from fsdpfast import _ops
-from fsdpfast.engine import available_engines
+from fsdpfast.execute.engines import available_engines
 from fsdpfast.manifest import MANIFEST_NAME
 
 OTHER_ENGINES = [e for e in available_engines() if e != "torch"]
@@ -57,9 +57,9 @@ def test_cuda_engine_without_gpu_is_one_clear_error(checkpoints, tmp_path):
 
 def _write_with(engine, folder: str, dtype: str, out_dir) -> dict[str, bytes]:
     """Run layout + writer with a given engine object (to reach settings the API keeps fixed)."""
-    from fsdpfast.engine.sources import SourceFiles
-    from fsdpfast.layout import plan_files
-    from fsdpfast.writer import write_file
+    from fsdpfast.io.sources import SourceFiles
+    from fsdpfast.plan.layout import plan_files
+    from fsdpfast.execute.writer import write_file
 
     plan = fsdpfast.plan_merge(folder, dtype=dtype)
     out_dir.mkdir()
@@ -73,8 +73,8 @@ def _write_with(engine, folder: str, dtype: str, out_dir) -> dict[str, bytes]:
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 @pytest.mark.parametrize("name", ["w3-bert-dim1", "w4-hsdp-bert-dim1", "w8-tied"])
 def test_native_engine_chunks_cut_anywhere_in_strided_pieces(checkpoints, tmp_path, name, chunk_bytes):
-    from fsdpfast.engine.native import NativeCpuEngine
-    from fsdpfast.engine.torch_ref import TorchEngine
+    from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.execute.torch_ref import TorchEngine
 
     _, folder = checkpoints.get(name)
     for dtype in ("bf16", "keep"):
@@ -125,10 +125,10 @@ def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tm
 def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, target):
     """A 3 MB run at an odd offset of a file, in 4 MB chunks: converted slice by slice, each slice's
     pages dropped after use (the kernel's release_sources), every byte as torch's .to() writes it."""
-    from fsdpfast.engine.native import NativeCpuEngine
-    from fsdpfast.engine.sources import SourceFiles
-    from fsdpfast.layout import PlacedTensor
-    from fsdpfast.plan import Extent, SourceBuffer, TensorPlan
+    from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.io.sources import SourceFiles
+    from fsdpfast.plan.layout import PlacedTensor
+    from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
 
     values = torch.randn(3 << 18, generator=torch.Generator().manual_seed(0))
     values[::997] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40]).repeat(1000)[: values[::997].numel()]

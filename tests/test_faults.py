@@ -24,7 +24,7 @@ import pytest
 import fsdpfast
 from fsdpfast.cli import main
 from fsdpfast.errors import EXIT_FAILURE
-from fsdpfast.output_guard import STAGING_MARKER, lock_path
+from fsdpfast.io.output_guard import STAGING_MARKER, lock_path
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
 from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
 

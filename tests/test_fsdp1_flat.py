@@ -1,7 +1,7 @@
 """FSDP1 LOCAL_STATE_DICT flat parameters, written by real FSDP1 on gloo ranks, merged bit for bit.
 
 FSDP1 runs on the CPU when given `device_id=torch.device("cpu")`, so every checkpoint here
-comes from FSDP1 itself (fsdpfast.examples_fsdp1), and the reference is FSDP1's own
+comes from FSDP1 itself (fsdpfast.testing.fsdp1_examples), and the reference is FSDP1's own
 FULL_STATE_DICT of the same model.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 import fsdpfast
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
-from fsdpfast.examples_fsdp1 import Fsdp1Spec, write_fsdp1_checkpoints
-from fsdpfast.formats.safe_load import safe_unpickle
+from fsdpfast.testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints
+from fsdpfast._parsing.safe_load import safe_unpickle
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 DECODER_AND_MLP = ("LlamaDecoderLayer", "LlamaMLP")
@@ -135,7 +135,7 @@ def test_the_transformers_the_order_came_from_is_noted_and_recorded(fsdp1, tmp_p
 
 def test_a_weight_tied_across_units_keeps_both_names(fsdp1):
     """An inner unit that takes a tied weight holds it once; the outer unit's name becomes its alias."""
-    from fsdpfast.formats import fsdp1_units
+    from fsdpfast.readers import fsdp1_units
 
     _, folder = fsdp1.get("w3-tied")
     model, _ = fsdp1_units.meta_model(os.path.join(folder, "huggingface"))
@@ -271,7 +271,7 @@ def _resplit_root(rank: int, world: int, port: int, folder: str) -> None:
 
 def test_partition_sizes_other_than_fsdp1s(fsdp1, tmp_path):
     import torch.multiprocessing as mp
-    from fsdpfast.examples import _free_port
+    from fsdpfast.testing.examples import _free_port
 
     folder = fsdp1.copy("w3-tied", tmp_path)  # 3 ranks: the sizes above
     mp.spawn(_resplit_root, args=(3, _free_port(), folder), nprocs=3, join=True)

@@ -30,7 +30,7 @@ def test_parser_raises_only_clean_errors(seeds, tmp_path, target):
 
 @pytest.fixture(scope="module")
 def fsdp1_seed(tmp_path_factory) -> str:
-    from fsdpfast.examples_fsdp1 import write_fsdp1_checkpoints
+    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
     from test_fsdp1_flat import SPECS
 
     root = str(tmp_path_factory.mktemp("fsdp1-seed"))

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from fsdpfast.formats.boxes import box_extents
-from fsdpfast.formats.placements import chunk_span
+from fsdpfast._parsing.boxes import box_extents
+from fsdpfast.readers.placements import chunk_span
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 7, 13, 64, 101])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fsdpfast.errors import BadInput
-from fsdpfast.layout import parse_size, plan_files, split_into_files
-from fsdpfast.plan import Extent, MergePlan, TensorPlan
+from fsdpfast.plan.layout import parse_size, plan_files, split_into_files
+from fsdpfast.plan.model import Extent, MergePlan, TensorPlan
 
 
 @pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),

@@ -113,6 +113,6 @@ def test_cli_merge_prints_report_and_exits_zero(checkpoints, tmp_path):
     report = json.loads(result.stdout)
     assert report["files"] == ["model.safetensors"]
     assert report["tied"] == {"model.embed_tokens.weight": ["lm_head.weight"]}
-    from fsdpfast.engine import available_engines
+    from fsdpfast.execute.engines import available_engines
 
     assert report["engine"] == available_engines()[0]

@@ -1,7 +1,7 @@
 """PEFT LoRA checkpoints, written as verl writes a LoRA actor, merged into a base model and adapter folders.
 
 Every checkpoint comes from a real peft model sharded by FSDP2 (or DeepSpeed ZeRO-2) on gloo ranks, trained for a
-step (fsdpfast.examples_peft); the references are taken from that model by peft itself: the
+step (fsdpfast.testing.peft_examples); the references are taken from that model by peft itself: the
 adapters' state dicts as peft saves them, the logits of the training model, merge_and_unload().
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 import fsdpfast
 from fsdpfast.errors import BadInput
-from fsdpfast.examples import PROBE_INPUT
-from fsdpfast.examples_peft import PeftSpec, write_peft_checkpoints, write_peft_deepspeed_checkpoints
+from fsdpfast.testing.examples import PROBE_INPUT
+from fsdpfast.testing.peft_examples import PeftSpec, write_peft_checkpoints, write_peft_deepspeed_checkpoints
 from helpers import CheckpointsByWorld, bits, read_merged
 
 peft = pytest.importorskip("peft")
@@ -208,7 +208,7 @@ def test_flags_on_a_plain_checkpoint_are_refused(tmp_path):
 
 
 def test_damaged_fused_weight_is_found(lora, tmp_path):
-    from fsdpfast.stored import read_folder
+    from fsdpfast.io.stored import read_folder
 
     _, folder = lora.get("verl")
     out = tmp_path / "out"

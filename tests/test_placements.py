@@ -16,10 +16,10 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdpfast.errors import BadInput
-from fsdpfast.formats.boxes import box_extents
-from fsdpfast.formats.placements import LEFT_TO_RIGHT, SHARD_ORDER, DTensorLayout, _shard_order, choose_reading, strided_pick
-from fsdpfast.plan import SourceBuffer
-from fsdpfast.plan_checks import check_extents
+from fsdpfast._parsing.boxes import box_extents
+from fsdpfast.readers.placements import LEFT_TO_RIGHT, SHARD_ORDER, DTensorLayout, _shard_order, choose_reading, strided_pick
+from fsdpfast.plan.model import SourceBuffer
+from fsdpfast.plan.checks import check_extents
 
 
 def _torch_local(tensor: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:

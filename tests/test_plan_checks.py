@@ -19,9 +19,9 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes .metadata pickle
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdpfast.errors import BadInput
-from fsdpfast.formats.boxes import box_extents
-from fsdpfast.plan import Extent, SourceBuffer
-from fsdpfast.plan_checks import check_extents
+from fsdpfast._parsing.boxes import box_extents
+from fsdpfast.plan.model import Extent, SourceBuffer
+from fsdpfast.plan.checks import check_extents
 from helpers import copy_checkpoint
 from test_bad_input import cli_refuses
 

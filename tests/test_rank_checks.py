@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpfast
-from fsdpfast import copy_checks
+from fsdpfast.plan import copies
 from fsdpfast.errors import BadInput
-from fsdpfast.formats.placements import chunk_span
-from fsdpfast.formats.plain_pieces import _concatenate_to
+from fsdpfast.readers.placements import chunk_span
+from fsdpfast.readers.plain_pieces import _concatenate_to
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
 from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
@@ -231,7 +231,7 @@ def test_hsdp_replicas_that_differ_are_refused(checkpoints, tmp_path):
 
 def test_the_merge_samples_replicas_and_verify_compares_every_byte(checkpoints, tmp_path, monkeypatch):
     # q_proj's local piece is 32 x 64 float32; with 64-byte samples, element 500 is outside all three.
-    monkeypatch.setattr(copy_checks, "SAMPLE_BYTES", 64)
+    monkeypatch.setattr(copies, "SAMPLE_BYTES", 64)
     folder = copy_checkpoint(checkpoints, "w4-hsdp-tied", tmp_path)
     victim = damage_a_replica(folder, 500)
     report = merged_is_the_model(checkpoints, "w4-hsdp-tied", folder, tmp_path / "out")
@@ -239,7 +239,7 @@ def test_the_merge_samples_replicas_and_verify_compares_every_byte(checkpoints, 
     with pytest.raises(BadInput) as caught:
         fsdpfast.verify(tmp_path / "out", against=folder)
     assert str(victim) in str(caught.value) and "first at element 500" in str(caught.value)
-    monkeypatch.setattr(copy_checks, "SAMPLE_BYTES", 2048)  # the first sample is now elements 0-511: refused
+    monkeypatch.setattr(copies, "SAMPLE_BYTES", 2048)  # the first sample is now elements 0-511: refused
     api_refuses(folder, tmp_path / "out2", mentions=[victim, "first at element 500"])
 
 

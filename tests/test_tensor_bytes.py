@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdpfast.plan import Extent
-from fsdpfast.tensor_bytes import runs_in_window
+from fsdpfast.plan.model import Extent
+from fsdpfast.io.tensor_bytes import runs_in_window
 
 
 def _elements(extent: Extent) -> dict[int, int]:

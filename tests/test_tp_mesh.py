@@ -1,5 +1,5 @@
 """FSDP2 + tensor parallel on dp x tp meshes (and HSDP + TP on three), written by real
-`parallelize_module` + `fully_shard` on gloo ranks (fsdpfast.examples_tp), merged bit for bit.
+`parallelize_module` + `fully_shard` on gloo ranks (fsdpfast.testing.tp_examples), merged bit for bit.
 
 Every checkpoint mixes placements on the 2-D (or 3-D) mesh — `(_StridedShard(0, split_factor=tp),
 Shard(0))`, `(Shard(0), Shard(1))`, `(Shard(0), Replicate())` — with `(Shard(0),)` on the 1-D dp
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdpfast
 from fsdpfast.errors import BadInput
-from fsdpfast.examples_tp import TpSpec, write_tp_checkpoints
+from fsdpfast.testing.tp_examples import TpSpec, write_tp_checkpoints
 from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
 
 HEADS_OVER_3 = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
@@ -57,9 +57,9 @@ def tp(tmp_path_factory) -> TpCheckpoints:
 
 def _placements(folder: Path) -> set[str]:
     """The placements found in rank 0's file, as fsdpfast reads them."""
-    from fsdpfast.formats.placements import read_layout
-    from fsdpfast.formats.safe_load import DTensorRef, safe_unpickle
-    from fsdpfast.formats.torch_zip import TorchZip
+    from fsdpfast.readers.placements import read_layout
+    from fsdpfast._parsing.safe_load import DTensorRef, safe_unpickle
+    from fsdpfast._parsing.torch_zip import TorchZip
 
     (path,) = folder.glob("*_rank_0.pt")
     with TorchZip(str(path)) as archive:

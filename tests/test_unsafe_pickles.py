@@ -22,8 +22,8 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes a real DCP .meta
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
-from fsdpfast.formats import safe_load
-from fsdpfast.formats.safe_load import safe_unpickle
+from fsdpfast._parsing import safe_load
+from fsdpfast._parsing.safe_load import safe_unpickle
 from helpers import copy_checkpoint, rank_file
 
 

@@ -19,7 +19,7 @@ import fsdpfast
 from fsdpfast import _ops, api
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
-from fsdpfast.stored import read_folder
+from fsdpfast.io.stored import read_folder
 from fsdpfast.verify import verify
 from helpers import copy_checkpoint, read_merged
 
@@ -70,11 +70,11 @@ def test_crc32c_known_answer_and_continuation():
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, chunk_bytes):
     """The native engine's per-chunk CRCs, combined, equal the torch engine's CRC of whole tensors."""
-    from fsdpfast.engine.native import NativeCpuEngine
-    from fsdpfast.engine.sources import SourceFiles
-    from fsdpfast.engine.torch_ref import TorchEngine
-    from fsdpfast.layout import plan_files
-    from fsdpfast.writer import write_file
+    from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.io.sources import SourceFiles
+    from fsdpfast.execute.torch_ref import TorchEngine
+    from fsdpfast.plan.layout import plan_files
+    from fsdpfast.execute.writer import write_file
 
     _, folder = checkpoints.get("w3-bert-dim1")
     plan = fsdpfast.plan_merge(folder, dtype="bf16")

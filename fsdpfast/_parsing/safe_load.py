@@ -1,0 +1,379 @@
+"""The restricted unpickler: checkpoint pickles become inert records, never live objects.
+
+Like torch.load(weights_only=True), only an allow-list of globals is accepted: tensor
+rebuild functions, dtypes, torch.Size, the DTensor / DeviceMesh / placement classes and a
+few plain containers. Unlike it, nothing is imported or constructed: each allowed global
+maps to a stand-in here that records its arguments, tensors become `TensorRef`s that name
+a storage record, and any other global (os.system, builtins.exec, a model class, ...) is
+refused before anything runs. That is why reading a checkpoint's metadata needs neither
+torch.distributed nor the bulk bytes.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import reprlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..dtypes import DTYPES
+from ..errors import UnsafeCheckpoint, BadInput
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the zip record name under data/
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    storage: StorageRef
+    offset: int  # in elements of `dtype`
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class DTensorRef:
+    local: TensorRef
+    spec: "Record"  # DTensorSpec stand-in; readers.placements interprets it
+
+
+@dataclass(frozen=True)
+class ShardedTensorRef:
+    """A ShardedTensor (FSDP1 state dicts): global shape, dtype and its pickled state.
+
+    `state` is ShardedTensor.__getstate__'s tuple: (local shards, ShardedTensorMetadata,
+    ProcessGroupState, sharding spec, init_rrefs), as records; readers.fsdp1_flat reads it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    state: tuple
+
+
+class Record:
+    """Stand-in for an allowed class: keeps constructor arguments and pickled state."""
+
+    qualname = "Record"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = {}
+        obj.state_value = None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.state.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and any(isinstance(p, dict) for p in state):
+            for part in state:  # (dict, slots) of slotted classes
+                if isinstance(part, dict):
+                    self.state.update(part)
+        else:  # a class with its own __getstate__, e.g. a tuple of fields
+            self.state_value = state
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.state.get(key, default)
+
+    @reprlib.recursive_repr()
+    def __repr__(self) -> str:  # a crafted pickle can make a record contain itself
+        return f"<{self.qualname} {self.args or ''}{self.state or ''}>"
+
+
+class _DType(str):
+    """A dtype global such as torch.float32, kept as its name."""
+
+
+class _StorageKind:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+class _TensorClass:
+    def __init__(self, qualname: str):
+        self.qualname = qualname
+
+
+_DTENSOR = _TensorClass("DTensor")
+_SHARDED_TENSOR = _TensorClass("ShardedTensor")
+_PLAIN_TENSOR = _TensorClass("Tensor")
+
+# DTensor and ShardedTensor metadata classes: any module under torch.distributed (they moved
+# between releases).
+_DISTRIBUTED_RECORDS = {
+    "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
+    "Shard", "Replicate", "Partial", "_StridedShard", "_NormPartial", "_Partial", "_MaskPartial",
+    "ShardMetadata", "ShardedTensorMetadata", "TensorProperties", "MEM_FORMAT_ENCODING", "_remote_device",
+    "EnumerableShardingSpec", "ChunkShardingSpec",
+}
+
+
+@dataclass
+class _WrapperShell:
+    cls: Any
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _tensor_ref(storage, storage_offset, size, stride, dtype: str) -> TensorRef:
+    """A TensorRef whose fields are what the readers may assume: whole numbers, a storage record."""
+    if not isinstance(storage, StorageRef):
+        raise BadInput(f"a tensor's storage is {type(storage).__name__}, not a storage record")
+    size, stride = as_dims(size), as_dims(stride)
+    if size is None or stride is None or len(size) != len(stride) or not is_count(storage_offset):
+        raise BadInput("a tensor's shape, strides or offset are not lists of whole numbers")
+    return TensorRef(storage, storage_offset, size, stride, dtype)
+
+
+def is_count(value) -> bool:
+    """A whole number >= 0 (what sizes and offsets in checkpoint metadata must be)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def as_dims(value) -> tuple[int, ...] | None:
+    """`value` as a tuple of whole numbers, or None if it is anything else."""
+    return tuple(value) if isinstance(value, (tuple, list)) and all(is_count(v) for v in value) else None
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    return _tensor_ref(storage, storage_offset, size, stride, getattr(storage, "dtype", None))
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+    if isinstance(storage, StorageRef) and storage.dtype == "uint8" and dtype != "uint8":
+        if dtype not in DTYPES:
+            raise BadInput(f"tensor of dtype {dtype} is not supported")
+        numel = storage.numel // DTYPES[dtype][0]
+        storage = StorageRef(storage.key, str(dtype), numel)
+    return _tensor_ref(storage, storage_offset, size, stride, str(dtype))
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    return _WrapperShell(cls, str(dtype), tuple(size))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    obj = func(*args)
+    if isinstance(obj, _WrapperShell) and obj.cls is _SHARDED_TENSOR:
+        if not isinstance(state, tuple) or len(state) < 2:
+            raise BadInput("a ShardedTensor in this checkpoint lacks its local shards or metadata")
+        return ShardedTensorRef(obj.shape, obj.dtype, state)
+    if isinstance(state, tuple):  # (dict, slots) when the class has __slots__
+        state = {k: v for part in state if isinstance(part, dict) for k, v in part.items()}
+    if isinstance(obj, _WrapperShell) and obj.cls is _DTENSOR:
+        local, spec = state.get("_local_tensor"), state.get("_spec")
+        if not isinstance(local, TensorRef) or not isinstance(spec, Record):
+            raise BadInput("a DTensor in this checkpoint lacks its local tensor or its spec")
+        return DTensorRef(local, spec)
+    if isinstance(obj, TensorRef) and new_type in (_PLAIN_TENSOR, _PARAMETER):
+        return obj
+    name = getattr(new_type, "qualname", new_type)
+    raise BadInput(f"tensor subclass {name} is not supported; only plain tensors and DTensors are")
+
+
+def _getattr(owner, name):
+    # ShardedTensor pickles its ProcessGroupState as getattr(ShardedTensor, "ProcessGroupState");
+    # getattr on anything else could reach live objects, so nothing else is allowed.
+    if owner is _SHARDED_TENSOR and name == "ProcessGroupState":
+        return _record_class("torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState")
+    raise UnsafeCheckpoint(f"getattr({getattr(owner, 'qualname', type(owner).__name__)}, {name!r}) is not allowed")
+
+
+def _encode(text, encoding="latin1"):
+    # pickle protocol 2 stores bytes as _codecs.encode(str, "latin1")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise UnsafeCheckpoint("_codecs.encode called with unexpected arguments")
+    return text.encode(encoding)
+
+
+def _bytearray(data=b"", encoding=None):
+    # pickle stores bytearrays as bytearray(bytes) or, below protocol 3, bytearray(str, "latin-1");
+    # bytearray(10**10) would allocate whatever size the file asks for.
+    if isinstance(data, str) and encoding in ("latin1", "latin-1"):
+        return bytearray(data, encoding)
+    if isinstance(data, (bytes, bytearray)) and encoding is None:
+        return bytearray(data)
+    raise UnsafeCheckpoint("builtins.bytearray called with unexpected arguments")
+
+
+_PARAMETER = _TensorClass("Parameter")
+
+_STORAGE_CLASSES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+}
+
+_ALLOWED: dict[str, Any] = {
+    "collections.OrderedDict": collections.OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.bytearray": _bytearray,
+    "_codecs.encode": _encode,
+    "torch.Size": lambda dims=(): tuple(dims),
+    "torch.device": lambda *args: str(args[0]) if args else "cpu",
+    "torch.serialization._get_layout": lambda name: str(name),
+    "torch.Tensor": _PLAIN_TENSOR,
+    "torch.nn.parameter.Parameter": _PARAMETER,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.storage.UntypedStorage": _StorageKind("uint8"),
+    "torch.distributed.tensor.DTensor": _DTENSOR,
+    "torch.distributed.tensor._api.DTensor": _DTENSOR,
+    "torch.distributed._tensor.api.DTensor": _DTENSOR,
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
+    "builtins.getattr": _getattr,
+    "__builtin__.getattr": _getattr,  # protocol 2 names builtins this way
+}
+_ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
+_ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
+
+_RECORD_CLASSES: dict[str, type] = {}
+
+
+def _record_class(qualname: str) -> type:
+    if qualname not in _RECORD_CLASSES:
+        _RECORD_CLASSES[qualname] = type(qualname.rsplit(".", 1)[-1], (Record,), {"qualname": qualname})
+    return _RECORD_CLASSES[qualname]
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    """pickle's Python implementation, on purpose: its memo is a dict. The C unpickler grows its
+    memo array to twice the largest index a PUT opcode names, so five bytes of a crafted file
+    make it allocate and clear tens of GB. Checkpoint pickles are small; the cost is a few ms."""
+
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.extra_records = extra_records
+
+    def find_class(self, module: str, name: str):
+        qualname = f"{module}.{name}"
+        if qualname in _ALLOWED:
+            return _ALLOWED[qualname]
+        if module.startswith("torch.distributed.") and name in _DISTRIBUTED_RECORDS:
+            return _record_class(qualname)
+        if qualname in self.extra_records:
+            return _record_class(qualname)
+        raise UnsafeCheckpoint(
+            f"{self.where}: refusing to unpickle '{qualname}': a checkpoint of tensors never needs it "
+            "and it could run code; fsdpfast does not execute code from checkpoints"
+        )
+
+    def _load_build(self):
+        # BUILD writes pickled state into the object below it (its __dict__, or setattr). That
+        # object may be a module-level stand-in shared by every later read (a storage kind, a
+        # record class): a crafted pickle could make every bfloat16 storage read as float16.
+        # Only fresh records and the state dict (torch pickles `_metadata` onto it) take state.
+        if len(self.stack) >= 2 and not isinstance(self.stack[-2], (Record, dict)):
+            target = self.stack[-2]
+            raise UnsafeCheckpoint(f"{self.where}: refusing to set the state of "
+                                   f"{getattr(target, 'qualname', type(target).__name__)!s}: only records and dicts "
+                                   "take pickled state; fsdpfast does not let a checkpoint change its own objects")
+        pickle._Unpickler.load_build(self)
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _load_build}
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise UnsafeCheckpoint(f"{self.where}: unexpected persistent id {pid!r}")
+        _, kind, key, _location, numel = pid
+        if not isinstance(kind, _StorageKind):
+            raise UnsafeCheckpoint(f"{self.where}: persistent id names {kind!r}, not a storage class")
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        if not is_count(numel):
+            raise BadInput(f"{self.where}: storage {key!r} has size {numel!r}, not a whole number")
+        return StorageRef(key, kind.dtype, numel)
+
+
+def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
+    """Unpickle `data` (a checkpoint's data.pkl) into plain containers and inert records.
+
+    `extra_records`: further fully qualified class names a reader accepts as inert records.
+    """
+    try:
+        value = _RestrictedUnpickler(data, where, extra_records).load()
+    except (UnsafeCheckpoint, BadInput):
+        raise
+    except RecursionError:
+        raise BadInput(f"{where}: the pickle nests too deeply to be a checkpoint") from None
+    except Exception as exc:  # malformed pickles raise many kinds of errors
+        raise BadInput(f"{where}: the pickle is damaged ({type(exc).__name__}: {exc}); the file is corrupt") from None
+    if _depth_exceeds(value, _MAX_DEPTH):  # readers and messages walk what they read recursively
+        raise BadInput(f"{where}: the pickle nests more than {_MAX_DEPTH} levels deep; not a checkpoint")
+    return value
+
+
+_MAX_DEPTH = 100  # a DTensor in an optimizer state in a dict nests about 10 levels
+
+
+def each_object(value: Any):
+    """Every object under `value` (through dict values, lists, tuples and records), each once:
+    a pickle may share containers, so walking them as a tree could never end."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, Record):
+            stack.extend([*item.args, *item.state.values(), item.state_value])
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Iteratively, each container once (pickles can share and even cycle through containers)."""
+    seen: set[int] = set()
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Record):
+            children = [*item.args, *item.state.values(), item.state_value]
+        elif isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        elif isinstance(item, (DTensorRef, _WrapperShell)):
+            children = list(vars(item).values())
+        else:
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if depth >= limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+

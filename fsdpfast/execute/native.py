@@ -1,0 +1,69 @@
+"""The native CPU engine: gather, convert and write in one multithreaded pass per batch.
+
+Each thread assembles chunks of the output in a buffer of its own and writes them at their
+final offset, so output pages are written once and never zero-filled first. The kernels come
+from fsdpfast._native, which needs no torch: a merge with this engine never imports it.
+"""
+from __future__ import annotations
+
+from array import array
+
+from .. import _ops
+from ..errors import FsdpfastError
+from ..plan.layout import PlacedTensor
+from .outputs import write_through_buffer
+from .rows import build_rows, native_pair
+from ..io.sources import SourceFiles
+
+CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
+
+
+class NativeCpuEngine:
+    name = "cpu"
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, threads: int | None = None):
+        self.chunk_bytes = chunk_bytes
+        self.threads = threads or _ops.cpu_threads()
+        self.fallback = None  # the torch engine, made on first need (float64 casts)
+
+    def output(self, fd: int, size: int) -> "_FileOutput":
+        return _FileOutput(self, fd)
+
+
+class _FileOutput:
+    def __init__(self, engine: NativeCpuEngine, fd: int):
+        self.engine, self.fd = engine, fd
+
+    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> list[int]:
+        """Write the tensors; their CRC-32Cs, combined from the chunks the threads wrote."""
+        crcs: dict[int, int] = {}
+        native = [p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype)]
+        if native:
+            views, rows = build_rows([p.tensor for p in native], sources)
+            offsets = array("q", (p.offset for p in native))
+            sizes = array("q", (p.nbytes for p in native))
+            try:
+                # The views are private, never-written mappings of the input files (SourceFiles),
+                # so their pages can be dropped as soon as they are read.
+                written = _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes,
+                                                               self.engine.threads, release_sources=True)
+            except RuntimeError as exc:  # the kernels' I/O errors, e.g. "writing the output file: No space left on device"
+                raise FsdpfastError(str(exc)) from None
+            finally:
+                for view in views:
+                    view.release()
+            crcs.update(zip(map(id, native), written))
+        for p in placed:
+            if not native_pair(p.tensor.source_dtype, p.tensor.target_dtype):  # float64 casts: through torch
+                if self.engine.fallback is None:
+                    from .torch_ref import TorchEngine
+
+                    self.engine.fallback = TorchEngine()
+                crcs[id(p)] = write_through_buffer(self.fd, p, self.engine.fallback.execute, sources)
+        return [crcs[id(p)] for p in placed]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass

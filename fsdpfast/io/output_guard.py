@@ -1,0 +1,97 @@
+"""One merge at a time per output folder, and the leftovers of a killed one cleaned up.
+
+Beside OUT_DIR (in its parent) a merge holds an exclusive `flock` on `.OUT.fsdpfast-lock`.
+The kernel drops the lock when its holder dies, even by SIGKILL, so a lock file left behind
+by a killed run is taken over by the next one; a live holder makes a second merge stop with
+one line. Under the lock, folders a killed run left beside OUT_DIR are removed: staging
+folders (`.OUT.fsdpfast-*`) and, from an interrupted --overwrite swap, `.OUT.old-*` whose
+previous OUT_DIR is put back first. Only folders whose marker file names this very OUT_DIR
+are touched, so nothing a user made and no other output's leftovers can be removed.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+
+from ..errors import BadInput
+
+STAGING_MARKER = ".fsdpfast-staging"  # inside a staging folder; holds the OUT_DIR it is for
+OLD_MARKER = ".fsdpfast-old"  # inside the folder an --overwrite moves the previous OUT_DIR into
+
+
+def lock_path(out_dir: str) -> str:
+    parent, name = os.path.split(out_dir)
+    return os.path.join(parent, f".{name}.fsdpfast-lock")
+
+
+class OutputLock:
+    """An exclusive lock on OUT_DIR's lock file; `release` unlinks the file and unlocks."""
+
+    def __init__(self, out_dir: str):
+        self.path = lock_path(out_dir)
+        parent = os.path.dirname(self.path)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise BadInput(f"cannot write in {parent} ({exc.strerror}); choose an output folder where you can write") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise BadInput(f"{out_dir}: another fsdpfast merge into this folder is running (it holds {self.path}); "
+                               "wait for it to finish or choose another output folder") from None
+            # The holder we waited on may have unlinked the file before we locked it: only a lock
+            # on the file that is still at `path` counts.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked, so no one can lock the old file and think it is current
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def write_marker(folder: str, marker: str, out_dir: str) -> None:
+    with open(os.path.join(folder, marker), "w") as f:
+        f.write(out_dir)
+
+
+def remove_leftovers(out_dir: str) -> list[str]:
+    """Clean what killed merges into `out_dir` left beside it (call with the lock held); the names removed."""
+    parent, name = os.path.split(out_dir)
+    removed = []
+    for entry in sorted(os.listdir(parent)):
+        folder = os.path.join(parent, entry)
+        if entry.startswith(f".{name}.fsdpfast-") and _marked(folder, STAGING_MARKER, out_dir):
+            shutil.rmtree(folder)
+            removed.append(entry)
+        elif entry.startswith(f".{name}.old-") and _marked(folder, OLD_MARKER, out_dir):
+            previous = os.path.join(folder, "previous")
+            if os.path.isdir(previous) and not os.path.lexists(out_dir):
+                os.rename(previous, out_dir)  # killed mid-swap: the earlier OUT_DIR comes back
+            shutil.rmtree(folder)
+            removed.append(entry)
+    return removed
+
+
+def _marked(folder: str, marker: str, out_dir: str) -> bool:
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return False
+    try:
+        with open(os.path.join(folder, marker)) as f:
+            return f.read() == out_dir
+    except (OSError, UnicodeDecodeError):
+        return False

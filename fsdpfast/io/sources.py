@@ -1,0 +1,61 @@
+"""Input files mapped once, read-only in effect, and handed out as byte views."""
+from __future__ import annotations
+
+import mmap
+
+from ..plan.model import SourceBuffer
+
+_FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped together on a read fault
+
+
+class SourceFiles:
+    """Maps each input file at most once. Private copy-on-write mappings give writable views
+    (so torch.frombuffer stays quiet) while nothing is ever written: no page is copied and
+    the files are never modified."""
+
+    def __init__(self, buffers: list[SourceBuffer]):
+        self.buffers = buffers
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def view(self, index: int) -> memoryview:
+        buffer = self.buffers[index]
+        mapping = self._maps.get(buffer.path)
+        if mapping is None:
+            with open(buffer.path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[buffer.path] = mapping
+        return memoryview(mapping)[buffer.byte_offset: buffer.byte_offset + buffer.nbytes]
+
+    def release(self, index: int) -> None:
+        """Drop the pages of a consumed buffer from this process (the page cache keeps them).
+
+        Reading a mapped file page makes the kernel map its neighbours too (fault-around: the
+        aligned 64 KB window around it), so reading a buffer also maps the tail of the buffer
+        before it, already released, and the head of the one after it. The release therefore
+        covers the whole windows the buffer touches; otherwise those pages stay mapped until
+        the end, a few for every tensor of every rank file, and RSS grows with the tensor count.
+        Neighbours dropped early are mapped again from the page cache if still needed.
+        """
+        buffer = self.buffers[index]
+        mapping = self._maps.get(buffer.path)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = buffer.byte_offset - buffer.byte_offset % _FAULT_AROUND
+        end = min(len(mapping), -(-(buffer.byte_offset + buffer.nbytes) // _FAULT_AROUND) * _FAULT_AROUND)
+        if end > start:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            try:
+                mapping.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                pass
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

@@ -1,0 +1,262 @@
+"""The output folder: built under a hidden sibling name, published by one rename when complete.
+
+Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
+killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an earlier fsdpfast
+output, nothing else.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+
+from ..configs import load_config
+from ..errors import BadInput, on_command_line, option
+from ..manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
+from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, write_marker
+
+# Weight files and indexes never copied from a config folder (it may be a whole base model), nor
+# pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp", ".index.json",
+                    ".pkl")
+_TRAINING_STATE = ("trainer_state.json",)
+
+
+class StagingFolder:
+    """A hidden folder beside OUT_DIR; `publish` renames it into place, `discard` cleans up after either.
+
+    OUT_DIR's missing parents are created (and removed again if nothing is published). The output
+    gets the mode a `mkdir` gives under the user's umask; an existing empty OUT_DIR, which the
+    user made, is replaced in one rename and its mode kept.
+    """
+
+    def __init__(self, out_dir: str, overwrite: bool):
+        self.out_dir = os.path.abspath(out_dir)
+        self.overwrite = overwrite
+        parent = os.path.dirname(self.out_dir)
+        self._check_out_dir(out_dir, overwrite)
+        self.published = False
+        self._old: str | None = None  # where --overwrite moves the previous OUT_DIR (as `previous`)
+        self._made_parents = make_parents(parent)
+        try:
+            self.lock = OutputLock(self.out_dir)  # a second merge into OUT_DIR stops here
+        except BaseException:
+            remove_empty(self._made_parents)
+            raise
+        try:
+            self.cleaned = remove_leftovers(self.out_dir)
+            self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
+            self.path = _make_staging(parent, os.path.basename(self.out_dir))
+            write_marker(self.path, STAGING_MARKER, self.out_dir)
+        except BaseException:
+            self.lock.release()
+            remove_empty(self._made_parents)
+            raise
+
+    def _check_out_dir(self, out_dir: str, overwrite: bool) -> None:
+        if not os.path.lexists(self.out_dir) or _empty_folder(self.out_dir):
+            return
+        if not os.path.isdir(self.out_dir):
+            raise BadInput(f"{out_dir} exists and is not a folder; it will not be replaced")
+        if not overwrite:
+            held = "is a link to a folder" if os.path.islink(self.out_dir) else "is not empty"
+            raise BadInput(f"{out_dir} already exists and {held}; choose another output folder, or pass "
+                           f"{option('overwrite', True)} to replace an earlier merge")
+        if not replaceable(self.out_dir):
+            raise BadInput(f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
+                           f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
+                           "remove it yourself or choose another folder")
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def publish(self) -> None:
+        """Rename the staging folder to OUT_DIR: in one step over an empty OUT_DIR (rename(2) replaces
+        an empty folder), else (--overwrite of an earlier merge) after moving the previous one aside.
+
+        Ctrl-C and SIGTERM arrive as KeyboardInterrupt between any two bytecodes, even right
+        after a rename returned, so on any exception whether OUT_DIR was published is read from
+        the folders themselves; `discard` then removes or puts back the previous OUT_DIR.
+        """
+        _fsync_dir(self.path)
+        parent, name = os.path.split(self.out_dir)
+        try:
+            if _empty_folder(self.out_dir):
+                os.chmod(self.path, stat.S_IMODE(os.stat(self.out_dir).st_mode))  # the user made it so
+            elif os.path.lexists(self.out_dir):
+                self._check_out_dir(self.out_dir, self.overwrite)  # what it holds may have changed meanwhile
+                # Named before it exists, so an interrupt right after mkdir still finds it.
+                self._old = os.path.join(parent, f".{name}.old-{secrets.token_hex(8)}")
+                os.mkdir(self._old, 0o700)
+                write_marker(self._old, OLD_MARKER, self.out_dir)  # a SIGKILLed run is undone by the next one
+                os.rename(self.out_dir, os.path.join(self._old, "previous"))
+            # The marker is not part of the output; a SIGKILL in the microseconds from here to the
+            # rename leaves an unmarked staging folder that no later run removes.
+            os.unlink(self.file(STAGING_MARKER))
+            try:
+                os.rename(self.path, self.out_dir)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                raise BadInput(f"{self.out_dir}: files appeared in the empty output folder during the merge; "
+                               "nothing was published") from None
+            self.published = True
+        except BaseException:
+            self.published = not os.path.lexists(self.path)  # the rename into place had happened
+            raise
+        _fsync_dir(parent)
+
+    def discard(self) -> None:
+        """Remove the staging folder unless published, settle an --overwrite swap (the previous
+        OUT_DIR removed once the new one is in place, put back otherwise), release the lock and
+        remove the parents this merge created if nothing was published."""
+        try:
+            if self._old:
+                self._settle_previous()
+            if not self.published:
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            self.lock.release()
+            if not self.published:
+                remove_empty(self._made_parents)
+
+    def _settle_previous(self) -> None:
+        previous = os.path.join(self._old, "previous")
+        if not self.published and os.path.lexists(previous):
+            if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
+                return
+            os.rename(previous, self.out_dir)
+        shutil.rmtree(previous, ignore_errors=True)  # before the marker, so a SIGKILL here is still cleaned up
+        shutil.rmtree(self._old, ignore_errors=True)
+
+
+def _make_staging(parent: str, name: str) -> str:
+    """A new hidden folder beside OUT_DIR, made by mkdir so it has the mode OUT_DIR would get."""
+    for _ in range(100):
+        path = os.path.join(parent, f".{name}.fsdpfast-{secrets.token_hex(8)}")
+        try:
+            os.mkdir(path, 0o777)  # less the umask, as any mkdir
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise BadInput(f"cannot write in {parent} ({exc.strerror})") from None
+    raise BadInput(f"cannot make a staging folder in {parent}")
+
+
+def make_parents(folder: str) -> list[str]:
+    """Create `folder` and its missing parents (as mkdir -p); the folders created, deepest first."""
+    missing = []
+    while not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise BadInput(f"{folder} is not a folder; the output folder cannot be made inside it")
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise BadInput(f"{path} is not a folder; the output folder cannot be made inside it") from None
+        except OSError as exc:
+            remove_empty(missing)
+            raise BadInput(f"cannot create {path} ({exc.strerror}); choose an output folder where you can write") from None
+    return missing
+
+
+def remove_empty(folders: list[str]) -> None:
+    """Remove the folders a merge created for its output, deepest first, where still empty."""
+    for path in folders:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _empty_folder(path: str) -> bool:
+    """A real folder (not a link to one) holding nothing."""
+    try:
+        return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def replaceable(out_dir: str) -> bool:
+    """May --overwrite replace this existing folder: empty, or an earlier fsdpfast output (its manifest)."""
+    try:
+        entries = os.listdir(out_dir)
+    except OSError as exc:
+        raise BadInput(f"{out_dir}: cannot read the existing output folder ({exc.strerror})") from None
+    return not entries or os.path.isfile(os.path.join(out_dir, MANIFEST_NAME))
+
+
+def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> None:
+    """Refuse an OUT_DIR equal to, above or inside the checkpoint or --config folder.
+
+    Replacing or containing a source would destroy it; inside one, nothing would be overwritten
+    file by file, but a later merge of the checkpoint would find the output among the shards, and
+    --overwrite of a folder inside them would delete part of a source: fsdpfast never writes into
+    what it reads. Symbolic links and dot segments are resolved first.
+    """
+    out = os.path.realpath(out_dir)
+    for role, folder in (("checkpoint", checkpoint), ("--config" if on_command_line() else "config", config)):
+        if folder is None:
+            continue
+        source = os.path.realpath(folder)
+        if _within(source, out):
+            raise BadInput(f"{out_dir}: the output folder would replace or contain the {role} folder {folder}; "
+                           "fsdpfast never writes into its inputs, choose a folder outside it")
+        if _within(out, source):
+            raise BadInput(f"{out_dir}: the output folder is inside the {role} folder {folder}; "
+                           "fsdpfast never writes into its inputs, choose a folder outside it")
+
+
+def _within(path: str, folder: str) -> bool:
+    """`path` is `folder` or below it (both resolved)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str | None) -> list[str]:
+    """Copy config, generation config, tokenizer and custom-code files; weights are never copied.
+
+    With a target dtype, config.json's dtype entry is updated to what was written.
+    """
+    copied = []
+    for entry in sorted(os.listdir(config_dir)):
+        source = os.path.join(config_dir, entry)
+        if (not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".")
+                or entry in (MANIFEST_NAME, *_TRAINING_STATE)):
+            continue
+        if entry == "config.json" and torch_dtype:
+            _write_config_with_dtype(source, staging.file(entry), torch_dtype)
+        else:
+            shutil.copyfile(source, staging.file(entry))
+        copied.append(entry)
+    return copied
+
+
+def _write_config_with_dtype(source: str, target: str, torch_dtype: str) -> None:
+    config = load_config(source)
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    for key in keys:
+        config[key] = torch_dtype
+    write_json(target, config)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,72 @@
+"""Read a planned tensor's bytes a window at a time, and compare two planned tensors.
+
+Planning sometimes has to look at data, not only metadata: two names that config.json ties must
+hold the same bytes before one is dropped, and copies that every rank holds (buffers, HSDP
+replicas, whole-model saves) must agree before one is read. These reads go through the plan's
+own extents, in the source dtype, a window of elements at a time, so memory stays bounded
+whatever the tensor's size. Pure Python over memory-mapped sources: no torch, no native module.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..dtypes import itemsize
+from .sources import SourceFiles
+from ..plan.model import Extent, TensorPlan
+
+WINDOW_BYTES = 16 << 20  # bytes of one tensor held at once
+
+
+def runs_in_window(extent: Extent, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    """(source element, tensor element, count) of each piece of `extent` that falls in [lo, hi)."""
+    if not extent.numel or hi <= lo:
+        return
+    stride = extent.dst_stride if extent.runs > 1 else 0
+    first, last = 0, extent.runs - 1
+    if stride:  # only the runs that can touch the window
+        first = max(0, (lo - extent.count - extent.dst_offset) // stride + 1)
+        last = min(last, -(-(hi - extent.dst_offset) // stride) - 1)
+    src_stride = extent.src_stride if extent.runs > 1 else 0
+    for run in range(first, last + 1):
+        dst = extent.dst_offset + run * stride
+        start, end = max(dst, lo), min(dst + extent.count, hi)
+        if start < end:
+            yield extent.src_offset + run * src_stride + (start - dst), start, end - start
+
+
+def read_window(tensor: TensorPlan, lo: int, hi: int, sources: SourceFiles) -> bytearray:
+    """Elements [lo, hi) of the tensor (row-major), in its source dtype."""
+    size = itemsize(tensor.source_dtype)
+    out = bytearray((hi - lo) * size)
+    for extent in tensor.extents:
+        view = None
+        for src, dst, count in runs_in_window(extent, lo, hi):
+            if view is None:
+                view = sources.view(extent.source)
+            out[(dst - lo) * size: (dst - lo + count) * size] = view[src * size: (src + count) * size]
+        if view is not None:
+            view.release()
+    return out
+
+
+def first_difference(a: TensorPlan, b: TensorPlan, sources: SourceFiles) -> int | None:
+    """The first element at which two tensors of one shape and dtype differ, or None if they are equal."""
+    if a.shape != b.shape or a.source_dtype != b.source_dtype:
+        return 0
+    if a.extents == b.extents:  # one storage under two names
+        return None
+    step = max(1, WINDOW_BYTES // itemsize(a.source_dtype))
+    for lo in range(0, a.numel, step):
+        hi = min(a.numel, lo + step)
+        x, y = read_window(a, lo, hi, sources), read_window(b, lo, hi, sources)
+        if x != y:
+            return lo + _first_differing_byte(x, y) // itemsize(a.source_dtype)
+    return None
+
+
+def _first_differing_byte(x: bytearray, y: bytearray) -> int:
+    block = 4096
+    for start in range(0, len(x), block):
+        if x[start: start + block] != y[start: start + block]:
+            return start + next(i for i in range(block) if x[start + i] != y[start + i])
+    return -1

@@ -1,0 +1,29 @@
+"""--base HF_DIR: the base weights a LoRA-only checkpoint leaves out, read in place from a model folder.
+
+Only the safetensors headers are read here; the bytes are read by the engines like any other
+source (each tensor one extent of its file). config.json and the tokenizer come from HF_DIR
+too unless the checkpoint or --config has them.
+"""
+from __future__ import annotations
+
+import os
+from math import prod
+
+from ..errors import BadInput
+from ..plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
+from ..io.stored import read_folder
+
+
+def add_base(plan: MergePlan, base_dir: str) -> None:
+    if not os.path.isdir(base_dir):
+        raise BadInput(f"--base {base_dir}: no such folder; give the Hugging Face model folder the LoRA was trained on")
+    stored = read_folder(base_dir)
+    for name, tensor in stored.items():
+        source = len(plan.sources)  # the adapters' plans share this list: appending keeps their indices
+        plan.sources.append(SourceBuffer(tensor.path, tensor.byte_offset, tensor.nbytes, tensor.dtype))
+        numel = prod(tensor.shape)
+        extents = [Extent(source, 0, numel, 0)] if numel else []
+        plan.tensors.append(TensorPlan(name, tuple(tensor.shape), tensor.dtype, tensor.dtype, extents))
+    if plan.config_dir is None and os.path.isfile(os.path.join(base_dir, "config.json")):
+        plan.config_dir = base_dir
+    plan.notes.append(f"base weights: {len(stored)} tensors from --base {base_dir}")

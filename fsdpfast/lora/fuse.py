@@ -1,0 +1,215 @@
+"""--merge-lora: the model with its LoRA adapters fused in, as peft's merge_and_unload() computes it.
+
+`fuse` is a plan transform: each adapted weight keeps its place in the output (name, shape,
+dtype) and gets a FusedWeight describing what to compute from which tensors; modules_to_save
+copies simply replace the module's tensors (byte placement, nothing computed). The writer hands
+fused tensors to `compute_into`, one at a time: the unmerged weight, lora_A and lora_B are read
+through the pure-torch engine, fused by the extension's torch op (torch.ops.fsdpfast.lora_merge,
+csrc/lora_merge.cpp: peft's own ATen calls in peft's order), cast to the output dtype like every
+other tensor, and written. Memory holds a few tensors of one weight at a time, never the model.
+
+The op runs on the GPU when the merge's engine is the CUDA one, on the CPU otherwise; either
+way it computes what peft computes for a model on that device.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from .. import _ops
+from ..errors import BadInput
+from .config import scaling
+from .split import AdapterPlan, find_adapter
+from ..plan.model import MergePlan, TensorPlan
+
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "decoder.weight")  # what tie_word_embeddings ties
+
+
+@dataclass
+class LoraStep:
+    lora_A: TensorPlan
+    lora_B: TensorPlan
+    scaling: float
+    fan_in_fan_out: bool
+    embedding: bool
+
+
+@dataclass
+class BiasStep:
+    lora_bias: TensorPlan
+    scaling: float
+
+
+@dataclass
+class FusedWeight:
+    base: TensorPlan  # the unmerged tensor (its extents and dtype)
+    steps: list = field(default_factory=list)  # applied in order, as peft merges adapters one after another
+
+
+def adapter_names(plan: MergePlan, wanted) -> list[str]:
+    """The adapters to fuse, in order: True means the one adapter; a name list (or "a,b") names them."""
+    if wanted is True:
+        if len(plan.adapters) != 1:
+            names = ", ".join(a.name for a in plan.adapters)
+            raise BadInput(f"the checkpoint has {len(plan.adapters)} LoRA adapters ({names}): name those to fuse, "
+                           f"in order, with --merge-lora {names.replace(', ', ',')}")
+        return [plan.adapters[0].name]
+    names = wanted.split(",") if isinstance(wanted, str) else list(wanted)
+    for name in names:
+        find_adapter(plan, name)
+    if len(set(names)) != len(names):
+        raise BadInput(f"--merge-lora names an adapter twice ({','.join(names)})")
+    return names
+
+
+def fuse(plan: MergePlan, names: list[str]) -> None:
+    """Attach each adapter's fused computation to the base tensors it changes (in `names` order)."""
+    by_name = {t.name: t for t in plan.tensors}
+    copied: dict[str, str] = {}
+    count = 0
+    for adapter in (find_adapter(plan, name) for name in names):
+        if adapter.problems:
+            raise BadInput(f"--merge-lora: {adapter.problems[0]}")
+        for module in adapter.modules.values():
+            _check_fusable(adapter, module)
+            weight = _base_tensor(by_name, f"{module.module}.weight", adapter)
+            step = LoraStep(module.lora_A, module.lora_B, scaling(adapter.config, module),
+                            bool(adapter.config.get("fan_in_fan_out")), module.kind == "embedding")
+            _check_shapes(weight, step, adapter.name)
+            _add_step(weight, step)
+            if module.lora_bias is not None:
+                _add_step(_base_tensor(by_name, f"{module.module}.bias", adapter), BiasStep(module.lora_bias, step.scaling))
+            count += 1
+        for name, trained in adapter.copies.items():  # modules_to_save: the adapter's copy is the module
+            target = _base_tensor(by_name, name, adapter)
+            _check_untied(plan, target, adapter.name)
+            if name in copied:
+                raise BadInput(f"--merge-lora: adapters {copied[name]} and {adapter.name} both train their own copy of {name}")
+            if (target.shape, target.source_dtype) != (trained.shape, trained.source_dtype):
+                raise BadInput(f"adapter {adapter.name}: its copy of {name} is {trained.source_dtype}{list(trained.shape)}, "
+                               f"the model's is {target.source_dtype}{list(target.shape)}")
+            target.extents, copied[name] = list(trained.extents), adapter.name
+    _share_with_tied(plan.tensors)
+    plan.notes.append(f"--merge-lora: adapter{'s' if len(names) > 1 else ''} {', '.join(names)} fused into {count} weights "
+                      "(W + scaling * B @ A, computed as peft's merge_and_unload)")
+
+
+def _check_untied(plan: MergePlan, target: TensorPlan, adapter: str) -> None:
+    """A trained copy of a tied module (lm_head tied to embed_tokens) unties it, which the output cannot say."""
+    shared = any(t is not target and t.extents == target.extents for t in plan.tensors) and target.extents
+    config = {}
+    if plan.config_dir and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
+        from ..configs import load_config
+
+        config = load_config(os.path.join(plan.config_dir, "config.json"))
+    if shared or (config.get("tie_word_embeddings") and target.name.endswith(_OUTPUT_EMBEDDINGS)):
+        raise BadInput(f"--merge-lora: adapter {adapter} trains its own copy of {target.name}, which the model ties to "
+                       "another weight; the fused model cannot keep both: merge without --merge-lora and use the adapter")
+
+
+def _check_fusable(adapter: AdapterPlan, module) -> None:
+    if module.magnitude is not None:
+        raise BadInput(f"--merge-lora: adapter {adapter.name} is DoRA ({module.module} has a magnitude vector); fusing DoRA "
+                       "is not supported: merge without --merge-lora and call peft's merge_and_unload() on the adapter folder")
+    if module.kind == "conv":
+        raise BadInput(f"--merge-lora: {module.module} of adapter {adapter.name} is a convolution LoRA; only Linear and "
+                       "Embedding LoRA layers are fused")
+
+
+def _base_tensor(by_name: dict[str, TensorPlan], name: str, adapter: AdapterPlan) -> TensorPlan:
+    if name not in by_name:
+        raise BadInput(f"--merge-lora: adapter {adapter.name} changes {name}, which the base model does not have")
+    return by_name[name]
+
+
+def _check_shapes(weight: TensorPlan, step: LoraStep, adapter: str) -> None:
+    out, rank = step.lora_B.shape
+    _, inputs = step.lora_A.shape
+    want = (inputs, out) if step.embedding or step.fan_in_fan_out else (out, inputs)
+    if weight.shape != want:
+        raise BadInput(f"adapter {adapter}: {weight.name} is {list(weight.shape)} but lora_B @ lora_A gives {list(want)}"
+                       f"{' transposed' if want != (out, inputs) else ''}; wrong base model or fan_in_fan_out")
+
+
+def _add_step(tensor: TensorPlan, step) -> None:
+    if tensor.compute is None:
+        tensor.compute = FusedWeight(replace(tensor, extents=list(tensor.extents), aliases=[], compute=None))
+    tensor.compute.steps.append(step)
+
+
+def _share_with_tied(tensors: list[TensorPlan]) -> None:
+    """peft merges in place: a weight tied to a fused one (one storage, e.g. lm_head and embed_tokens) changes too."""
+    fused = {(t.shape, t.source_dtype, tuple(t.compute.base.extents)): t.compute for t in tensors if t.compute}
+    for tensor in tensors:
+        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
+        if tensor.compute is None and tensor.extents and key in fused:
+            tensor.compute = fused[key]
+
+
+# --- computing a fused tensor ---------------------------------------------------------------------
+
+def device_for(engine_name: str) -> str:
+    return "cuda" if engine_name == "cuda" else "cpu"
+
+
+def compute(tensor: TensorPlan, sources, device: str = "cpu"):
+    """The fused tensor, in its target dtype, on the CPU."""
+    import torch
+
+    if not _ops.torch_ops():
+        raise BadInput(f"--merge-lora needs fsdpfast's torch ops (torch.ops.fsdpfast.lora_merge), which did not load "
+                       f"({_ops.torch_ops_error()}); build the extension")
+    fused: FusedWeight = tensor.compute
+    weight = _read(fused.base, sources).to(device)
+    for step in fused.steps:
+        if isinstance(step, BiasStep):
+            weight = torch.ops.fsdpfast.lora_merge_bias(weight, _read(step.lora_bias, sources).to(device), step.scaling)
+        else:
+            weight = torch.ops.fsdpfast.lora_merge(weight, _read(step.lora_A, sources).to(device),
+                                                   _read(step.lora_B, sources).to(device), step.scaling,
+                                                   step.fan_in_fan_out, step.embedding)
+    return weight.cpu().to(getattr(torch, tensor.target_dtype)).contiguous()  # .to(): the cast every engine makes
+
+
+def compute_into(tensor: TensorPlan, destination: memoryview, sources, device: str = "cpu") -> None:
+    import torch
+
+    result = compute(tensor, sources, device)
+    torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
+
+
+def write_computed(fd: int, placed: list, sources, engine_name: str, progress=None) -> dict[str, int | None]:
+    """Compute and write each placed fused tensor at its offset; their CRC-32C by name."""
+    checksums = {}
+    for p in placed:
+        data = bytearray(p.nbytes)
+        compute_into(p.tensor, memoryview(data), sources, device_for(engine_name))
+        view, offset = memoryview(data), p.offset
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+        checksums[p.tensor.name] = _ops.crc32c(data)
+        for source in _sources_of(p.tensor.compute):
+            sources.release(source)
+        if progress is not None:
+            progress(p.nbytes)
+    return checksums
+
+
+def _read(tensor: TensorPlan, sources):
+    """One checkpoint tensor as it is stored (its own dtype), gathered by the pure-torch engine."""
+    import torch
+
+    from ..execute.torch_ref import TorchEngine
+
+    dtype = getattr(torch, tensor.source_dtype)
+    if not tensor.numel:
+        return torch.empty(tensor.shape, dtype=dtype)
+    buffer = bytearray(tensor.numel * torch.empty(0, dtype=dtype).element_size())
+    TorchEngine().execute([(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer))], sources)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(tensor.shape)
+
+
+def _sources_of(fused: FusedWeight) -> set[int]:
+    tensors = [fused.base] + [t for s in fused.steps for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))]
+    return {e.source for t in tensors for e in t.extents}

@@ -1,0 +1,116 @@
+"""Turn a reader's plan into what gets written: clean names, tied weights once, target dtypes."""
+from __future__ import annotations
+
+import os
+
+from ..configs import load_config
+from ..dtypes import TARGET_ALIASES, target_dtype
+from ..io.sources import SourceFiles
+from ..errors import BadInput, ModelMismatch, option
+from .model_check import ExpectedModel, match_names
+from .model import MergePlan, TensorPlan
+from ..io.tensor_bytes import first_difference
+
+# Components that wrappers (FSDP1, torch.compile, activation checkpointing) add to names.
+_WRAPPER_COMPONENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
+# Output and input embedding names that `tie_word_embeddings` ties.
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "predictions.decoder.weight", "embed_out.weight")
+_INPUT_EMBEDDINGS = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight", "embed_in.weight", "shared.weight")
+
+
+def clean_name(name: str) -> str:
+    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
+    while len(parts) > 1 and parts[0] == "module":  # DistributedDataParallel's prefix
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def parse_dtype(wanted: str | None) -> str | None:
+    key = "keep" if wanted is None else str(wanted)
+    if key not in TARGET_ALIASES:
+        raise BadInput(f"{option('dtype', wanted)} is not one of {', '.join(TARGET_ALIASES)}")
+    return TARGET_ALIASES[key]
+
+
+def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None, expected: ExpectedModel | None = None) -> MergePlan:
+    """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
+
+    `expected`: the model config.json describes (model_check), which says which names are tied;
+    without it, config.json's `tie_word_embeddings` does for the embeddings.
+    """
+    wanted = parse_dtype(dtype)
+    tensors = _rename(plan.tensors)
+    pairs = _tied_pairs(tensors, expected, _read_config(config_dir))
+    tensors = _drop_tied(tensors, pairs, plan)
+    for tensor in tensors:
+        tensor.target_dtype = target_dtype(tensor.source_dtype, wanted)
+    plan.tensors = tensors
+    return plan
+
+
+def _rename(tensors: list[TensorPlan]) -> list[TensorPlan]:
+    seen: dict[str, str] = {}
+    for tensor in tensors:
+        clean = clean_name(tensor.name)
+        if clean in seen:
+            raise BadInput(f"{seen[clean]} and {tensor.name} both become {clean} once wrapper prefixes are removed")
+        seen[clean] = tensor.name
+        tensor.name = clean
+    return tensors
+
+
+def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
+    """(kept, dropped) names that transformers ties when it loads the folder."""
+    names = [t.name for t in tensors]
+    if expected is not None and not expected.base_only:
+        ours = {model_name: name for name, model_name in match_names(names, expected).items()}
+        return [(ours[kept], ours[dropped]) for dropped, kept in expected.tied.items() if kept in ours and dropped in ours]
+    if config.get("tie_word_embeddings") is not True:
+        return []
+    by_name = {t.name: t for t in tensors}
+    inputs = [t for t in tensors if t.name.endswith(_INPUT_EMBEDDINGS)]
+    outputs = [t for t in tensors if t.name.endswith(_OUTPUT_EMBEDDINGS)]
+    pairs = []
+    if len(inputs) == 1 and len(outputs) == 1:
+        pairs.append((inputs[0].name, outputs[0].name))
+    for tensor in outputs:  # a masked-LM decoder's bias is tied to the prediction head's bias
+        head = tensor.name[: -len("decoder.weight")]
+        if tensor.name.endswith("decoder.weight") and head + "decoder.bias" in by_name and head + "bias" in by_name:
+            pairs.append((head + "bias", head + "decoder.bias"))
+    return pairs
+
+
+def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan) -> list[TensorPlan]:
+    """Write each tied name once, after checking that the checkpoint holds the same bytes under both;
+    one storage under two names that transformers will not re-tie is written under both."""
+    by_name = {t.name: t for t in tensors}
+    dropped = set()
+    with SourceFiles(plan.sources) as sources:
+        for kept, other in pairs:
+            a, b = by_name[kept], by_name[other]
+            if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
+                raise ModelMismatch(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
+                               f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})")
+            where = first_difference(a, b, sources)
+            if where is not None:
+                raise ModelMismatch(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
+                               f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
+                               f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})")
+            a.aliases.append(other)
+            dropped.add(other)
+    tied_names = {name for pair in pairs for name in pair}
+    shared: dict[tuple, str] = {}
+    for tensor in tensors:
+        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
+        if tensor.extents and key in shared and tensor.name not in tied_names:
+            plan.notes.append(f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
+                              "config does not tie them: both are written")
+        shared.setdefault(key, tensor.name)
+    return [t for t in tensors if t.name not in dropped]
+
+
+def _read_config(config_dir: str | None) -> dict:
+    if not config_dir:
+        return {}
+    path = os.path.join(config_dir, "config.json")
+    return load_config(path) if os.path.isfile(path) else {}

@@ -1,0 +1,88 @@
+"""Checkpoint layouts: each reader turns a folder into a MergePlan, reading metadata only."""
+from __future__ import annotations
+
+import os
+
+from ..errors import BadInput, option
+from ..plan.model import MergePlan
+from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
+
+READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat,
+                                              accelerate_ranks)}
+
+# Options a user may give beyond the folder, and the one layout each belongs to; a reader's
+# read(folder, **options) takes its own.
+LAYOUT_OPTIONS = {
+    "prefix": dcp.NAME,  # the model part of a nested state dict
+    "tag": deepspeed_zero.NAME,  # which checkpoint tag
+    "exclude_frozen": deepspeed_zero.NAME,  # leave frozen parameters out (zero_to_fp32 --exclude_frozen_parameters)
+    "wrap": fsdp1_flat.NAME,  # the module classes FSDP1 wrapped
+    "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
+    "order_from": fsdp1_flat.NAME,  # not for users: the merge records it, verify --against passes it back
+}
+# Readers that read config.json themselves (`config`: --config): to rebuild the model, or to place plain pieces.
+CONFIG_READERS = (fsdp1_flat.NAME, dcp_hf.NAME, fsdp_ranks.NAME, guide_ranks.NAME)
+
+
+def detect(folder: str) -> str:
+    """The name of the one layout `folder` holds; an error if none or several match."""
+    if not os.path.exists(folder):
+        raise BadInput(f"{folder}: no such folder")
+    if not os.path.isdir(folder):
+        raise BadInput(f"{folder}: not a folder; give the folder that holds the rank files")
+    if not os.listdir(folder):
+        raise BadInput(f"{folder}: the folder is empty")
+    found = _layouts_in(folder)
+    if not found:
+        below = framework_folders.checkpoints_below(folder, _holds_layout)
+        if below:
+            shown = ", ".join(f"{entry}/" for entry in below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+            what = f"sub-folder {shown} holds a checkpoint" if len(below) == 1 else f"sub-folders {shown} hold checkpoints"
+            raise BadInput(f"{folder}: no checkpoint files here, but its {what}: merge "
+                           f"{'it' if len(below) == 1 else 'one'} (fsdpfast merge {os.path.join(folder, below[-1])} --out OUT)")
+        known = "; ".join(reader.DESCRIPTION for reader in READERS.values())
+        raise BadInput(f"{folder}: no known checkpoint layout found (looked for {known})")
+    if len(found) > 1:
+        raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with {option('layout')}")
+    return found[0]
+
+
+def _layouts_in(folder: str) -> list[str]:
+    return [name for name, reader in READERS.items() if reader.matches(folder)]
+
+
+def _holds_layout(folder: str) -> bool:
+    return bool(_layouts_in(folder))
+
+
+def read_plan(folder: str, layout: str | None = None, config: str | None = None, **options) -> MergePlan:
+    """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
+    one given for another layout is an error. `config` is passed to readers that rebuild the model."""
+    given = {name: value for name, value in options.items() if value is not None}
+    for name in given:
+        if name not in LAYOUT_OPTIONS:
+            raise BadInput(f"unknown layout option {name!r}; known: {', '.join(LAYOUT_OPTIONS)}")
+    if layout is not None and layout not in READERS:
+        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(READERS)}")
+    model = framework_folders.locate(folder, _holds_layout)  # the folder itself, or where a framework put the model
+    source = model.path
+    if layout is None:
+        layout = detect(source)
+    elif not READERS[layout].matches(source):
+        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
+    for name in given:
+        if LAYOUT_OPTIONS[name] != layout:
+            raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
+    found_config, config_note = (None, None) if config else framework_folders.config_dir(model)
+    if layout in CONFIG_READERS:
+        given["config"] = config or found_config
+    plan = READERS[layout].read(source, **given)
+    if found_config and (plan.config_dir is None or layout in CONFIG_READERS):
+        plan.config_dir = found_config
+    if config_note and plan.config_dir == found_config:
+        plan.notes.append(config_note)
+    plan.notes[:0] = model.notes
+    plan.model_folder = model.relative_to(folder)
+    plan.options = {**given, **plan.options}
+    plan.options.pop("config", None)
+    return plan

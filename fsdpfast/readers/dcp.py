@@ -1,0 +1,280 @@
+"""PyTorch Distributed Checkpoint folders: `.metadata` plus `__{rank}_{i}.distcp` files.
+
+`.metadata` (read with the restricted unpickler, metadata classes only) lists every tensor's
+global shape, dtype and chunks (offsets and sizes in the global tensor), and which .distcp
+file holds each chunk. A .distcp file comes in one of two serialisations:
+- torch.save (the default): the chunk's byte range is a complete torch.save archive, whose
+  storage record is located in place;
+- safetensors (FileSystemWriter(serialization_format=SAFETENSORS)): a safetensors file whose
+  header names each chunk by its flattened name.
+Either way the engine maps the chunk's bytes straight from the .distcp file.
+
+A nested state dict ({"model": ..., "optim": ...}) is flattened by DCP with "." and recorded
+in planner_data; the model part is picked automatically, or by `prefix`.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import reprlib
+from dataclasses import dataclass
+from math import prod
+
+from ..dtypes import DTYPES, itemsize
+from ..errors import BadInput, UnsafeCheckpoint, option
+from ..plan.model import MergePlan, SourceBuffer, TensorPlan
+from .._parsing.boxes import box_extents
+from .discover import check_not_broken_link
+from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
+from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
+from .._parsing.torch_zip import TorchZip
+
+NAME = "dcp"
+DESCRIPTION = ".metadata + __{r}_{i}.distcp: torch.distributed.checkpoint folders"
+_METADATA_CLASSES = frozenset({
+    *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
+})
+_MODEL_PREFIXES = ("model", "module", "state_dict")
+_RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def matches(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A tensor's entry in .metadata, its structure checked: global shape, dtype, and each chunk's box."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes) in the global tensor
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    tensors: dict[str, _Entry]  # by flat name
+    entries: list[str]  # flat names of every entry, tensors or not (bytes, objects), in order
+    storage: dict[tuple[str, tuple[int, ...]], Record]  # (flat name, chunk offsets) -> its file range (_StorageInfo)
+    paths: dict[str, tuple]  # flat name of a tensor -> its path in the nested state dict (planner_data)
+    referenced: frozenset[str]  # the files the storage entries name (relative paths)
+    tops: dict[str, str]  # flat name of every entry -> its top-level key in the state dict
+
+
+def read(folder: str, prefix: str | None = None) -> MergePlan:
+    metadata = _parse(_read_metadata(os.path.join(folder, ".metadata")), folder)
+    names = _model_names(metadata.paths, prefix, folder)
+    sources: list[SourceBuffer] = []
+    headers: dict[str, SafetensorsHeader | None] = {}
+    tensors = []
+    for flat_name, name in names.items():
+        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
+    skipped = [k for k in metadata.entries if k not in names]
+    plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
+    nested = any(len(path) > 1 for path in metadata.paths.values())
+    if prefix is None and nested and all(len(metadata.paths[k]) == 1 for k in names):
+        parts = list(dict.fromkeys(metadata.tops[k] for k in skipped))
+        plan.notes.append(f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
+                          f"it); not merged: {', '.join(parts)} (--prefix picks a nested part instead)")
+    if skipped:
+        plan.notes.append(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
+    stale = sorted(f for f in os.listdir(folder) if f.endswith(".distcp") and f not in metadata.referenced)
+    if stale:  # a leftover of an earlier save into the folder: not part of this checkpoint
+        plan.notes.append(f"not read: {len(stale)} .distcp files that .metadata does not reference "
+                          f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones")
+    hf = os.path.join(folder, "huggingface")
+    plan.config_dir = hf if os.path.isdir(hf) else None
+    return plan
+
+
+def _ranks(files: frozenset[str]) -> set[int]:
+    """The ranks that wrote these files (`__{rank}_{i}.distcp`), or one per file if named otherwise."""
+    found = {_RANK_FILE.fullmatch(os.path.basename(f)) for f in files}
+    return {int(m.group(1)) for m in found if m} if all(found) else set(files)
+
+
+def _read_metadata(path: str) -> Record:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise BadInput(f"{path}: unreadable ({exc.strerror})") from None
+    metadata = safe_unpickle(data, path, _METADATA_CLASSES)
+    if not isinstance(metadata, Record) or not metadata.qualname.endswith(".Metadata"):
+        raise BadInput(f"{path}: not a torch.distributed.checkpoint Metadata object")
+    return metadata
+
+
+def _parse(metadata: Record, folder: str) -> _Metadata:
+    """The structure of .metadata as plain, checked values; any other structure is refused in one line."""
+    try:
+        return _parse_structure(metadata, f"{folder}/.metadata")
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+        # .metadata is a pickle: any object can sit where torch writes a list of ints or a record.
+        # The parser checks what torch always writes; this catches what slips past it, and only here.
+        raise BadInput(f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
+                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
+
+
+def _parse_structure(metadata: Record, where: str) -> _Metadata:
+    entries = _mapping(metadata.get("state_dict_metadata"), "state_dict_metadata", where)
+    planner_data = _mapping(metadata.get("planner_data"), "planner_data", where)
+    tensors = {}
+    for flat_name, entry in entries.items():
+        if not isinstance(flat_name, str):
+            raise BadInput(f"{where}: an entry is named {reprlib.repr(flat_name)}, not a string; the file is damaged")
+        if isinstance(entry, Record) and entry.qualname.endswith("TensorStorageMetadata"):
+            tensors[flat_name] = _tensor_entry(flat_name, entry, where)
+    paths = {}
+    for flat_name in tensors:
+        path = planner_data.get(flat_name, (flat_name,))
+        if not isinstance(path, (tuple, list)) or not all(isinstance(part, (str, int)) for part in path):
+            raise BadInput(f"{where}: the planner_data path of {flat_name} is {reprlib.repr(path)}, not a list of keys; the file is damaged")
+        paths[flat_name] = tuple(path)
+    storage = _storage_index(metadata, where)
+    referenced = frozenset(str(info.args[0] if info.args else info.get("relative_path")) for info in storage.values())
+    tops = {}
+    for flat_name in entries:
+        path = planner_data.get(flat_name)
+        tops[flat_name] = str(path[0]) if isinstance(path, (tuple, list)) and path else str(flat_name)
+    return _Metadata(tensors, list(entries), storage, paths, referenced, tops)
+
+
+def _mapping(value, field: str, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where}: {field} is a {type(value).__name__}, not a mapping; the file is damaged")
+    return value
+
+
+def _tensor_entry(flat_name: str, entry: Record, where: str) -> _Entry:
+    size = entry.get("size")
+    shape = as_dims(size if size is not None else ())
+    if shape is None:
+        raise BadInput(f"{where}: {flat_name} has shape {reprlib.repr(size)}, not a list of whole numbers")
+    chunks = entry.get("chunks") or ()
+    if not isinstance(chunks, (list, tuple)):
+        raise BadInput(f"{where}: the chunks of {flat_name} are a {type(chunks).__name__}, not a list; the file is damaged")
+    boxes = []
+    for chunk in chunks:
+        raw = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, Record) else (None, None)
+        offsets, sizes = as_dims(raw[0]), as_dims(raw[1])
+        if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape):
+            raise BadInput(f"{where}: a chunk of {flat_name} has offsets {reprlib.repr(raw[0])} and sizes "
+                           f"{reprlib.repr(raw[1])}, which do not fit its shape {list(shape)}")
+        boxes.append((offsets, sizes))
+    return _Entry(shape, _dtype(entry.get("properties")), boxes)
+
+
+def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, ...]], Record]:
+    """(flat name, chunk offsets) -> where that chunk's bytes are (_StorageInfo)."""
+    index = {}
+    for key, info in _mapping(metadata.get("storage_data"), "storage_data", where).items():
+        if not isinstance(key, Record):
+            raise BadInput(f"{where}: a storage key is {reprlib.repr(key)}, not a MetadataIndex; the file is damaged")
+        fqn, offset = key.args[:2] if len(key.args) >= 2 else (key.get("fqn"), key.get("offset"))
+        offsets = as_dims(offset if offset is not None else ())
+        if not isinstance(fqn, str) or offsets is None:
+            raise BadInput(f"{where}: a storage key names {reprlib.repr(fqn)} at {reprlib.repr(offset)}; the file is damaged")
+        if not isinstance(info, Record):
+            raise BadInput(f"{where}: storage entry of {fqn} is not a file range")
+        index[(fqn, offsets)] = info
+    return index
+
+
+def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> dict[str, str]:
+    """Flat DCP names of the model's tensors -> their names in the model's state dict."""
+    tops = {path[0] for path in paths.values() if len(path) > 1}
+    if prefix is None and not tops:
+        return {k: k for k in paths}  # a flat model state dict
+    if prefix is None:
+        candidates = [p for p in _MODEL_PREFIXES if p in tops]
+        top_level = {k: str(path[0]) for k, path in paths.items() if len(path) == 1}
+        if not candidates and top_level:
+            # torchtitan's resumable checkpoints: the model's tensors at the top level, beside
+            # `optimizer`, `lr_scheduler`, `dataloader` and `train_state`
+            return top_level
+        if len(candidates) != 1:
+            raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with {option('prefix')}")
+        prefix = candidates[0]
+    chosen = {k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix}
+    if not chosen:
+        raise BadInput(f"{folder}: no tensors under {option('prefix', prefix)} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})")
+    return chosen
+
+
+def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
+    shape, dtype = entry.shape, entry.dtype
+    if dtype not in DTYPES:
+        raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
+    extents = []
+    for offsets, sizes in entry.chunks:
+        info = storage.get((flat_name, offsets))
+        if info is None:
+            raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
+        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources, headers)
+        extents += box_extents(source, element_offset, shape, offsets, sizes)
+    if sum(e.numel for e in extents) != prod(shape):
+        raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
+    return TensorPlan(name, shape, dtype, dtype, extents)
+
+
+def _dtype(properties) -> str:
+    """TensorProperties pickles its fields as a tuple (dtype first) in current torch, as a dict before."""
+    if not isinstance(properties, Record):
+        return "None"
+    if properties.get("dtype") is not None:
+        return str(properties.get("dtype"))
+    value = properties.state_value
+    return str(value[0]) if isinstance(value, tuple) and value else "None"
+
+
+def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers) -> tuple[int, int]:
+    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+    relative, offset, length = (info.args[:3] if len(info.args) >= 3
+                                else (info.get("relative_path"), info.get("offset"), info.get("length")))
+    if info.get("transform_descriptors"):
+        raise BadInput(f"{folder}: {flat_name} was saved with transforms {reprlib.repr(info.get('transform_descriptors'))}; "
+                       "not supported yet")
+    if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
+        # (reprlib: a pickle can nest a value deeper than repr can walk)
+        raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}")
+    if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
+        # else a crafted .metadata could copy any readable file (a key, a password file) into the output
+        raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
+    path = os.path.join(folder, str(relative))
+    check_not_broken_link(path)
+    if not os.path.isfile(path):
+        raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
+    if path not in headers:
+        headers[path] = read_header(path) if looks_like_safetensors(path) else None
+    if headers[path] is not None:
+        return _safetensors_chunk(headers[path], flat_name, dtype, sizes, sources), 0
+    with TorchZip(path, int(offset), int(length)) as archive:
+        tensor = safe_unpickle(archive.pickle_bytes, archive.where)
+        if not isinstance(tensor, TensorRef):
+            raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
+            raise BadInput(f"{archive.where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
+                           f".metadata says {dtype}{list(sizes)}")
+        byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+    if (tensor.offset + prod(sizes)) * itemsize(dtype) > byte_length:
+        raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
+    sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))
+    return len(sources) - 1, tensor.offset
+
+
+def _safetensors_chunk(header: SafetensorsHeader, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]) -> int:
+    if flat_name not in header.entries:
+        raise BadInput(f"{header.path}: holds no tensor {flat_name}, which .metadata places there")
+    stored = stored_tensor(header, flat_name)
+    if stored.dtype != dtype or stored.shape != tuple(sizes):
+        raise BadInput(f"{header.path}: {flat_name} is {stored.dtype}{list(stored.shape)}, .metadata says {dtype}{list(sizes)}")
+    sources.append(SourceBuffer(header.path, stored.byte_offset, stored.nbytes, dtype))
+    return len(sources) - 1

@@ -1,0 +1,196 @@
+"""Plan a merge from one torch.save file per rank, each holding that rank's state dict.
+
+Shared by the per-rank layouts: a reader finds the files and says where the model's state
+dict sits in each file's object; this module checks the ranks agree and turns every
+tensor's pieces into extents. DTensors say where their piece goes (HSDP replicas of a piece
+are compared with the one read); plain tensors next to DTensors are whole on every rank
+(buffers; the copies are compared); in files with no DTensor at all, plain_pieces decides
+per tensor between whole copies and torch.chunk pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Callable
+
+from ..errors import BadInput, option
+from ..plan.model import Extent, MergePlan, TensorPlan
+from .._parsing.boxes import box_extents
+from .local_pieces import local_source as _local_source
+from .local_pieces import replica_copies, whole_copies
+from .placements import choose_reading, read_layout
+from .plain_pieces import plan_plain_tensors
+from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .storage_sources import StorageSources
+from .._parsing.torch_zip import TorchZip
+
+
+@dataclass
+class RankState:
+    rank: int
+    path: str
+    archive: TorchZip
+    tensors: dict[str, TensorRef | DTensorRef]
+    skipped: list[str]  # non-tensor entries of the state dict
+    whole: Any  # the whole unpickled object, for readers that report what else it holds
+
+
+def whole_state_dict(whole, path: str) -> dict:
+    """The model part of a file that holds a state dict and nothing else (verl's and accelerate's rank files)."""
+    if not isinstance(whole, dict):
+        raise BadInput(f"{path}: holds a {type(whole).__name__}, not a state dict of tensors")
+    return whole
+
+
+def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
+                     sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None) -> list[RankState]:
+    """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself.
+
+    `unpickled`: {path: object} of files the reader already unpickled (detection reads rank 0 once).
+    """
+    states = []
+    for rank, path in rank_paths:
+        archive = TorchZip(path)
+        whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
+        state_dict = model_part(whole, path)
+        tensors, skipped = {}, []
+        for name, value in state_dict.items():
+            if isinstance(value, (TensorRef, DTensorRef)):
+                tensors[str(name)] = value
+            elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
+                archive.close()
+                hint = (f"FSDP1 flat parameters: read them with {option('layout', 'fsdp1-flat')}" if str(name).endswith("_flat_param")
+                        else "FSDP1 SHARDED_STATE_DICT rank files are not supported yet")
+                raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
+            else:
+                skipped.append(str(name))
+        states.append(RankState(rank, path, archive, tensors, skipped, whole))
+    return states
+
+
+def plan_from_ranks(states: list[RankState], layout: str, config_dir: str | None = None) -> MergePlan:
+    """The plan for these ranks; their archives are closed once it is made (the plan holds paths).
+    `config_dir`: the folder of the model's config.json, which places plain pieces (plain_pieces)."""
+    try:
+        return _plan(states, layout, config_dir)
+    finally:
+        for state in states:
+            state.archive.close()
+
+
+def _plan(states: list[RankState], layout: str, config_dir: str | None) -> MergePlan:
+    world = len(states)
+    _check_same_names(states)
+    any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())
+    sources = StorageSources()
+    tensors, copies, notes = [], [], []
+    for name in states[0].tensors:
+        pieces = [(s, s.tensors[name]) for s in states]
+        kinds = {type(v) for _, v in pieces}
+        if len(kinds) > 1:
+            raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
+        if kinds == {DTensorRef}:
+            tensors.append(_plan_dtensor(name, pieces, world, sources))
+            copies += replica_copies(name, pieces, sources)
+        elif world == 1 or any_dtensor:
+            tensors.append(plan_replicated(name, pieces, sources))
+            copies += whole_copies(name, pieces, sources)
+    if world > 1 and not any_dtensor:
+        tensors, copies, notes = plan_plain_tensors(list(states[0].tensors), states, config_dir, sources)
+    skipped = sorted({k for s in states for k in s.skipped})
+    if skipped:
+        notes.append(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+    return MergePlan(layout, world, sources.buffers, tensors, notes, copies=copies)
+
+
+def _check_same_names(states: list[RankState]) -> None:
+    first = states[0]
+    names = set(first.tensors)
+    for state in states[1:]:
+        other = set(state.tensors)
+        if other != names:
+            missing = sorted(names - other)
+            extra = sorted(other - names)
+            what = f"lacks {missing[0]}" if missing else f"has {extra[0]} which {first.path} lacks"
+            raise BadInput(f"{state.path}: its state dict differs from rank {first.rank}'s: it {what}")
+
+
+def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> TensorPlan:
+    first_state, first = pieces[0]
+    where0 = f"{first_state.path}: {name}"
+    reference = read_layout(first.spec, where0)
+    copies = _copies_per_coordinate(reference, world, where0)
+    layouts, wheres = [], []
+    holders: dict[tuple[int, ...], list[str]] = {}
+    for state, value in pieces:
+        where = f"{state.path}: {name}"
+        layout = read_layout(value.spec, where)
+        for field, mine, theirs in (
+            ("global shape", layout.global_shape, reference.global_shape),
+            ("dtype", value.local.dtype, first.local.dtype),
+            ("placements", layout.describe(), reference.describe()),
+            ("mesh shape", layout.mesh_shape, reference.mesh_shape),
+        ):
+            if mine != theirs:
+                raise BadInput(f"{where}: {field} {mine} disagrees with {theirs} in {first_state.path}")
+        if layout.mesh_rank is not None and layout.mesh_rank != state.rank:
+            raise BadInput(f"{where}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
+                           "are two files copies of one rank?")
+        same = holders.setdefault(layout.coordinate, [])
+        same.append(state.path)
+        if len(same) > copies:
+            raise BadInput(f"{where}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?")
+        layouts.append(layout)
+        wheres.append(where)
+    reading = choose_reading(layouts, [tuple(value.local.shape) for _, value in pieces], wheres)
+    extents: list[Extent] = []
+    for (state, value), layout in zip(pieces, layouts):
+        # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
+        # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
+        if holders[layout.coordinate][0] != state.path or not layout.is_primary_replica():
+            continue
+        source, offset = _local_source(state, name, value.local, sources)
+        shape = tuple(value.local.shape)
+        for box in layout.local_boxes(reading):
+            extents += box_extents(source, offset, layout.global_shape, box.offsets, box.sizes, shape, box.local_offsets)
+    _check_coverage(name, reference.global_shape, extents, first_state.path)
+    return TensorPlan(name, reference.global_shape, first.local.dtype, first.local.dtype, extents)
+
+
+def _copies_per_coordinate(layout, world: int, where: str) -> int:
+    """How many rank files hold each mesh coordinate: 1 on a mesh of all ranks; world / mesh size
+    on a sub-mesh (mesh["dp"] of a dp x tp mesh), whose pieces repeat across the other dims."""
+    ranks = prod(layout.mesh_shape)
+    if layout.mesh_world is not None and layout.mesh_world != world:
+        raise BadInput(f"{where}: its DeviceMesh belongs to a mesh of {layout.mesh_world} ranks but the folder holds "
+                       f"{world} rank files; all rank files of one checkpoint are needed")
+    if ranks == world:
+        return 1
+    if ranks > world or world % ranks:
+        raise BadInput(
+            f"{where}: its DeviceMesh has {ranks} ranks but the folder holds {world} rank files; "
+            "all rank files of one checkpoint are needed"
+        )
+    return world // ranks
+
+
+def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
+    """A plain tensor every rank holds whole: the ranks must agree on its shape and dtype (and bytes:
+    whole_copies); rank 0's copy is read."""
+    first_state, first = pieces[0]
+    for state, value in pieces[1:]:
+        if value.shape != first.shape or value.dtype != first.dtype:
+            raise BadInput(
+                f"{state.path}: plain tensor {name} is {value.dtype}{list(value.shape)} but {first.dtype}{list(first.shape)} "
+                f"in {first_state.path}; a tensor held whole by every rank must agree"
+            )
+    source, offset = _local_source(first_state, name, first, sources)
+    numel = prod(first.shape)
+    extents = [Extent(source, offset, numel, 0)] if numel else []
+    return TensorPlan(name, tuple(first.shape), first.dtype, first.dtype, extents)
+
+
+def _check_coverage(name: str, shape, extents: list[Extent], where: str) -> None:
+    # Distinct coordinates of a full mesh tile the tensor exactly; this catches anything else.
+    if sum(e.numel for e in extents) != prod(shape):
+        raise BadInput(f"{where}: the pieces of {name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")

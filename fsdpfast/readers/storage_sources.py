@@ -1,0 +1,31 @@
+"""The plan's source buffers for tensors read from torch.save archives: one per (file, storage record)."""
+from __future__ import annotations
+
+from ..plan.model import SourceBuffer
+from .._parsing.safe_load import TensorRef
+from .._parsing.torch_zip import TorchZip
+
+
+class StorageSources:
+    """Source buffers by (file, storage record); archives not given are opened here, once each, until close()."""
+
+    def __init__(self):
+        self.buffers: list[SourceBuffer] = []
+        self._index: dict[tuple[str, str], int] = {}
+        self._opened: dict[str, TorchZip] = {}
+
+    def index(self, path: str, tensor: TensorRef, archive: TorchZip | None = None) -> int:
+        """The index of the buffer holding `tensor`'s storage in `path` (an archive already open may be given)."""
+        key = (path, tensor.storage.key)
+        if key not in self._index:
+            if archive is None:
+                if path not in self._opened:
+                    self._opened[path] = TorchZip(path)
+                archive = self._opened[path]
+            self._index[key] = len(self.buffers)
+            self.buffers.append(archive.storage_buffer(tensor.storage))
+        return self._index[key]
+
+    def close(self) -> None:
+        for archive in self._opened.values():
+            archive.close()

@@ -1,0 +1,2 @@
+"""Real sharded checkpoints written by real torch.distributed / DeepSpeed / framework code, for the
+demo and the tests. Not used by a merge."""
