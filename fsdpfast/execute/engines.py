@@ -35,7 +35,8 @@ def available_engines() -> list[str]:
     return names
 
 
-def select_engine(name: str = "auto"):
+def select_engine(name: str = "auto", threads_share: int = 1):
+    """The engine `name` names; `threads_share`: how many merge processes share this machine's cores."""
     from .. import _ops
 
     check_engine_name(name)
@@ -53,7 +54,7 @@ def select_engine(name: str = "auto"):
             raise BadInput(f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}")
         from .native import NativeCpuEngine
 
-        return NativeCpuEngine()
+        return NativeCpuEngine(threads=max(1, _ops.cpu_threads() // threads_share))
     from .torch_ref import TorchEngine
 
     return TorchEngine()
