@@ -10,6 +10,7 @@ lists the adapter folders.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import sys
 
 from ..errors import BadInput
@@ -34,8 +35,7 @@ def check_writable(plan: MergePlan) -> None:
 def adapter_file(adapter: AdapterPlan) -> OutputFile:
     """peft reads one file per adapter, never an index: no size limit."""
     (planned,) = plan_files(adapter.plan, sys.maxsize)
-    planned.name = ADAPTER_FILE
-    return planned
+    return replace(planned, name=ADAPTER_FILE)
 
 
 def write_adapters(plan: MergePlan, staging: StagingFolder, engine, sources, progress, checkpoint: str,
