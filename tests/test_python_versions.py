@@ -55,12 +55,15 @@ print(json.dumps({"version": list(sys.version_info[:2]), "plans": {k: plan_of(v)
 
 
 def interpreter(version: str) -> str | None:
-    found = shutil.which(f"python{version}")
-    if found:
-        return found
+    """The first `python<version>` that runs: pyenv's installed versions, then PATH (whose pyenv shims may not)."""
     pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates = sorted(glob.glob(os.path.join(pyenv, "versions", f"{version}.*", "bin", "python")))
-    return candidates[-1] if candidates else None
+    candidates = sorted(glob.glob(os.path.join(pyenv, "versions", f"{version}.*", "bin", "python")), reverse=True)
+    candidates += [found for found in [shutil.which(f"python{version}")] if found]
+    for python in candidates:
+        probe = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+        if probe.returncode == 0 and probe.stdout.strip() == str(tuple(int(p) for p in version.split("."))):
+            return python
+    return None
 
 
 def run_under(python: str, job: dict) -> dict:
@@ -107,5 +110,6 @@ def test_each_python_plans_and_refuses_as_this_one(version, job, here):
     assert there["version"] == [int(part) for part in version.split(".")]
     assert there["plans"] == here["plans"]
     assert there["payloads"] == here["payloads"]
-    assert not any(outcome == "read" for name, outcome in here["payloads"].items() if not name.startswith("hand/"))
+    assert all(plan["tensors"] for plan in here["plans"].values())
+    assert all(outcome.startswith(("UnsafeCheckpoint", "BadInput")) for outcome in here["payloads"].values()), here["payloads"]
     assert not Path(job["marker"]).exists()
