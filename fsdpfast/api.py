@@ -95,25 +95,25 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
         raise BadInput(f"{config}: --config folder has no config.json")
     plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
-    check_copies(plan, full=full_copy_check)
+    plan = check_copies(plan, full=full_copy_check)
     if config is not None:
-        plan.config_dir = os.fspath(config)
+        plan = plan.but(config_dir=os.fspath(config))
     plan = lora_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
-        prepare(adapter.plan, dtype, None)
+        adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
     expected, why_not = load_expected_model(plan.config_dir) if not lora_only else (None, "a LoRA-only checkpoint")
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
-        plan.options["allow_extra_tensors"] = True
+        plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
     if expected is not None:
         shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
-        plan.notes += check_against_model(shapes, expected, allow_extra_tensors, tuple(map(clean_name, plan.left_out)))
+        plan = plan.noted(*check_against_model(shapes, expected, allow_extra_tensors, tuple(map(clean_name, plan.left_out))))
     elif why_not == "no config.json":
-        plan.warnings.append("the output has no config.json, so from_pretrained cannot load it until one is added: "
-                             f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in")
+        plan = plan.noted(warnings=("the output has no config.json, so from_pretrained cannot load it until one is added: "
+                                    f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in",))
     elif not lora_only:
-        plan.notes.append(f"the names and shapes were not checked against the model: {why_not}")
+        plan = plan.noted(f"the names and shapes were not checked against the model: {why_not}")
     return plan
 
 

@@ -56,7 +56,7 @@ several processes, one merge (each node writes its share into one shared --out f
   and publishes nothing. The output and its manifest are those of a single-process merge.
 
 layouts (detected; --layout forces one):
-""" + "\n".join(f"  {name:<15} {reader.DESCRIPTION}" for name, reader in readers.READERS.items())
+""" + "\n".join(f"  {name:<15} {reader.description}" for name, reader in readers.READERS.items())
 _INSPECT_EXAMPLES = """examples:
   fsdpfast inspect checkpoints/global_step_100/actor
   fsdpfast inspect ds_checkpoint --tag global_step500 --json"""
@@ -141,16 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_layout_options(verb, purpose: str = "") -> None:
-    """The options of one layout each (readers.LAYOUT_OPTIONS); verify's default is what the merge recorded."""
-    verb.add_argument("--prefix", default=None, help=f"{purpose}dcp: the part of a nested state dict that is the model (default: found)")
-    verb.add_argument("--tag", default=None, help=f"{purpose}deepspeed-zero: the checkpoint tag (default: the one `latest` names)")
-    verb.add_argument("--exclude-frozen", action="store_true", default=None,
-                      help=f"{purpose}deepspeed-zero: leave out frozen parameters (requires_grad False), as DeepSpeed's "
-                           "zero_to_fp32 --exclude_frozen_parameters does")
-    verb.add_argument("--wrap", default=None, help=f"{purpose}fsdp1-flat: module classes FSDP1 wrapped, comma-separated "
-                      "(default: the model's decoder-layer class, its _no_split_modules; 'none': the root only)")
-    verb.add_argument("--use-orig-params", action=argparse.BooleanOptionalAction, default=None,
-                      help=f"{purpose}fsdp1-flat: whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)")
+    """Each layout's own options, from the readers' registry; verify's default is what the merge recorded."""
+    for reader, opt in readers.user_options():
+        kinds = {"value": {}, "flag": {"action": "store_true"}, "switch": {"action": argparse.BooleanOptionalAction}}
+        verb.add_argument(opt.flag, default=None, help=f"{purpose}{reader.name}: {opt.help}", **kinds[opt.kind])
 
 
 def _add_lora_options(verb) -> None:
@@ -171,8 +165,7 @@ def _lora_options(args) -> dict:
 
 
 def _layout_options(args) -> dict:
-    return {"prefix": args.prefix, "tag": args.tag, "exclude_frozen": args.exclude_frozen, "wrap": args.wrap,
-            "use_orig_params": args.use_orig_params}
+    return {opt.name: getattr(args, opt.name) for _, opt in readers.user_options()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ Each mismatch names the tensor and, where known, the first differing element and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import _ops
 from .lora import verify as lora_verify
@@ -244,7 +244,7 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
             continue
         # The merge's --dtype: from the manifest, else read off the output (a cast one is floating).
         wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
-        tensor.target_dtype = target_dtype(tensor.source_dtype, wanted)
+        tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
         if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
             report.mismatches.append(Mismatch(tensor.name, f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
                                               f"gives {tensor.target_dtype} {list(tensor.shape)}"))

@@ -16,7 +16,7 @@ from scratch:
                    against its manifest
   verify_header    the same with only the safetensors header fuzzed (its bytes, or values in its JSON
                    replaced), verified against its manifest and used as another folder's --reference
-                   (formats/safetensors_header.py, the header reader every safetensors input uses)
+                   (_parsing/safetensors_header.py, the header reader every safetensors input uses)
   verify_manifest  a real merged folder whose fsdpfast-manifest.json is fuzzed (bytes or JSON values),
                    verified against it and given to another folder as --manifest
   deepspeed_optim  a real DeepSpeed ZeRO-2 tag folder whose rank 0 optimizer file's pickle is fuzzed, planned

@@ -38,6 +38,24 @@ def test_layout_help_names_every_layout(verb):
     assert all(name in line for name in readers.READERS), line
 
 
+@pytest.mark.parametrize("verb", ["merge", "inspect", "verify"])
+def test_layout_options_are_the_readers_own(verb):
+    """Each reader's options, and no other layout option, are on the command line, with the reader's
+    name in their help; what a user types reaches that reader's read() under the option's name."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "verb").choices[verb]
+    offered = {a.dest: a for a in sub._actions}
+    for reader in readers.READERS.values():
+        for opt in reader.options:
+            if opt.internal:
+                assert opt.name not in offered, opt.name
+                continue
+            assert offered[opt.name].option_strings[0] == opt.flag
+            assert f"{reader.name}: " in offered[opt.name].help
+    layout_flags = {a.dest for a in sub._actions} & set(readers.LAYOUT_OPTIONS)
+    assert layout_flags == {opt.name for _, opt in readers.user_options()}
+
+
 @pytest.mark.parametrize("verb", VERBS)
 def test_every_subcommand_shows_examples_that_parse(verb):
     text = help_text(verb)

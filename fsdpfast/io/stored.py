@@ -1,6 +1,6 @@
 """Read what a safetensors folder holds from its headers: each tensor's file, byte range, dtype, shape.
 
-The headers are read and checked by formats/safetensors_header.py, the one reader every
+The headers are read and checked by _parsing/safetensors_header.py, the one reader every
 safetensors input goes through; here a damaged file becomes DamagedFile, which verify reports
 as a failed check of the output rather than a usage error.
 """

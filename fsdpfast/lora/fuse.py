@@ -14,7 +14,7 @@ way it computes what peft computes for a model on that device.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .. import _ops
 from ..errors import BadInput
@@ -40,10 +40,10 @@ class BiasStep:
     scaling: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class FusedWeight:
     base: TensorPlan  # the unmerged tensor (its extents and dtype)
-    steps: list = field(default_factory=list)  # applied in order, as peft merges adapters one after another
+    steps: tuple = ()  # applied in order, as peft merges adapters one after another
 
     def sources(self) -> set[int]:
         """The plan sources computing it reads (released by the runner once it is written)."""
@@ -68,8 +68,8 @@ def adapter_names(plan: MergePlan, wanted) -> list[str]:
     return names
 
 
-def fuse(plan: MergePlan, names: list[str]) -> None:
-    """Attach each adapter's fused computation to the base tensors it changes (in `names` order)."""
+def fuse(plan: MergePlan, names: list[str]) -> MergePlan:
+    """The plan with each adapter's fused computation attached to the base tensors it changes (in `names` order)."""
     by_name = {t.name: t for t in plan.tensors}
     copied: dict[str, str] = {}
     count = 0
@@ -82,27 +82,29 @@ def fuse(plan: MergePlan, names: list[str]) -> None:
             step = LoraStep(module.lora_A, module.lora_B, scaling(adapter.config, module),
                             bool(adapter.config.get("fan_in_fan_out")), module.kind == "embedding")
             _check_shapes(weight, step, adapter.name)
-            _add_step(weight, step)
+            by_name[weight.name] = _with_step(weight, step)
             if module.lora_bias is not None:
-                _add_step(_base_tensor(by_name, f"{module.module}.bias", adapter), BiasStep(module.lora_bias, step.scaling))
+                bias = _base_tensor(by_name, f"{module.module}.bias", adapter)
+                by_name[bias.name] = _with_step(bias, BiasStep(module.lora_bias, step.scaling))
             count += 1
         for name, trained in adapter.copies.items():  # modules_to_save: the adapter's copy is the module
             target = _base_tensor(by_name, name, adapter)
-            _check_untied(plan, target, adapter.name)
+            _check_untied(plan, by_name, target, adapter.name)
             if name in copied:
                 raise BadInput(f"--merge-lora: adapters {copied[name]} and {adapter.name} both train their own copy of {name}")
             if (target.shape, target.source_dtype) != (trained.shape, trained.source_dtype):
                 raise BadInput(f"adapter {adapter.name}: its copy of {name} is {trained.source_dtype}{list(trained.shape)}, "
                                f"the model's is {target.source_dtype}{list(target.shape)}")
-            target.extents, copied[name] = list(trained.extents), adapter.name
-    _share_with_tied(plan.tensors)
-    plan.notes.append(f"--merge-lora: adapter{'s' if len(names) > 1 else ''} {', '.join(names)} fused into {count} weights "
-                      "(W + scaling * B @ A, computed as peft's merge_and_unload)")
+            by_name[name], copied[name] = replace(target, extents=trained.extents), adapter.name
+    tensors = _share_with_tied([by_name[t.name] for t in plan.tensors])
+    return plan.but(tensors=tensors).noted(
+        f"--merge-lora: adapter{'s' if len(names) > 1 else ''} {', '.join(names)} fused into {count} weights "
+        "(W + scaling * B @ A, computed as peft's merge_and_unload)")
 
 
-def _check_untied(plan: MergePlan, target: TensorPlan, adapter: str) -> None:
+def _check_untied(plan: MergePlan, by_name: dict[str, TensorPlan], target: TensorPlan, adapter: str) -> None:
     """A trained copy of a tied module (lm_head tied to embed_tokens) unties it, which the output cannot say."""
-    shared = any(t is not target and t.extents == target.extents for t in plan.tensors) and target.extents
+    shared = any(t.name != target.name and t.extents == target.extents for t in by_name.values()) and target.extents
     config = {}
     if plan.config_dir and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
         from ..configs import load_config
@@ -137,19 +139,16 @@ def _check_shapes(weight: TensorPlan, step: LoraStep, adapter: str) -> None:
                        f"{' transposed' if want != (out, inputs) else ''}; wrong base model or fan_in_fan_out")
 
 
-def _add_step(tensor: TensorPlan, step) -> None:
-    if tensor.compute is None:
-        tensor.compute = FusedWeight(replace(tensor, extents=list(tensor.extents), aliases=[], compute=None))
-    tensor.compute.steps.append(step)
+def _with_step(tensor: TensorPlan, step) -> TensorPlan:
+    fused = tensor.compute or FusedWeight(replace(tensor, aliases=(), compute=None))
+    return replace(tensor, compute=replace(fused, steps=(*fused.steps, step)))
 
 
-def _share_with_tied(tensors: list[TensorPlan]) -> None:
+def _share_with_tied(tensors: list[TensorPlan]) -> list[TensorPlan]:
     """peft merges in place: a weight tied to a fused one (one storage, e.g. lm_head and embed_tokens) changes too."""
-    fused = {(t.shape, t.source_dtype, tuple(t.compute.base.extents)): t.compute for t in tensors if t.compute}
-    for tensor in tensors:
-        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
-        if tensor.compute is None and tensor.extents and key in fused:
-            tensor.compute = fused[key]
+    fused = {(t.shape, t.source_dtype, t.compute.base.extents): t.compute for t in tensors if t.compute}
+    return [replace(t, compute=fused[(t.shape, t.source_dtype, t.extents)])
+            if t.compute is None and t.extents and (t.shape, t.source_dtype, t.extents) in fused else t for t in tensors]
 
 
 # --- computing a fused tensor ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ adapters complete, or not at all. OUT's manifest lists the adapter folders.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import sys
 from dataclasses import replace
 
@@ -34,8 +35,7 @@ def check_writable(plan: MergePlan) -> None:
 def adapter_file(adapter: AdapterPlan) -> OutputFile:
     """peft reads one file per adapter, never an index: no size limit."""
     (planned,) = plan_files(adapter.plan, sys.maxsize)
-    planned.name = ADAPTER_FILE
-    return planned
+    return replace(planned, name=ADAPTER_FILE)
 
 
 def adapter_outputs(plan: MergePlan) -> list[OutputFile]:

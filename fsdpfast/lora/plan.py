@@ -26,37 +26,39 @@ def apply(plan: MergePlan, src: str, *, merge_lora=None, lora_alpha: float | Non
             raise BadInput(f"{src}: no LoRA tensors (no lora_A / lora_B names); {flags} apply to PEFT LoRA checkpoints")
         return plan
     _check_numbers(lora_alpha, lora_r)
-    split(plan)
+    plan = split(plan)
     lora_only = not plan.tensors
     if base and not lora_only:
         raise BadInput(f"--base {base}: {src} holds its own base weights ({len(plan.tensors)} tensors); "
                        "--base is for LoRA-only checkpoints (save_lora_only)")
     if base:
-        add_base(plan, os.fspath(base))
-    resolve(plan.adapters, src, plan.config_dir, lora_alpha, lora_r, plan.notes)
+        plan = add_base(plan, os.fspath(base))
+    notes: list[str] = []
+    resolve(plan.adapters, src, plan.config_dir, lora_alpha, lora_r, notes)
+    plan = plan.noted(*notes)
     adapter_options = {**plan.options, "lora_alpha": lora_alpha, "lora_r": lora_r}
     keep_adapters = not merge_lora
     if lora_only and not base:
         if merge_lora:
             raise BadInput(f"--merge-lora: {src} holds only LoRA tensors (save_lora_only), no base weights to fuse them "
                            "into; give the base model with --base HF_DIR")
-        plan.notes.append("LoRA-only checkpoint (save_lora_only): only the adapter folder is written; "
+        plan = plan.noted("LoRA-only checkpoint (save_lora_only): only the adapter folder is written; "
                           "--base HF_DIR also writes the base model with the adapter fused in")
     elif lora_only:  # with --base: the fused model, and the adapter the checkpoint holds
         merge_lora = merge_lora or True
         keep_adapters = True
     if merge_lora:
         names = adapter_names(plan, merge_lora)
-        fuse(plan, names)
+        plan = fuse(plan, names)
         given["merge_lora"] = ",".join(names)
         if not keep_adapters:
-            plan.adapters = []
+            plan = plan.but(adapters=())
     if base:
         given["base"] = os.path.abspath(base)
-    plan.options.update(given)
-    for adapter in plan.adapters:
-        adapter.plan.options = {**{k: v for k, v in adapter_options.items() if v is not None}, "peft_adapter": adapter.name}
-    return plan
+    for adapter in plan.adapters:  # adapter plans are built here, by lora.split: set once, before anyone reads them
+        options = {**{k: v for k, v in adapter_options.items() if v is not None}, "peft_adapter": adapter.name}
+        adapter.plan = adapter.plan.but(options=options)
+    return plan.but(options={**plan.options, **given})
 
 
 def describe(plan: MergePlan) -> list[dict]:

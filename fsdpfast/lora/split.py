@@ -89,14 +89,11 @@ def split(plan: MergePlan) -> MergePlan:
             continue
         entry = found.modules.setdefault(module, LoraModule(module))
         _place(entry, part, _renamed(tensor, _saved_name(module, part), found), tensor.name)
-    for tensor_name, tensor in base.items():
-        tensor.name = tensor_name
     for found in adapters.values():
         for entry in found.modules.values():
             _check_module(entry, found.name)
-    plan.tensors = list(base.values())
-    plan.adapters = sorted(adapters.values(), key=lambda a: (a.name != "default", a.name))
-    return plan
+    return plan.but(tensors=[replace(tensor, name=name) for name, tensor in base.items()],
+                    adapters=sorted(adapters.values(), key=lambda a: (a.name != "default", a.name)))
 
 
 def _role(parts: list[str], prefixed: bool = True) -> tuple[str, str | None, str, str]:
@@ -131,8 +128,8 @@ def _saved_name(module: str, part: str) -> str:
 
 
 def _renamed(tensor: TensorPlan, name: str, adapter: AdapterPlan) -> TensorPlan:
-    copy = replace(tensor, name=name, aliases=[], extents=list(tensor.extents))
-    adapter.plan.tensors.append(copy)
+    copy = replace(tensor, name=name, aliases=())
+    adapter.plan = adapter.plan.but(tensors=(*adapter.plan.tensors, copy))
     return copy
 
 

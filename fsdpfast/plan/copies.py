@@ -21,10 +21,11 @@ from ..io.tensor_bytes import first_difference, read_window
 SAMPLE_BYTES = 64 << 10  # bytes compared at each of a large copy's three places during a merge
 
 
-def check_copies(plan: MergePlan, full: bool = False) -> None:
-    """Refuse the plan if any copy differs from the one the merge reads; `full`: every byte."""
+def check_copies(plan: MergePlan, full: bool = False) -> MergePlan:
+    """Refuse the plan if any copy differs from the one the merge reads; `full`: every byte.
+    The plan, with a note when large copies were compared by samples."""
     if not plan.copies:
-        return
+        return plan
     sampled = 0
     with SourceFiles(plan.sources) as sources:
         for copy in plan.copies:
@@ -33,10 +34,11 @@ def check_copies(plan: MergePlan, full: bool = False) -> None:
                 raise BadInput(f"{copy.name}: {copy.other_at} differs from {copy.kept_at} "
                                f"(first at element {where}); {copy.problem}")
             sampled += not full and _is_sampled(copy)
-    if sampled:
-        plan.notes.append(f"{sampled} of {len(plan.copies)} copies held twice (buffers on every rank, HSDP replicas) "
-                          f"were compared at their first, middle and last {SAMPLE_BYTES >> 10} KB, the rest in full; "
-                          "verify --against compares every byte")
+    if not sampled:
+        return plan
+    return plan.noted(f"{sampled} of {len(plan.copies)} copies held twice (buffers on every rank, HSDP replicas) "
+                      f"were compared at their first, middle and last {SAMPLE_BYTES >> 10} KB, the rest in full; "
+                      "verify --against compares every byte")
 
 
 def _is_sampled(copy: Copy) -> bool:

@@ -1,13 +1,24 @@
-"""The merge plan: plain data shared by every layer (imports nothing of ours).
+"""The merge plan: plain, immutable data shared by every stage (imports nothing of ours).
 
-A reader turns a checkpoint folder into a MergePlan; the layout assigns output
-files and offsets; the engine executes the extents. Dtypes are torch dtype names
-("float32", "bfloat16", ...) so the plan can be printed and compared without torch.
+A reader turns a checkpoint folder into a MergePlan (what the checkpoint holds); normalisation
+returns a new one (what gets written: clean names, ties, target dtypes); the layout assigns output
+files and offsets; the engine executes the extents. Nothing changes a plan in place: each step
+returns a new one (`dataclasses.replace`, `MergePlan.noted`), so what a stage was given stays
+true. Dtypes are torch dtype names ("float32", "bfloat16", ...) so the plan can be printed and
+compared without torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from math import prod
+
+
+def _freeze(instance, names: tuple[str, ...]) -> None:
+    """Sequence fields become tuples, so a frozen plan's lists cannot be appended to either."""
+    for name in names:
+        value = getattr(instance, name)
+        if not isinstance(value, tuple):
+            object.__setattr__(instance, name, tuple(value))
 
 
 @dataclass(frozen=True)
@@ -42,17 +53,20 @@ class Extent:
         return self.runs * self.count
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorPlan:
     name: str
     shape: tuple[int, ...]
     source_dtype: str
     target_dtype: str
-    extents: list[Extent]
-    aliases: list[str] = field(default_factory=list)  # tied names not written, listed for the report
+    extents: tuple[Extent, ...]
+    aliases: tuple[str, ...] = ()  # tied names not written, listed for the report
     # Set for a tensor computed from others rather than copied (lora.fuse.FusedWeight, --merge-lora): its
     # extents are the unmerged weight's; the writer computes it, engines never see it.
     compute: object | None = None
+
+    def __post_init__(self):
+        _freeze(self, ("shape", "extents", "aliases"))
 
     @property
     def numel(self) -> int:
@@ -73,23 +87,35 @@ class Copy:
     problem: str  # what a difference means and what to do
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergePlan:
     layout: str  # which reader produced it
     world_size: int
-    sources: list[SourceBuffer]
-    tensors: list[TensorPlan]
-    notes: list[str] = field(default_factory=list)  # what else the checkpoint holds, what was assumed
-    left_out: list[str] = field(default_factory=list)  # names left out on request (--exclude-frozen), not missing
-    warnings: list[str] = field(default_factory=list)  # what the user must act on before the output is usable
+    sources: tuple[SourceBuffer, ...]
+    tensors: tuple[TensorPlan, ...]
+    notes: tuple[str, ...] = ()  # what else the checkpoint holds, what was assumed
+    left_out: tuple[str, ...] = ()  # names left out on request (--exclude-frozen), not missing
+    warnings: tuple[str, ...] = ()  # what the user must act on before the output is usable
     config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any
-    assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect)
+    assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect); read-only
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
-    # recorded in the manifest so that verify --against reads the same plan again.
+    # recorded in the manifest so that verify --against reads the same plan again. Read-only.
     options: dict = field(default_factory=dict)
-    copies: list[Copy] = field(default_factory=list)  # checked by plan.copies before any byte moves
+    copies: tuple[Copy, ...] = ()  # checked by plan.copies before any byte moves
     # The sub-folder of the given folder that holds the model, where a framework put it there
     # (readers.framework_folders); None: the folder given.
     model_folder: str | None = None
     # PEFT adapters split off a LoRA checkpoint (lora.split.AdapterPlan), each written to its own folder.
-    adapters: list = field(default_factory=list)
+    adapters: tuple = ()
+
+    def __post_init__(self):
+        _freeze(self, ("sources", "tensors", "notes", "left_out", "warnings", "copies", "adapters"))
+
+    def noted(self, *notes: str, first: bool = False, warnings: tuple[str, ...] = ()) -> "MergePlan":
+        """The same plan with more notes (at the front with `first`) and warnings."""
+        kept = tuple(note for note in notes if note)
+        return replace(self, notes=kept + self.notes if first else self.notes + kept, warnings=self.warnings + tuple(warnings))
+
+    def but(self, **changes) -> "MergePlan":
+        """The same plan with some fields replaced."""
+        return replace(self, **changes)

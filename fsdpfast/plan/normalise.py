@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..configs import load_config
 from ..dtypes import TARGET_ALIASES, target_dtype
@@ -41,22 +42,21 @@ def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None, expected
     wanted = parse_dtype(dtype)
     tensors = _rename(plan.tensors)
     pairs = _tied_pairs(tensors, expected, _read_config(config_dir))
-    tensors = _drop_tied(tensors, pairs, plan)
-    for tensor in tensors:
-        tensor.target_dtype = target_dtype(tensor.source_dtype, wanted)
-    plan.tensors = tensors
-    return plan
+    tensors, notes = _drop_tied(tensors, pairs, plan)
+    tensors = [replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted)) for tensor in tensors]
+    return plan.but(tensors=tensors).noted(*notes)
 
 
-def _rename(tensors: list[TensorPlan]) -> list[TensorPlan]:
+def _rename(tensors) -> list[TensorPlan]:
     seen: dict[str, str] = {}
+    renamed = []
     for tensor in tensors:
         clean = clean_name(tensor.name)
         if clean in seen:
             raise BadInput(f"{seen[clean]} and {tensor.name} both become {clean} once wrapper prefixes are removed")
         seen[clean] = tensor.name
-        tensor.name = clean
-    return tensors
+        renamed.append(replace(tensor, name=clean))
+    return renamed
 
 
 def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
@@ -80,11 +80,12 @@ def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, confi
     return pairs
 
 
-def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan) -> list[TensorPlan]:
+def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan) -> tuple[list[TensorPlan], list[str]]:
     """Write each tied name once, after checking that the checkpoint holds the same bytes under both;
-    one storage under two names that transformers will not re-tie is written under both."""
+    one storage under two names that transformers will not re-tie is written under both (said in
+    the notes returned)."""
     by_name = {t.name: t for t in tensors}
-    dropped = set()
+    dropped, aliases, notes = set(), {}, []
     with SourceFiles(plan.sources) as sources:
         for kept, other in pairs:
             a, b = by_name[kept], by_name[other]
@@ -96,17 +97,19 @@ def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: Me
                 raise ModelMismatch(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
                                f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
                                f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})")
-            a.aliases.append(other)
+            aliases.setdefault(kept, []).append(other)
             dropped.add(other)
     tied_names = {name for pair in pairs for name in pair}
     shared: dict[tuple, str] = {}
     for tensor in tensors:
         key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
         if tensor.extents and key in shared and tensor.name not in tied_names:
-            plan.notes.append(f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
-                              "config does not tie them: both are written")
+            notes.append(f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
+                         "config does not tie them: both are written")
         shared.setdefault(key, tensor.name)
-    return [t for t in tensors if t.name not in dropped]
+    kept = [replace(t, aliases=t.aliases + tuple(aliases[t.name])) if t.name in aliases else t
+            for t in tensors if t.name not in dropped]
+    return kept, notes
 
 
 def _read_config(config_dir: str | None) -> dict:

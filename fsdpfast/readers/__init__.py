@@ -1,4 +1,6 @@
-"""Checkpoint layouts: each reader turns a folder into a MergePlan, reading metadata only."""
+"""Stage 1, the readers: each turns a checkpoint folder of its layout into a MergePlan, reading metadata only.
+
+This module is the registry (READERS), detection, and the one entry point `read_plan`."""
 from __future__ import annotations
 
 import os
@@ -6,22 +8,19 @@ import os
 from ..errors import BadInput, option
 from ..plan.model import MergePlan
 from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
+from .reader import Reader, ReaderOption
 
-READERS = {reader.NAME: reader for reader in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat,
-                                              accelerate_ranks)}
+# The registry: every layout fsdpfast reads, in the order detection tries them.
+READERS: dict[str, Reader] = {module.READER.name: module.READER for module in (
+    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks)}
 
-# Options a user may give beyond the folder, and the one layout each belongs to; a reader's
-# read(folder, **options) takes its own.
-LAYOUT_OPTIONS = {
-    "prefix": dcp.NAME,  # the model part of a nested state dict
-    "tag": deepspeed_zero.NAME,  # which checkpoint tag
-    "exclude_frozen": deepspeed_zero.NAME,  # leave frozen parameters out (zero_to_fp32 --exclude_frozen_parameters)
-    "wrap": fsdp1_flat.NAME,  # the module classes FSDP1 wrapped
-    "use_orig_params": fsdp1_flat.NAME,  # whether FSDP1 padded each parameter for alignment
-    "order_from": fsdp1_flat.NAME,  # not for users: the merge records it, verify --against passes it back
-}
-# Readers that read config.json themselves (`config`: --config): to rebuild the model, or to place plain pieces.
-CONFIG_READERS = (fsdp1_flat.NAME, dcp_hf.NAME, fsdp_ranks.NAME, guide_ranks.NAME)
+# Options a user may give beyond the folder, and the one layout each belongs to.
+LAYOUT_OPTIONS: dict[str, str] = {opt.name: reader.name for reader in READERS.values() for opt in reader.options}
+
+
+def user_options() -> list[tuple[Reader, ReaderOption]]:
+    """The layout options the command line offers, with the reader each belongs to."""
+    return [(reader, opt) for reader in READERS.values() for opt in reader.options if not opt.internal]
 
 
 def detect(folder: str) -> str:
@@ -40,7 +39,7 @@ def detect(folder: str) -> str:
             what = f"sub-folder {shown} holds a checkpoint" if len(below) == 1 else f"sub-folders {shown} hold checkpoints"
             raise BadInput(f"{folder}: no checkpoint files here, but its {what}: merge "
                            f"{'it' if len(below) == 1 else 'one'} (fsdpfast merge {os.path.join(folder, below[-1])} --out OUT)")
-        known = "; ".join(reader.DESCRIPTION for reader in READERS.values())
+        known = "; ".join(reader.description for reader in READERS.values())
         raise BadInput(f"{folder}: no known checkpoint layout found (looked for {known})")
     if len(found) > 1:
         raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with {option('layout')}")
@@ -48,7 +47,7 @@ def detect(folder: str) -> str:
 
 
 def _layouts_in(folder: str) -> list[str]:
-    return [name for name, reader in READERS.items() if reader.matches(folder)]
+    return [name for name, reader in READERS.items() if reader.sniff(folder)]
 
 
 def _holds_layout(folder: str) -> bool:
@@ -68,21 +67,22 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     source = model.path
     if layout is None:
         layout = detect(source)
-    elif not READERS[layout].matches(source):
-        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].DESCRIPTION})")
+    elif not READERS[layout].sniff(source):
+        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description})")
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
             raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
     found_config, config_note = (None, None) if config else framework_folders.config_dir(model)
-    if layout in CONFIG_READERS:
+    if READERS[layout].reads_config:
         given["config"] = config or found_config
     plan = READERS[layout].read(source, **given)
-    if found_config and (plan.config_dir is None or layout in CONFIG_READERS):
-        plan.config_dir = found_config
+    if found_config and (plan.config_dir is None or READERS[layout].reads_config):
+        plan = plan.but(config_dir=found_config)
     if config_note and plan.config_dir == found_config:
-        plan.notes.append(config_note)
-    plan.notes[:0] = model.notes
-    plan.model_folder = model.relative_to(folder)
-    plan.options = {**given, **plan.options}
-    plan.options.pop("config", None)
+        plan = plan.noted(config_note)
+    plan = plan.noted(*model.notes, first=True)
+    plan = plan.but(model_folder=model.relative_to(folder))
+    options = {**given, **plan.options}
+    options.pop("config", None)
+    plan = plan.but(options=options)
     return plan

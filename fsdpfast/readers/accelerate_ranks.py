@@ -21,6 +21,7 @@ from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_u
 from .sharded_tensors import plan_sharded, recorded_world
 from .storage_sources import StorageSources
 from .._parsing.torch_zip import TorchZip
+from .reader import Reader
 
 NAME = "accelerate-ranks"
 DESCRIPTION = "pytorch_model_fsdp_{i}_rank{r}.bin: accelerate save_fsdp_model(use_dcp=False) SHARDED_STATE_DICT rank files"
@@ -62,12 +63,12 @@ def read(folder: str) -> MergePlan:
         plan, kind = _plan_fsdp1(states, world), "FSDP1 ShardedTensors"
     else:
         plan, kind = plan_from_ranks(states, NAME), "FSDP2 DTensors"
-    plan.notes.insert(0, f"accelerate SHARDED_STATE_DICT rank files of model {index} ({kind}, {world} ranks)")
+    plan = plan.noted(f"accelerate SHARDED_STATE_DICT rank files of model {index} ({kind}, {world} ranks)", first=True)
     others = sorted(f for f in os.listdir(folder) if f.startswith("optimizer_") and f.endswith(".bin"))
     if others:
-        plan.notes.append(f"not merged: {len(others)} optimizer files ({others[0]}, ...)")
+        plan = plan.noted(f"not merged: {len(others)} optimizer files ({others[0]}, ...)")
     hf = os.path.join(folder, "huggingface")
-    plan.config_dir = hf if os.path.isdir(hf) else None
+    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     return plan
 
 
@@ -109,5 +110,8 @@ def _plan_fsdp1(states: list[RankState], world: int) -> MergePlan:
             state.archive.close()
     plan = MergePlan(NAME, world, sources.buffers, tensors)
     if skipped:
-        plan.notes.append(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+        plan = plan.noted(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
     return plan
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read)

@@ -29,6 +29,7 @@ from .discover import check_not_broken_link
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .._parsing.torch_zip import TorchZip
+from .reader import Reader, ReaderOption
 
 NAME = "dcp"
 DESCRIPTION = ".metadata + __{r}_{i}.distcp: torch.distributed.checkpoint folders"
@@ -79,16 +80,16 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     nested = any(len(path) > 1 for path in metadata.paths.values())
     if prefix is None and nested and all(len(metadata.paths[k]) == 1 for k in names):
         parts = list(dict.fromkeys(metadata.tops[k] for k in skipped))
-        plan.notes.append(f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
+        plan = plan.noted(f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
                           f"it); not merged: {', '.join(parts)} (--prefix picks a nested part instead)")
     if skipped:
-        plan.notes.append(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
+        plan = plan.noted(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
     stale = sorted(f for f in os.listdir(folder) if f.endswith(".distcp") and f not in metadata.referenced)
     if stale:  # a leftover of an earlier save into the folder: not part of this checkpoint
-        plan.notes.append(f"not read: {len(stale)} .distcp files that .metadata does not reference "
+        plan = plan.noted(f"not read: {len(stale)} .distcp files that .metadata does not reference "
                           f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones")
     hf = os.path.join(folder, "huggingface")
-    plan.config_dir = hf if os.path.isdir(hf) else None
+    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     return plan
 
 
@@ -278,3 +279,8 @@ def _safetensors_chunk(header: SafetensorsHeader, flat_name: str, dtype: str, si
         raise BadInput(f"{header.path}: {flat_name} is {stored.dtype}{list(stored.shape)}, .metadata says {dtype}{list(sizes)}")
     sources.append(SourceBuffer(header.path, stored.byte_offset, stored.nbytes, dtype))
     return len(sources) - 1
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, options=(
+    ReaderOption("prefix", "the part of a nested state dict that is the model (default: found)"),
+))

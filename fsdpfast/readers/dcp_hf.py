@@ -24,6 +24,7 @@ from ..errors import BadInput, option
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .._parsing.boxes import box_extents, first_overlap
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
+from .reader import Reader
 
 NAME = "dcp-hf"
 DESCRIPTION = "shard-{r}-model-{i}-of-{n}.safetensors with DCP offsets in their headers (HuggingFaceStorageWriter)"
@@ -54,9 +55,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     tensors = [_plan_tensor(folder, name, pieces, sources) for name, pieces in chunks.items()]
     plan = MergePlan(NAME, shards or len(files), sources, tensors)
     hf = os.path.join(folder, "huggingface")
-    plan.config_dir = hf if os.path.isdir(hf) else None
+    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     checked = _check_against_config(folder, tensors, config or plan.config_dir)
-    plan.notes.append(f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
+    plan = plan.noted(f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
                       "none), so a missing last shard file cannot be detected from them" +
                       (f"; the embeddings' shapes agree with {checked}" if checked else
                        f"; no config.json to check the embeddings' shapes against (give one with {option('config')})"))
@@ -158,3 +159,6 @@ def _plan_tensor(folder: str, name: str, pieces, sources: list[SourceBuffer]) ->
                        f"{list(shape)}; a shard file is missing or its offsets are wrong")
     dtype = dtypes.pop()
     return TensorPlan(name, shape, dtype, dtype, extents)
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)

@@ -22,6 +22,7 @@ from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank
 from .._parsing.flat_runs import FlatRuns
 from .._parsing.safe_load import TensorRef, as_dims, is_count
 from .storage_sources import StorageSources
+from .reader import Reader, ReaderOption
 
 NAME = "deepspeed-zero"
 DESCRIPTION = "latest + global_stepN/ with *_model_states.pt and *_optim_states.pt: DeepSpeed ZeRO stage 1/2/3"
@@ -77,9 +78,9 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
                      f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?")
     plan = MergePlan(NAME, files.world, sources.buffers, tensors, notes)
     if exclude_frozen:  # missing from the output on purpose: the model-shape check allows them
-        plan.left_out = list(excluded)
-    plan.config_dir = _config_dir(tag_dir, folder)
-    plan.options = {"tag": tag}  # the tag read, so verify reads it again even after `latest` moves on
+        plan = plan.but(left_out=list(excluded))
+    plan = plan.but(config_dir=_config_dir(tag_dir, folder))
+    plan = plan.but(options={"tag": tag})  # the tag read, so verify reads it again even after `latest` moves on
     return plan
 
 
@@ -332,3 +333,10 @@ def _config_dir(tag_dir: str, folder: str) -> str | None:
             if os.path.isfile(os.path.join(candidate, "config.json")):
                 return candidate
     return None
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, options=(
+    ReaderOption("tag", "the checkpoint tag (default: the one `latest` names)"),
+    ReaderOption("exclude_frozen", "leave out frozen parameters (requires_grad False), as DeepSpeed's zero_to_fp32 "
+                 "--exclude_frozen_parameters does", kind="flag"),
+))

@@ -32,6 +32,7 @@ from .rank_files import RankState, load_rank_states, plan_replicated
 from .._parsing.safe_load import Record, ShardedTensorRef, TensorRef, as_dims, safe_unpickle
 from .storage_sources import StorageSources
 from .._parsing.torch_zip import TorchZip
+from .reader import Reader, ReaderOption
 
 NAME = "fsdp1-flat"
 DESCRIPTION = "pytorch_model_fsdp_rank{r}.bin (or other *rank{r}.pt/.bin files holding *_flat_param): FSDP1 LOCAL_STATE_DICT"
@@ -203,22 +204,22 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     plan = MergePlan(NAME, world, sources.buffers, tensors, config_dir=config_dir)
     unit_word = "unit" if len(flats) == 1 else "units"
     source = option("wrap") if wrap_given else "default: the model's _no_split_modules"
-    plan.notes.append(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {arch} (built on the meta device from "
+    plan = plan.noted(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {arch} (built on the meta device from "
                       f"{os.path.join(config_dir, 'config.json')}), wrapped by {', '.join(wrap_names) or 'nothing'} ({source})")
-    plan.notes.append(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
+    plan = plan.noted(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
     if views:
-        plan.notes.append(f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)")
-    plan.notes += _tied_notes(units)
+        plan = plan.noted(f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)")
+    plan = plan.noted(*_tied_notes(units))
     origin = fsdp1_units.order_source(model)
-    plan.notes.append(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
+    plan = plan.noted(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
                       "if training ran another transformers version or the model's remote code, same-shaped parameters "
                       "could be swapped unnoticed: compare the merged model's outputs with a reference (README: FSDP1)")
     if order_from and order_from != origin:
-        plan.notes.append(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
-    plan.assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
-    plan.assumed["order_from"] = origin
+        plan = plan.noted(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
+    assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
+    plan = plan.but(assumed={**assumed, "order_from": origin})
     # Recorded in the manifest (layout_options): which transformers gave the order this merge assumed.
-    plan.options = {"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin}
+    plan = plan.but(options={"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin})
     return plan
 
 
@@ -458,3 +459,12 @@ def _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, lay
             "params": [{"name": p.name, "offset": o, "shape": list(p.shape), "tied": list(p.aliases)} for p, o in layouts[path]],
         } for path, flat in flats.items()],
     }
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True, options=(
+    ReaderOption("wrap", "module classes FSDP1 wrapped, comma-separated (default: the model's decoder-layer class, its "
+                 "_no_split_modules; 'none': the root only)"),
+    ReaderOption("use_orig_params", "whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)",
+                 kind="switch"),
+    ReaderOption("order_from", "the transformers version and class the merge took the parameter order from", internal=True),
+))

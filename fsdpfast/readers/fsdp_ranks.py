@@ -10,6 +10,7 @@ from ..plan.model import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks, whole_state_dict
 from .saved_steps import check_same_step
+from .reader import Reader
 
 NAME = "fsdp-ranks"
 DESCRIPTION = "model_world_size_{W}_rank_{r}.pt: per-rank FSDP/FSDP2 state dicts (verl)"
@@ -35,10 +36,10 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     plan = plan_from_ranks(states, NAME, config or (hf if os.path.isdir(hf) else None))
     others = sorted(f for f in os.listdir(folder) if f.startswith(("optim_world_size_", "extra_state_world_size_")))
     if others:
-        plan.notes.append(f"not merged: {len(others)} optimizer / extra-state files ({others[0]}, ...)")
+        plan = plan.noted(f"not merged: {len(others)} optimizer / extra-state files ({others[0]}, ...)")
     if steps_note:
-        plan.notes.append(steps_note)
-    plan.config_dir = hf if os.path.isdir(hf) else None
+        plan = plan.noted(steps_note)
+    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     return plan
 
 
@@ -57,3 +58,6 @@ def _check_fsdp_config(folder: str, world: int) -> None:
         raise BadInput(f"{path}: world_size {recorded!r} is not a whole number; fix or remove the file (it is optional)")
     if recorded != world:
         raise BadInput(f"{path}: says world_size {recorded} but the rank files are for {world}")
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)

@@ -14,6 +14,7 @@ from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks
 from .._parsing.safe_load import DTensorRef, TensorRef, each_object, safe_unpickle
 from .._parsing.torch_zip import TorchZip
+from .reader import Reader
 
 NAME = "guide-ranks"
 DESCRIPTION = "model_pt_rank_{r}.pt: per-rank {state_dict, optimizer_state, metadata} dicts"
@@ -39,9 +40,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     hf = os.path.join(folder, "huggingface")
     plan = plan_from_ranks(states, NAME, config or (hf if os.path.isdir(hf) else None))
     if renumbered:
-        plan.notes.append(renumbered)
-    plan.notes += _other_contents(states[0].whole)
-    plan.config_dir = hf if os.path.isdir(hf) else None
+        plan = plan.noted(renumbered)
+    plan = plan.noted(*_other_contents(states[0].whole))
+    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     return plan
 
 
@@ -136,3 +137,6 @@ def _tensor_totals(value) -> tuple[int, int]:
                 numel *= size
             count, nbytes = count + 1, nbytes + numel * DTYPES.get(item.dtype, (0,))[0]
     return count, nbytes
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)

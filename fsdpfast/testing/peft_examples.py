@@ -203,7 +203,7 @@ def _write_references(root: str, spec: PeftSpec, full: dict, logits: dict) -> No
     adapters = {name: {k: v.clone() for k, v in peft.get_peft_model_state_dict(
         model, adapter_name=name, save_embedding_layers=False).items()} for name in logits}
     merged = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload(adapter_names=list(spec.merged)).state_dict().items()}
-    configs = {name: config.to_dict() for name, config in model.lora.config.items()}
+    configs = {name: config.to_dict() for name, config in model.peft_config.items()}
     torch.save({"full": full, "logits": logits, "adapters": adapters, "base": frozen, "merged": merged,
                 "configs": json.loads(json.dumps(configs, default=_jsonable))}, spec.reference_path(root))
     if spec.lora_only:  # the base model folder a user gives as --base
@@ -226,7 +226,7 @@ def _write_verl_files(folder: str, spec: PeftSpec, world_size: int, model) -> No
         with open(os.path.join(folder, "lora_train_meta.json"), "w") as f:
             json.dump({"r": spec.r, "lora_alpha": spec.lora_alpha, "task_type": "CAUSAL_LM"}, f)
     else:  # peft's own adapter configs, laid out as save_pretrained lays them out
-        for name, config in model.lora.config.items():
+        for name, config in model.peft_config.items():
             where = os.path.join(folder, "lora_adapter", *([] if name == "default" else [name]))
             os.makedirs(where, exist_ok=True)
             config.save_pretrained(where)
