@@ -230,13 +230,13 @@ class MergeJob:
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
         state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
-        state["plan"] = replace(self.plan, copies=[])  # checked by rank 0 already
+        state["plan"] = self.plan.but(copies=())  # checked by rank 0 already
         return state
 
     def join(self, src: str, dst: str) -> None:
         """On another rank: its own view of the sources and the target (the same folders, perhaps
         mounted elsewhere), checked to be rank 0's."""
-        self.plan.sources = rebased(self.plan.sources, self.src, src)
+        self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
         self.src = src
         check_same_sources(src, self.identity)
         self.target = LocalTarget.join(dst, self.token)

@@ -11,7 +11,6 @@ adapters complete, or not at all. OUT's manifest lists the adapter folders.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import sys
 from dataclasses import replace
 
