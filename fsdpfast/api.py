@@ -205,11 +205,12 @@ def merge(
         # finish (index, config, manifest) and publish, on rank 0
         return processes.lead(lambda: _finish(job, [p for share in pieces for p in share], start, processes.size))
     except KeyboardInterrupt:
-        if job.target.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
+        if job.target is not None and job.target.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
             raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
         raise
     finally:
-        job.target.discard()
+        if job.target is not None:  # None: another rank that never joined it
+            job.target.discard()
 
 
 @dataclass
