@@ -11,6 +11,7 @@ next exchange at once; a rank that hangs fails them when the process group's tim
 One process alone (no group, or a group of one) runs each step in place: exactly the merge of
 a single process, with no torch import.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -109,9 +110,11 @@ class MergeGroup:
             collective(*args, **kwargs)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out waiting ..."
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise LostRank(f"rank {self.rank} lost touch with the merge's other processes ({reason[:300]}); "
-                           "another rank was killed, failed to start or took longer than the timeout; "
-                           "nothing was published") from None
+            raise LostRank(
+                f"rank {self.rank} lost touch with the merge's other processes ({reason[:300]}); "
+                "another rank was killed, failed to start or took longer than the timeout; "
+                "nothing was published"
+            ) from None
 
     def _dist(self):
         import torch.distributed as dist
@@ -131,6 +134,7 @@ def _failure(rank: int, exc: Exception) -> Failure:
 
 
 # --- the process group of a torchrun launch -----------------------------------------------------
+
 
 def launched_by_torchrun() -> bool:
     """torchrun (and launchers like it) tell each process its rank and the world in the environment."""

@@ -8,6 +8,7 @@ The checkpoints have a vocabulary large enough (16000 x 64 floats: a 4 MB embedd
 1 MB files a share ends inside a tensor: a file is written by two processes, and the CRC-32C of
 the tensor they share is combined from theirs.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 import fsdpfast
 from fsdpfast import _ops
@@ -33,9 +35,10 @@ from fsdpfast.manifest import MANIFEST_NAME
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints
-from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
-pytestmark = pytest.mark.skipif(not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module")
+pytestmark = pytest.mark.skipif(
+    not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module"
+)
 
 SHARD = "1MB"
 SPECS = {
@@ -47,8 +50,9 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> CheckpointsByWorld:
-    return CheckpointsByWorld(str(tmp_path_factory.mktemp("wide")), SPECS, write_checkpoints,
-                              lambda spec, root: spec.folder(root))
+    return CheckpointsByWorld(
+        str(tmp_path_factory.mktemp("wide")), SPECS, write_checkpoints, lambda spec, root: spec.folder(root)
+    )
 
 
 def _free_port() -> int:
@@ -78,11 +82,25 @@ class Ranks:
         self.started = time.monotonic()
         self.processes = []
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             head = ["-c", scripts[rank]] if scripts and rank in scripts else ["-m", "fsdpfast"]
-            self.processes.append(subprocess.Popen([sys.executable, *head, "merge", *map(str, argv_of_rank(rank))],
-                                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, *head, "merge", *map(str, argv_of_rank(rank))],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
 
     def wait(self, limit: float = 300) -> list[tuple[int, str, str, float]]:
         """(exit status, stdout, stderr, seconds from the start to its exit) of each rank."""
@@ -129,19 +147,23 @@ def _splits_a_tensor(folder: str, processes: int, dtype: str = "keep") -> bool:
     return any(len(ranks) > 1 for ranks in owners.values())
 
 
-@pytest.mark.parametrize("name,processes,options", [
-    ("wide", 2, []),
-    ("wide", 3, ["--dtype", "bf16"]),
-    ("wide-dcp", 4, []),
-])
+@pytest.mark.parametrize(
+    "name,processes,options",
+    [
+        ("wide", 2, []),
+        ("wide", 3, ["--dtype", "bf16"]),
+        ("wide-dcp", 4, []),
+    ],
+)
 def test_processes_write_the_single_process_merge(wide, tmp_path, name, processes, options):
     spec, folder = wide.get(name)
     single, out = tmp_path / "single", tmp_path / "shared" / "out"
     dtype = options[1] if options else "keep"
     fsdpfast.merge(folder, single, max_shard_size=SHARD, dtype=dtype)
     assert _splits_a_tensor(folder, processes, dtype)  # the case this test is for
-    results = Ranks(lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 120, *options],
-                    processes).wait()
+    results = Ranks(
+        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 120, *options], processes
+    ).wait()
     assert [status for status, *_ in results] == [0] * processes, results
     assert results[0][1].startswith("merged ") and f"in {processes} processes" in results[0][1]
     assert all(not stdout for _, stdout, _, _ in results[1:])  # rank 0 alone reports
@@ -155,9 +177,28 @@ def test_torchrun_runs_the_merge(wide, tmp_path):
     _, folder = wide.get("wide")
     single, out = tmp_path / "single", tmp_path / "out"
     fsdpfast.merge(folder, single, max_shard_size=SHARD)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "fsdpfast", "merge", folder, "--out", str(out), "--max-shard-size", SHARD, "--json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fsdpfast",
+            "merge",
+            folder,
+            "--out",
+            str(out),
+            "--max-shard-size",
+            SHARD,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["processes"] == 2  # one report, rank 0's
     _same_output(single, out)
@@ -171,8 +212,13 @@ def _api_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
     from fsdpfast.testing.examples import exit_rank
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     pair = dist.new_group([1, 2], backend="gloo")
     if rank in (1, 2):
         report = fsdpfast.merge(folder, out, max_shard_size=SHARD, group=pair)
@@ -196,8 +242,11 @@ def test_a_rank_killed_mid_write_stops_all_and_publishes_nothing(wide, tmp_path)
     _, folder = wide.get("wide")
     out = tmp_path / "out"
     timeout = 30
-    results = Ranks(lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", timeout], 3,
-                    scripts={1: DIES_MID_WRITE}).wait()
+    results = Ranks(
+        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", timeout],
+        3,
+        scripts={1: DIES_MID_WRITE},
+    ).wait()
     assert results[1][0] == -signal.SIGKILL
     for rank in (0, 2):
         status, _, stderr, ended = results[rank]
@@ -232,6 +281,7 @@ def test_a_rank_that_cannot_see_the_folder_stops_all(wide, tmp_path, blind):
 
 # --- the parts, one process writing them all ----------------------------------------------------
 
+
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["wide", "wide-dim1"])
 def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine):
@@ -249,7 +299,9 @@ def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine):
         shares = share_out(files, count, align=64)
         _check_cover(files, shares, 64)
         target = LocalTarget(str(tmp_path / f"parts-{count}"), False)
-        pieces = [piece for share in reversed(shares) for piece in execute(plan, share, target, engine=select_engine(engine))]
+        pieces = [
+            piece for share in reversed(shares) for piece in execute(plan, share, target, engine=select_engine(engine))
+        ]
         target.publish()
         target.discard()
         assert tensor_checksums(files, pieces) == expected
@@ -272,8 +324,12 @@ def _check_cover(files, shares, align) -> None:
 def test_shares_never_cut_a_computed_tensor():
     """--merge-lora weights are computed whole: a cut that would fall inside one moves past it."""
     sources = [SourceBuffer("unused", 0, 4 << 20, "float32")]
-    tensors = [TensorPlan(f"t{i}", (1 << 18,), "float32", "float32", (Extent(0, 0, 1 << 18, 0),),
-                          compute=object() if i == 1 else None) for i in range(4)]  # 1 MiB each
+    tensors = [
+        TensorPlan(
+            f"t{i}", (1 << 18,), "float32", "float32", (Extent(0, 0, 1 << 18, 0),), compute=object() if i == 1 else None
+        )
+        for i in range(4)
+    ]  # 1 MiB each
     (planned,) = plan_files(MergePlan("test", 1, sources, tensors), "1GB")
     computed = next(p for p in planned.tensors if p.tensor.compute is not None)
     for count in (2, 3, 5, 8):
@@ -306,4 +362,7 @@ def _pairs(e: Extent):
     """(source element, tensor element) of every element an extent copies."""
     for run in range(e.runs):
         for i in range(e.count):
-            yield (e.src_offset + run * (e.src_stride or e.count) + i, e.dst_offset + run * (e.dst_stride or e.count) + i)
+            yield (
+                e.src_offset + run * (e.src_stride or e.count) + i,
+                e.dst_offset + run * (e.dst_stride or e.count) + i,
+            )

@@ -4,6 +4,7 @@ byte for byte, with what a merged folder holds under the tensor's name.
 The native kernels recompute and compare a chunk at a time, never holding a tensor whole; other
 pieces (float64 casts, --merge-lora weights, no native module) are filled one at a time in memory.
 """
+
 from __future__ import annotations
 
 from .. import _ops
@@ -26,14 +27,21 @@ class CompareSink:
 
     def write(self, pieces: list[PlacedTensor], sources: Source) -> list[int | None]:
         results: dict[int, tuple[int, int | None]] = {}
-        native = [i for i, p in enumerate(pieces) if _ops.native_cpu() and p.nbytes and p.tensor.compute is None
-                  and native_pair(p.tensor.source_dtype, p.tensor.target_dtype)]
+        native = [
+            i
+            for i, p in enumerate(pieces)
+            if _ops.native_cpu()
+            and p.nbytes
+            and p.tensor.compute is None
+            and native_pair(p.tensor.source_dtype, p.tensor.target_dtype)
+        ]
         if native:
             views, rows = build_rows([pieces[i].tensor for i in native], sources)
             expected = [self.files.tensor(pieces[i].tensor.name) for i in native]
             try:
-                crcs, firsts = _ops.native().gather_convert_compare(views, rows, expected, CHUNK_BYTES, _ops.cpu_threads(),
-                                                                    release_sources=True)
+                crcs, firsts = _ops.native().gather_convert_compare(
+                    views, rows, expected, CHUNK_BYTES, _ops.cpu_threads(), release_sources=True
+                )
             finally:
                 for view in views + expected:
                     view.release()
@@ -60,7 +68,7 @@ class CompareSink:
 def first_difference(a: memoryview, b: memoryview) -> int:
     """The first byte offset where a and b differ, or -1 (compared a slice at a time)."""
     for start in range(0, max(len(a), len(b)), SLICE_BYTES):
-        x, y = bytes(a[start: start + SLICE_BYTES]), bytes(b[start: start + SLICE_BYTES])
+        x, y = bytes(a[start : start + SLICE_BYTES]), bytes(b[start : start + SLICE_BYTES])
         if x != y:
             step = 4096
             while step:

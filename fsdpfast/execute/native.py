@@ -25,7 +25,7 @@ class NativeCpuEngine:
         self.chunk_bytes = chunk_bytes
         self.threads = threads or _ops.cpu_threads()
 
-    def output(self, fd: int, end: int, start: int = 0) -> "FileOutput":
+    def output(self, fd: int, end: int, start: int = 0) -> FileOutput:
         return FileOutput(self, fd)
 
 

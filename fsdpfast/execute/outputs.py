@@ -10,6 +10,7 @@ same way, batch after batch:
 Pieces no fast path handles (float64 casts, LoRA weights computed by --merge-lora) are filled
 in memory one at a time by `fill`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -45,7 +46,7 @@ class MappedOutput:
 
     def write(self, pieces: list[PlacedTensor], sources: Source) -> list[int | None]:
         """Fill the pieces; their CRC-32Cs, taken from the freshly written pages."""
-        views = [self._view[p.offset - self._base: p.offset - self._base + p.nbytes] for p in pieces]
+        views = [self._view[p.offset - self._base : p.offset - self._base + p.nbytes] for p in pieces]
         copied = [(p.tensor, view) for p, view in zip(pieces, views) if p.tensor.compute is None]
         if copied:
             self._execute(copied, sources)

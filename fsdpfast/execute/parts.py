@@ -10,6 +10,7 @@ A tensor cut in two is written as two slices (`slice_tensor`: its elements [lo, 
 extents clipped); each slice's CRC-32C is recorded with where it starts (a Piece), and
 `tensor_checksums` combines them into the CRC of the whole tensor.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -84,8 +85,11 @@ def _cut(files: list[OutputFile], ends: list[int], at: int, align: int) -> int:
 
 def tensor_bytes(parts: list[FilePart]) -> int:
     """The tensor bytes (headers left out) inside the parts."""
-    return sum(max(0, min(part.end, p.offset + p.nbytes) - max(part.start, p.offset))
-               for part in parts for p in part.file.tensors)
+    return sum(
+        max(0, min(part.end, p.offset + p.nbytes) - max(part.start, p.offset))
+        for part in parts
+        for p in part.file.tensors
+    )
 
 
 def pieces_of(part: FilePart) -> list[tuple[PlacedTensor, int]]:
@@ -130,7 +134,11 @@ def clip_extent(e: Extent, lo: int, hi: int) -> list[Extent]:
     def partial(run: int) -> Extent | None:
         dst = e.dst_offset + run * d_stride
         start, end = max(dst, lo), min(dst + count, hi)
-        return Extent(e.source, e.src_offset + run * s_stride + (start - dst), end - start, start - lo) if start < end else None
+        return (
+            Extent(e.source, e.src_offset + run * s_stride + (start - dst), end - start, start - lo)
+            if start < end
+            else None
+        )
 
     if e.dst_offset + first * d_stride < lo:
         out.append(partial(first))
@@ -141,9 +149,17 @@ def clip_extent(e: Extent, lo: int, hi: int) -> list[Extent]:
         whole_to = last - 1
     if whole_to >= whole_from:
         runs = whole_to - whole_from + 1
-        out.append(Extent(e.source, e.src_offset + whole_from * s_stride, count,
-                          e.dst_offset + whole_from * d_stride - lo, runs,
-                          s_stride if runs > 1 else 0, d_stride if runs > 1 else 0))
+        out.append(
+            Extent(
+                e.source,
+                e.src_offset + whole_from * s_stride,
+                count,
+                e.dst_offset + whole_from * d_stride - lo,
+                runs,
+                s_stride if runs > 1 else 0,
+                d_stride if runs > 1 else 0,
+            )
+        )
     if tail is not None:
         out.append(tail)
     return [x for x in out if x is not None]

@@ -3,6 +3,7 @@
 Merge runs it with a file sink per output file (part, execute.writer), verify --against with
 the compare sink (execute.compare): both get the same batching and the same bounded memory.
 """
+
 from __future__ import annotations
 
 from ..io.sources import Source

@@ -5,6 +5,7 @@ process, or one process's share of it under torchrun. Each part gets the header 
 range, then every tensor byte in its range at its offset, through the engine's sink
 (execute.outputs) fed by the runner (execute.runner).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,16 @@ from .parts import FilePart, Piece, pieces_of, tensor_checksums, whole
 from .runner import run
 
 
-def execute(plan: MergePlan, files: list[OutputFile | FilePart], target, *, engine, sources: Source | None = None,
-            progress=None, after_file=None) -> list[Piece]:
+def execute(
+    plan: MergePlan,
+    files: list[OutputFile | FilePart],
+    target,
+    *,
+    engine,
+    sources: Source | None = None,
+    progress=None,
+    after_file=None,
+) -> list[Piece]:
     """Write `files` (whole OutputFiles, or FileParts) into `target` with `engine`; the CRC-32C of
     every tensor byte range written. `progress(nbytes)` is told as batches finish, `after_file(part)`
     after each file (part) is complete and on disk. `sources`: the plan's Source (default: its files mapped)."""
@@ -51,7 +60,9 @@ def write_file(path: str, planned: OutputFile, engine, sources: Source, progress
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask, as open() gives
     try:
         os.ftruncate(fd, planned.size)
-        return tensor_checksums([planned], write_into(fd, path, whole(planned), engine, sources, progress))[planned.name]
+        return tensor_checksums([planned], write_into(fd, path, whole(planned), engine, sources, progress))[
+            planned.name
+        ]
     finally:
         os.close(fd)
 
@@ -68,12 +79,14 @@ def write_into(fd: int, path: str, part: FilePart, engine, sources: Source, prog
 
 
 def _write_failed(path: str, reason: str) -> FsdpfastError:
-    return FsdpfastError(f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
-                         "free space on that disk (or raise the file size limit) or choose another output folder, then run again")
+    return FsdpfastError(
+        f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
+        "free space on that disk (or raise the file size limit) or choose another output folder, then run again"
+    )
 
 
 def _write(fd: int, part: FilePart, engine, sources: Source, progress) -> list[Piece]:
-    header = part.file.header[part.start: part.end]
+    header = part.file.header[part.start : part.end]
     if header:
         os.pwrite(fd, header, part.start)
     found = pieces_of(part)  # empty tensors have no bytes to write (tensor_checksums knows their CRC)

@@ -80,7 +80,7 @@ class LocalTarget:
         return os.path.basename(self.path)
 
     @classmethod
-    def join(cls, out_dir: str, token: str) -> "JoinedTarget":
+    def join(cls, out_dir: str, token: str) -> JoinedTarget:
         """The staging folder `token` another process made beside `out_dir`, to write files into."""
         return JoinedTarget(out_dir, token)
 

@@ -8,6 +8,7 @@ Several processes may write one target (a merge under torchrun): rank 0 makes it
 `join` it by its `token` and only `open` files in it; each writes its own byte ranges, and only
 rank 0 writes the small files and publishes.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
