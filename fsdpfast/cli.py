@@ -169,6 +169,15 @@ def _layout_options(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    status = _main(argv)
+    from . import group
+
+    if group.started_here():  # torchrun: leave without the interpreter's shutdown (see group.leave)
+        group.leave(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     with command_line_messages():
         args = build_parser().parse_args(argv)
         try:
@@ -235,40 +244,37 @@ def _merge(args) -> int:
         handler.setFormatter(logging.Formatter("fsdpfast: %(message)s"))
         logging.getLogger("fsdpfast").addHandler(handler)
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
+    from . import group
+
     if args.dry_run:
+        if group.launched_by_torchrun() and group.this_rank() != 0:
+            return 0  # the plan is rank 0's to print; nothing is written anyway
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                        layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
                        **_layout_options(args), **_lora_options(args))
         _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
-    from . import group
-
-    if not group.launched_by_torchrun():
+    several = group.launched_by_torchrun()  # one of several processes: rank 0 alone prints the report
+    if args.timeout is not None and not args.timeout > 0:
+        raise BadInput(f"--timeout {args.timeout:g}: give a number of seconds above 0")
+    pg = group.start_process_group(args.timeout or group.DEFAULT_TIMEOUT_S) if several else None
+    try:
         report = merge(
             args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
             layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-            progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args), **_lora_options(args),
+            progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, group=pg, **_layout_options(args),
+            **_lora_options(args),
         )
-    else:  # one of several processes (torchrun): rank 0 alone prints the report
-        if args.timeout is not None and not args.timeout > 0:
-            raise BadInput(f"--timeout {args.timeout:g}: give a number of seconds above 0")
-        pg = group.start_process_group(args.timeout or group.DEFAULT_TIMEOUT_S)
-        try:
-            report = merge(
-                args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-                progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, group=pg, **_layout_options(args),
-                **_lora_options(args),
-            )
-        except FsdpfastError as exc:
-            if not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
-                exc.args = (f"rank {group.this_rank()}: {exc}",)
-            raise
-        finally:
+    except FsdpfastError as exc:
+        if several and not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
+            exc.args = (f"rank {group.this_rank()}: {exc}",)
+        raise
+    finally:
+        if several:
             group.end_process_group()
-        if group.this_rank() != 0:
-            return 0
+    if several and group.this_rank() != 0:
+        return 0
     _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     _warn(report.warnings)
     return 0
