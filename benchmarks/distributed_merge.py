@@ -11,7 +11,10 @@ benchmarks/make_checkpoint.py; kept in --workdir) is merged, dtype kept, into fi
                             its fqn_to_index_mapping (the same files; torch gives each rank whole files)
 
 for each W in --processes. Each is one process tree (benchmarks/measure.py: wall time, peak RSS summed
-over the tree: the torchrun agent and every worker). Round 0 warms the page cache and is not counted;
+over the tree: the torchrun agent and every worker); the tools' own time is what each reports (fsdpfast's
+report, from the call of merge to publishing; torch's call on rank 0), the wall time less starting the
+interpreters, torchrun's rendezvous and importing torch; of it, fsdpfast's planning on rank 0 (its -v log),
+mostly the model check's import of transformers. Round 0 warms the page cache and is not counted;
 then --repeat rounds run every tool in turn. Every output is checked: fsdpfast's byte for byte and
 manifest for manifest against the single-process merge, torch's tensor for tensor against it.
 fsdpfast fsyncs its output inside the timed run; torch does not.
@@ -31,6 +34,7 @@ import filecmp
 import json
 import os
 import pickle
+import re
 import statistics
 import sys
 import time
@@ -57,6 +61,7 @@ def fsdpfast_merge(ckpt: str, out: str, shard: str) -> list[str]:
         "--overwrite",
         "--quiet",
         "--json",
+        "-v",  # its log says how long planning took
     ]
 
 
@@ -111,6 +116,12 @@ def inside_seconds(run) -> float:
     """The time the tool itself reports (fsdpfast's report, torch's call on rank 0): the wall time
     less starting the interpreters and importing torch."""
     return json.loads(run.stdout)["seconds"]
+
+
+def planning_seconds(run) -> float | None:
+    """fsdpfast's own planning time (its -v log: "planned in X s"); None for torch's tool."""
+    found = re.search(r"planned in ([0-9.]+) s", run.stderr)
+    return float(found.group(1)) if found else None
 
 
 def same_as(out: str, reference: str, fsdpfast_output: bool) -> str:
@@ -189,14 +200,18 @@ def main() -> None:
         f"into {files} files of at most {args.max_shard_size}, dtype kept; {time.strftime('%Y-%m-%d')}, "
         f"{os.cpu_count()} CPUs, one machine, inputs warm in the page cache; {args.repeat} rounds.",
         "",
-        "| tool | wall s, median (min–max) | peak RSS (all processes) | output checked | time ÷ fsdpfast, 1 process |",
-        "|---|---|---|---|---|",
+        "| tool | wall s, median (min–max) | the tool's own s | of which planning s | peak RSS (all processes) "
+        "| output checked | wall time ÷ fsdpfast, 1 process |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         seconds = [r.seconds for r in rs]
+        own = statistics.median(inside_seconds(r) for r in rs)
+        planned = [p for p in map(planning_seconds, rs) if p is not None]
         lines.append(
-            f"| {name} | {statistics.median(seconds):.2f} ({min(seconds):.2f}–{max(seconds):.2f}) "
-            f"| {size(max(r.peak_rss for r in rs))} | {checks[name]} | {ratios(seconds, base)} |"
+            f"| {name} | {statistics.median(seconds):.2f} ({min(seconds):.2f}–{max(seconds):.2f}) | {own:.2f} "
+            f"| {f'{statistics.median(planned):.2f}' if planned else '–'} | {size(max(r.peak_rss for r in rs))} "
+            f"| {checks[name]} | {ratios(seconds, base)} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -199,6 +199,7 @@ def merge(
                                           allow_extra_tensors=allow_extra_tensors, merge_lora=merge_lora,
                                           lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options),
                          abandon=lambda job: job.target.discard())
+    log.info("planned in %.2f s", time.perf_counter() - start)
     try:
         # execute: each process its share of the bytes; rank 0 gets every piece's checksum
         pieces = processes.gather(lambda: _write_share(job, processes, src, dst, progress))
@@ -272,11 +273,14 @@ def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progr
         job.join(src, dst)
     share = share_out(job.files + job.adapter_files, processes.size)[processes.rank]
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
+    start = time.perf_counter()
     try:
-        return execute(job.plan, share, job.target, engine=job.engine, progress=bar.advance,
-                       after_file=lambda _: job.check_sources())
+        written = execute(job.plan, share, job.target, engine=job.engine, progress=bar.advance,
+                          after_file=lambda _: job.check_sources())
     finally:
         bar.close()
+    log.info("rank %d wrote %d bytes in %.2f s", processes.rank, sum(part.nbytes for part in share), time.perf_counter() - start)
+    return written
 
 
 def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeReport:

@@ -53,6 +53,8 @@ def whole(file: OutputFile) -> FilePart:
 
 def share_out(files: list[OutputFile], count: int, align: int = ALIGN) -> list[list[FilePart]]:
     """The parts each of `count` processes writes: every byte of every file exactly once."""
+    if not files:
+        return [[] for _ in range(count)]
     ends = [0]
     for f in files:
         ends.append(ends[-1] + f.size)
