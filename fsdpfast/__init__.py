@@ -17,6 +17,7 @@ never modified.
 
 Functions:
     merge(src, dst, ...)    merge a checkpoint folder into a Hugging Face folder; a MergeReport
+                            (group=pg: several processes share the work, as under torchrun)
     verify(out_dir, ...)    check a merged folder (manifest, shards, a reference); a VerifyReport
     inspect(src, ...)       what a checkpoint holds and a merge would write, as JSON-able data
     plan_merge(src, ...)    the MergePlan (every tensor's pieces), from metadata alone
