@@ -10,6 +10,7 @@ from . import readers
 from .lora import output as lora_output, plan as lora_plan
 from .plan.copies import check_copies
 from .execute.engines import check_engine_name, select_engine
+from .execute.measurements import job_kind
 from .io.sources import SourceFiles
 from .errors import BadInput, InterruptedAfterPublishing, option
 from .io.staging import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
@@ -169,7 +170,9 @@ def merge(
         the checkpoint's huggingface/ folder).
     overwrite: replace `dst` if it is an earlier merge (an empty `dst` is replaced anyway; any other
         existing folder is refused).
-    engine: "auto" (default: cuda, else the native cpu engine, else torch), "cpu", "cuda", "torch".
+    engine: "auto" (default: the engine measured fastest on this machine for this kind of conversion,
+        execute/measurements.py; without such a record the native cpu engine, else torch), "cpu",
+        "cuda", "torch".
     progress: a progress bar on stderr when it is a terminal.
     options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
 
@@ -192,7 +195,7 @@ def merge(
                       merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
     lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
-    runner = select_engine(engine)
+    runner = select_engine(engine, job_kind(plan.tensors))
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     staging = StagingFolder(dst, overwrite)

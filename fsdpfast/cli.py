@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
     merge.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
-    merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
+    merge.add_argument("--engine", default="auto", help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
+                       "measured another faster on this machine for this kind of cast), cpu, cuda or torch")
     _add_layout_options(merge)
     merge.add_argument("--allow-extra-tensors", action="store_true",
                        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
