@@ -7,12 +7,12 @@ import os
 
 from ..errors import BadInput, option
 from ..plan.model import MergePlan
-from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
+from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks, megatron
 from .reader import Reader, ReaderOption
 
 # The registry: every layout fsdpfast reads, in the order detection tries them.
 READERS: dict[str, Reader] = {module.READER.name: module.READER for module in (
-    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks)}
+    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks, megatron)}
 
 # Options a user may give beyond the folder, and the one layout each belongs to.
 LAYOUT_OPTIONS: dict[str, str] = {opt.name: reader.name for reader in READERS.values() for opt in reader.options}
