@@ -7,7 +7,17 @@ import os
 
 from ..errors import BadInput, option
 from ..plan.model import MergePlan
-from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks, megatron
+from . import (
+    accelerate_ranks,
+    dcp,
+    dcp_hf,
+    deepspeed_zero,
+    framework_folders,
+    fsdp1_flat,
+    fsdp_ranks,
+    guide_ranks,
+    megatron,
+)
 from .reader import Reader, ReaderOption
 
 # The registry: every layout fsdpfast reads, in the order detection tries them.

@@ -15,6 +15,7 @@ No output_layer.weight means tied embeddings. Embedding rows past config.json's 
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
 or huggingface/ in or beside the folder); every tensor's shape is checked against them.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,10 @@ import re
 from dataclasses import dataclass
 from math import prod
 
+from .._parsing.boxes import window_extents
 from ..configs import load_config
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, TensorPlan
-from .._parsing.boxes import window_extents
 from . import dcp
 from .megatron_folder import is_torch_dist
 from .reader import Reader
@@ -43,14 +44,24 @@ _NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerE
 }
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _PROJ, _FC1, _FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
-_EMBED, _OUTPUT, _FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+_EMBED, _OUTPUT, _FINAL_NORM = (
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "decoder.final_layernorm.weight",
+)
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
 _KNOWN_UNSUPPORTED = (
-    (".experts.", "MoE layers"), ("mlp.router", "MoE layers"), ("shared_experts", "MoE layers"),
-    ("linear_q_down_proj", "multi-latent attention (MLA)"), ("linear_kv_down_proj", "multi-latent attention (MLA)"),
-    ("q_layernorm", "QK layernorm"), ("k_layernorm", "QK layernorm"),
-    ("position_embeddings", "learned position embeddings (not RoPE)"), ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
-    ("mtp", "multi-token prediction layers"), ("vision", "a vision tower"),
+    (".experts.", "MoE layers"),
+    ("mlp.router", "MoE layers"),
+    ("shared_experts", "MoE layers"),
+    ("linear_q_down_proj", "multi-latent attention (MLA)"),
+    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
+    ("q_layernorm", "QK layernorm"),
+    ("k_layernorm", "QK layernorm"),
+    ("position_embeddings", "learned position embeddings (not RoPE)"),
+    ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
+    ("mtp", "multi-token prediction layers"),
+    ("vision", "a vision tower"),
 )
 
 
@@ -92,14 +103,21 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     _check_shapes(folder, config, model, layers, sizes)
     tensors = [_plan(folder, name, shape, windows) for name, shape, windows in _outputs(model, layers, sizes)]
     plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config)
-    plan = plan.noted(f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
-                      f"head dim {sizes.head_dim}, from {os.path.join(config, 'config.json')}", config_note)
+    plan = plan.noted(
+        f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
+        f"head dim {sizes.head_dim}, from {os.path.join(config, 'config.json')}",
+        config_note,
+    )
     if model[_EMBED].shape[0] > sizes.vocab:
-        plan = plan.noted(f"left out: embedding rows {sizes.vocab}..{model[_EMBED].shape[0] - 1}, Megatron's vocabulary "
-                          f"padding past config.json's vocab_size {sizes.vocab}")
+        plan = plan.noted(
+            f"left out: embedding rows {sizes.vocab}..{model[_EMBED].shape[0] - 1}, Megatron's vocabulary "
+            f"padding past config.json's vocab_size {sizes.vocab}"
+        )
     others = [k for k in chunked.tensors if k not in model] + [k for k in chunked.others if "_extra_state" not in k]
     if others:
-        plan = plan.noted(f"not merged: {len(others)} other entries ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
+        plan = plan.noted(
+            f"not merged: {len(others)} other entries ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        )
     return plan
 
 
@@ -111,8 +129,10 @@ def _config_dir(folder: str, given: str | None) -> tuple[str, str | None]:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             beside = not os.path.abspath(candidate).startswith(os.path.abspath(folder) + os.sep) and candidate != folder
             return candidate, (f"config.json from {candidate}, beside the checkpoint folder" if beside else None)
-    raise BadInput(f"{folder}: a Megatron checkpoint records no Hugging Face config; pass {option('config', meta='DIR')} "
-                   "(a folder with the model's config.json: its sizes place the tensors, and it is copied to the output)")
+    raise BadInput(
+        f"{folder}: a Megatron checkpoint records no Hugging Face config; pass {option('config', meta='DIR')} "
+        "(a folder with the model's config.json: its sizes place the tensors, and it is copied to the output)"
+    )
 
 
 def _sizes(config: str) -> _Sizes:
@@ -120,21 +140,33 @@ def _sizes(config: str) -> _Sizes:
     values = load_config(path)
     model_type = values.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise BadInput(f"{path}: model_type {model_type!r}; the megatron layout writes {', '.join(_MODEL_TYPES)} models "
-                       "(Megatron GPT with RMSNorm, SwiGLU, RoPE)")
+        raise BadInput(
+            f"{path}: model_type {model_type!r}; the megatron layout writes {', '.join(_MODEL_TYPES)} models "
+            "(Megatron GPT with RMSNorm, SwiGLU, RoPE)"
+        )
+
     def number(key, default=None):
         value = values.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise BadInput(f"{path}: {key} is {value!r}, not a positive whole number")
         return value
+
     hidden, heads = number("hidden_size"), number("num_attention_heads")
     groups = number("num_key_value_heads", heads)
     if heads % groups:
         raise BadInput(f"{path}: {heads} attention heads do not divide into {groups} key/value heads")
     head_dim = number("head_dim") if values.get("head_dim") is not None else hidden // heads
     tied = values.get("tie_word_embeddings")
-    return _Sizes(hidden, heads, groups, head_dim, number("intermediate_size"), number("num_hidden_layers"),
-                  number("vocab_size"), tied if isinstance(tied, bool) else None)
+    return _Sizes(
+        hidden,
+        heads,
+        groups,
+        head_dim,
+        number("intermediate_size"),
+        number("num_hidden_layers"),
+        number("vocab_size"),
+        tied if isinstance(tied, bool) else None,
+    )
 
 
 def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
@@ -147,37 +179,54 @@ def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.C
             layers.setdefault(match.group(2), {})[index] = tensor
     mixed = [key for key, found in layers.items() if None in found and len(found) > 1]
     if mixed:
-        raise BadInput(f"{folder}: decoder.layers.{mixed[0]} is both stacked and per layer; the checkpoint is not one model")
+        raise BadInput(
+            f"{folder}: decoder.layers.{mixed[0]} is both stacked and per layer; the checkpoint is not one model"
+        )
     return layers
 
 
 def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
     known_layer = set(_NORMS) | set(_QKV) | {_PROJ, _FC1, _FC2}
-    unknown = [name for name in model if not (_LAYER.fullmatch(name) and _LAYER.fullmatch(name).group(2) in known_layer)
-               and name not in (_EMBED, _OUTPUT, _FINAL_NORM)]
+    unknown = [
+        name
+        for name in model
+        if not (_LAYER.fullmatch(name) and _LAYER.fullmatch(name).group(2) in known_layer)
+        and name not in (_EMBED, _OUTPUT, _FINAL_NORM)
+    ]
     if unknown:
         kinds = list(dict.fromkeys(what for name in unknown for piece, what in _KNOWN_UNSUPPORTED if piece in name))
         shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
-        raise BadInput(f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-                       "SwiGLU and RoPE (Llama, Mistral, Qwen2) only")
+        raise BadInput(
+            f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2) only"
+        )
     for needed in (_EMBED, _FINAL_NORM):
         if needed not in model:
             raise BadInput(f"{folder}: no {needed} in the checkpoint; not a whole Megatron GPT model")
-    missing = [key for key in (*_NORMS_NEEDED, _QKV[0], _PROJ, _FC1, _FC2) if not _has(layers, key)]
-    if missing:
-        raise BadInput(f"{folder}: no decoder.layers.{missing[0]} in the checkpoint; not a Megatron GPT model with SwiGLU and RMSNorm")
+    for names in _LAYER_NEEDED:
+        present = [key for key in names if key in layers]
+        if len(present) > 1:
+            raise BadInput(
+                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two names "
+                "for one norm; the checkpoint is not one model"
+            )
+        if not present:
+            raise BadInput(
+                f"{folder}: no decoder.layers.{names[0]} in the checkpoint; not a Megatron GPT model "
+                "with SwiGLU and RMSNorm"
+            )
 
 
-_NORMS_NEEDED = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
-
-
-def _has(layers: dict, key: str) -> bool:
-    if key in layers:
-        return True
-    local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}.get(key)
-    return local in layers
+# Each layer's tensors (alternatives: the TransformerEngine name, the local spec's)
+_LAYER_NEEDED = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    (_QKV[0],),
+    (_PROJ,),
+    (_FC1,),
+    (_FC2,),
+)
 
 
 def _check_shapes(folder: str, config: str, model: dict, layers: dict, sizes: _Sizes) -> None:
@@ -185,39 +234,70 @@ def _check_shapes(folder: str, config: str, model: dict, layers: dict, sizes: _S
     s = sizes
     path = os.path.join(config, "config.json")
     qkv_rows = (s.heads + 2 * s.groups) * s.head_dim
-    expected = {_QKV[0]: (qkv_rows, s.hidden), _QKV[1]: (qkv_rows,), _PROJ: (s.hidden, s.heads * s.head_dim),
-                _FC1: (2 * s.ffn, s.hidden), _FC2: (s.hidden, s.ffn), **{key: (s.hidden,) for key in _NORMS}}
-    why = {_QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
-           _PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
-           _FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}", _FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}"}
+    expected = {
+        _QKV[0]: (qkv_rows, s.hidden),
+        _QKV[1]: (qkv_rows,),
+        _PROJ: (s.hidden, s.heads * s.head_dim),
+        _FC1: (2 * s.ffn, s.hidden),
+        _FC2: (s.hidden, s.ffn),
+        **{key: (s.hidden,) for key in _NORMS},
+    }
+    why = {
+        _QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
+        _PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
+        _FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
+        _FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
+    }
     why[_QKV[1]] = why[_QKV[0]]
     for key, found in layers.items():
         indices = sorted(found) if None not in found else list(range(found[None].shape[0]))
         if indices != list(range(s.layers)):
             have = len(indices) if None not in found else found[None].shape[0]
-            raise BadInput(f"{folder}: decoder.layers.{key} holds {have} layers; {path} has num_hidden_layers {s.layers}")
+            raise BadInput(
+                f"{folder}: decoder.layers.{key} holds {have} layers; {path} has num_hidden_layers {s.layers}"
+            )
         for index, tensor in found.items():
             shape = tensor.shape[1:] if index is None else tensor.shape
             if shape != expected[key]:
-                raise BadInput(f"{folder}: {tensor.name} has layer shape {list(shape)}; {path} gives {list(expected[key])} "
-                               f"({why.get(key, f'hidden_size {s.hidden}')}): the config is not this checkpoint's model")
+                raise BadInput(
+                    f"{folder}: {tensor.name} has layer shape {list(shape)}; {path} gives {list(expected[key])} "
+                    f"({why.get(key, f'hidden_size {s.hidden}')}): the config is not this checkpoint's model"
+                )
     for name in (_EMBED, _OUTPUT):
         if name in model and (model[name].shape[1:] != (s.hidden,) or model[name].shape[0] < s.vocab):
-            raise BadInput(f"{folder}: {name} is {list(model[name].shape)}; {path} gives vocab_size {s.vocab} and hidden_size "
-                           f"{s.hidden}: the config is not this checkpoint's model")
+            raise BadInput(
+                f"{folder}: {name} is {list(model[name].shape)}; {path} gives vocab_size {s.vocab} and hidden_size "
+                f"{s.hidden}: the config is not this checkpoint's model"
+            )
     if model[_FINAL_NORM].shape != (s.hidden,):
-        raise BadInput(f"{folder}: {_FINAL_NORM} is {list(model[_FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}")
+        raise BadInput(
+            f"{folder}: {_FINAL_NORM} is {list(model[_FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
+        )
     if s.tied is not None and s.tied == (_OUTPUT in model):
-        holds = "holds output_layer.weight (untied)" if _OUTPUT in model else "holds no output_layer.weight (tied embeddings)"
-        raise BadInput(f"{folder}: the checkpoint {holds}, but {path} has tie_word_embeddings {str(s.tied).lower()}: "
-                       "the config is not this checkpoint's model")
+        holds = (
+            "holds output_layer.weight (untied)"
+            if _OUTPUT in model
+            else "holds no output_layer.weight (tied embeddings)"
+        )
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has tie_word_embeddings {str(s.tied).lower()}: "
+            "the config is not this checkpoint's model"
+        )
 
 
 def _outputs(model: dict, layers: dict, s: _Sizes):
     """(Hugging Face name, the windows it is made of), in the model's order."""
+
     def whole(tensor, at_rows=None):
-        return [_Window(tensor, (0,) * len(tensor.shape), tensor.shape if at_rows is None else (at_rows, *tensor.shape[1:]),
-                        (0,) * len(tensor.shape))]
+        return [
+            _Window(
+                tensor,
+                (0,) * len(tensor.shape),
+                tensor.shape if at_rows is None else (at_rows, *tensor.shape[1:]),
+                (0,) * len(tensor.shape),
+            )
+        ]
+
     yield "model.embed_tokens.weight", (s.vocab, s.hidden), whole(model[_EMBED], s.vocab)
     for i in range(s.layers):
         prefix = f"model.layers.{i}."
@@ -253,8 +333,11 @@ def _qkv(found: dict, i: int, s: _Sizes, prefix: str, kind: str):
     tail = ((0, s.hidden),) if kind == "weight" else ()
     parts = (("q", 0, per_group * d), ("k", per_group * d, d), ("v", (per_group + 1) * d, d))
     for proj, start, rows in parts:
-        windows = [w for group in range(s.groups)
-                   for w in _layer_window(found, i, ((group * group_rows + start, rows), *tail), at_row=group * rows)]
+        windows = [
+            w
+            for group in range(s.groups)
+            for w in _layer_window(found, i, ((group * group_rows + start, rows), *tail), at_row=group * rows)
+        ]
         shape = (s.groups * rows, s.hidden) if kind == "weight" else (s.groups * rows,)
         yield f"{prefix}self_attn.{proj}_proj.{kind}", shape, windows
 
@@ -263,11 +346,14 @@ def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window]
     extents = []
     for w in windows:
         for chunk in w.tensor.chunks:
-            extents += window_extents(chunk.source, chunk.element_offset, chunk.offsets, chunk.sizes,
-                                      w.offsets, w.sizes, shape, w.at)
+            extents += window_extents(
+                chunk.source, chunk.element_offset, chunk.offsets, chunk.sizes, w.offsets, w.sizes, shape, w.at
+            )
     if sum(e.numel for e in extents) != prod(shape):
-        raise BadInput(f"{folder}: the chunks of {windows[0].tensor.name} cover {sum(e.numel for e in extents)} of the "
-                       f"{prod(shape)} elements of {name}; the checkpoint is incomplete")
+        raise BadInput(
+            f"{folder}: the chunks of {windows[0].tensor.name} cover {sum(e.numel for e in extents)} of the "
+            f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
+        )
     dtype = windows[0].tensor.dtype
     return TensorPlan(name, shape, dtype, dtype, extents)
 

@@ -5,6 +5,7 @@
 iteration as `iter_0000100/`, beside `latest_checkpointed_iteration.txt` naming the latest (a number,
 or "release").
 """
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,13 @@ def latest_iteration(folder: str) -> tuple[str, str] | None:
         raise BadInput(f"{path}: holds {text[:40]!r}, not an iteration number; merge an iter_NNNNNNN/ folder directly")
     chosen = os.path.join(folder, name)
     if not os.path.isdir(chosen):
-        raise BadInput(f"{path} names iteration {text}, but {chosen} is missing; merge an existing iter_NNNNNNN/ folder directly")
+        raise BadInput(
+            f"{path} names iteration {text}, but {chosen} is missing; merge an existing iter_NNNNNNN/ folder directly"
+        )
     others = sorted(e for e in os.listdir(folder) if e != name and (e.startswith("iter_") or e == "release"))
-    note = (f"Megatron run folder: merged the latest iteration {name}/ ({ITERATION_FILE})" +
-            (f"; not merged: {len(others)} other iterations ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
-             if others else ""))
+    note = f"Megatron run folder: merged the latest iteration {name}/ ({ITERATION_FILE})" + (
+        f"; not merged: {len(others)} other iterations ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        if others
+        else ""
+    )
     return chosen, note
