@@ -51,6 +51,13 @@ def test_merges_bit_exact_to_the_live_weights(tmp_path, name):
     assert fsdpfast.verify(str(tmp_path / "out"), against=str(DATA / name / "run")).ok
 
 
+def test_tp2_pp2_equals_megatron_bridges_export(tmp_path):
+    # megatron-bridge 0.3.1 loaded the checkpoint at TP1/PP1 (resharding on load) and exported it;
+    # the generating script checked its export equal to reference.safetensors for every fixture
+    fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out", config=DATA / "tp2_pp2" / "hf")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "bridge_export.safetensors")))
+
+
 @pytest.mark.parametrize("name", MERGED)
 def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, name):
     import transformers

@@ -101,7 +101,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     config, config_note = _config_dir(folder, config)
     sizes = _sizes(config)
     _check_shapes(folder, config, model, layers, sizes)
-    tensors = [_plan(folder, name, shape, windows) for name, shape, windows in _outputs(model, layers, sizes)]
+    by_layer: dict = {}  # stacked tensor -> layer -> its chunks
+    outputs = _outputs(model, layers, sizes)
+    tensors = [_plan(folder, name, shape, windows, by_layer) for name, shape, windows in outputs]
     plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config)
     plan = plan.noted(
         f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
@@ -342,10 +344,10 @@ def _qkv(found: dict, i: int, s: _Sizes, prefix: str, kind: str):
         yield f"{prefix}self_attn.{proj}_proj.{kind}", shape, windows
 
 
-def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window]) -> TensorPlan:
+def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window], by_layer: dict) -> TensorPlan:
     extents = []
     for w in windows:
-        for chunk in w.tensor.chunks:
+        for chunk in _chunks_at(w, shape, by_layer):
             extents += window_extents(
                 chunk.source, chunk.element_offset, chunk.offsets, chunk.sizes, w.offsets, w.sizes, shape, w.at
             )
@@ -356,6 +358,20 @@ def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window]
         )
     dtype = windows[0].tensor.dtype
     return TensorPlan(name, shape, dtype, dtype, extents)
+
+
+def _chunks_at(w: _Window, shape: tuple[int, ...], by_layer: dict) -> list[dcp.Chunk]:
+    """The chunks that may meet the window: of its layer only, for a layer of a stacked tensor
+    (which has a chunk per layer and TP rank: looking at all of them would cost layers squared)."""
+    if len(w.sizes) == len(shape):
+        return list(w.tensor.chunks)
+    if w.tensor.name not in by_layer:
+        index: dict[int, list] = {}
+        for chunk in w.tensor.chunks:
+            for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
+                index.setdefault(layer, []).append(chunk)
+        by_layer[w.tensor.name] = index
+    return by_layer[w.tensor.name].get(w.offsets[0], [])
 
 
 READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)
