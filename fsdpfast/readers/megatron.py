@@ -1,10 +1,10 @@
 """Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 models.
 
 The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
-shapes: TP and PP only decide which chunks exist, so both are handled by the chunk boxes. Layer
-tensors are stacked: `decoder.layers.self_attention.linear_qkv.weight` is (L, (n + 2g)·d, h), layer
-i at index i whatever the pipeline stage that saved it (per-layer `decoder.layers.{i}.` names, as a
-heterogeneous checkpoint has them, are read too). Each Hugging Face tensor is a set of windows into
+shapes: TP, PP and virtual pipeline stages only decide which chunks exist, so all are handled by
+the chunk boxes. Layer tensors are stacked: `decoder.layers.self_attention.linear_qkv.weight` is
+(L, (n + 2g)·d, h), layer i at index i whatever the pipeline stage that saved it (per-layer
+`decoder.layers.{i}.` names, as a heterogeneous checkpoint has them, are read too). Each Hugging Face tensor is a set of windows into
 those tensors, so the split is byte placement, no arithmetic:
 - linear_qkv interleaves q, k, v per query group: layer i viewed as (g, (n/g + 2)·d, h), per group
   the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
@@ -13,7 +13,8 @@ those tensors, so the split is byte placement, no arithmetic:
 - the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
 No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
-or huggingface/ in or beside the folder); every tensor's shape is checked against them.
+or huggingface/ in or beside the folder); every tensor's shape is checked against them. common.pt
+(a training run's args) is not read. Optimizer state beside the model is not merged.
 """
 
 from __future__ import annotations
