@@ -22,9 +22,10 @@ from test_bad_input import cli_refuses, run_cli
 import fsdpfast
 
 DATA = Path(__file__).parent / "data" / "megatron"
-# every fixture with a reference; the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings
+# every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
+# the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings
 # tied across stages, QKV bias, bf16 parameters
-MERGED = ["tp2_pp1", "tp2_pp2", "tp1_pp1_qwen2_tied", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+MERGED = ["tp2_pp1", "tp2_pp2", "tp1_pp1_qwen2_tied", "tp2_pp1_per_layer_bf16", "tp2_pp2_vpp2_qwen2_tied_bf16"]
 ITERATION = "iter_0000007"
 
 
