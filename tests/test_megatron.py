@@ -227,3 +227,10 @@ def _check_random_window(seed: int) -> None:
     window = whole[tuple(slice(s, s + n) for s, n in zip(starts, sizes))].reshape(sizes[dropped:])
     expected[tuple(slice(a, a + n) for a, n in zip(out_at, sizes[dropped:]))] = window
     assert torch.equal(out, expected), (seed, shape, cuts, starts, sizes, out_shape, out_at)
+
+
+def test_forcing_the_dcp_layout_names_the_one_found(tmp_path):
+    line = cli_refuses(
+        DATA / "tp2_pp1" / "run" / ITERATION, tmp_path / "out", "--layout", "dcp", mentions=("megatron",)
+    )
+    assert "no files of layout dcp" in line

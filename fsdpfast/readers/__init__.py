@@ -78,7 +78,9 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     if layout is None:
         layout = detect(source)
     elif not READERS[layout].sniff(source):
-        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description})")
+        found = _layouts_in(source)  # a Megatron folder is a DCP folder too, but read as megatron only
+        holds = f"; it holds a {' and '.join(found)} checkpoint" if found else ""
+        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description}){holds}")
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
             raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
