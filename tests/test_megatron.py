@@ -234,3 +234,30 @@ def test_forcing_the_dcp_layout_names_the_one_found(tmp_path):
         DATA / "tp2_pp1" / "run" / ITERATION, tmp_path / "out", "--layout", "dcp", mentions=("megatron",)
     )
     assert "no files of layout dcp" in line
+
+
+# --- common.pt: the training args a run saves beside the model ----------------------------------
+
+
+def test_config_checked_against_the_training_args(tmp_path):
+    plan = fsdpfast.plan_merge(DATA / "tp2_pp2" / "run", config=DATA / "tp2_pp2" / "hf")
+    assert any("training args in common.pt" in note for note in plan.notes), plan.notes
+
+
+def test_a_config_whose_shapes_fit_but_whose_heads_differ_is_refused(tmp_path):
+    # 8 heads of 8 in 4 groups give every tensor the shape 4 heads of 16 in 2 groups give; only the
+    # run's args tell the q/k/v split apart
+    config = _config(tmp_path, "tp2_pp2", num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    cli_refuses(
+        DATA / "tp2_pp2" / "run", tmp_path / "out", "--config", config, mentions=("common.pt", "num_attention_heads 8")
+    )
+
+
+def test_a_common_pt_that_pickles_other_classes_is_not_read(tmp_path):
+    import fractions
+
+    run = _copy("tp2_pp2", tmp_path) / "run"
+    torch.save({"args": fractions.Fraction(1, 3)}, run / ITERATION / "common.pt")
+    report = fsdpfast.merge(run, tmp_path / "out", config=DATA / "tp2_pp2" / "hf")
+    assert any("common.pt not read" in note for note in report.notes), report.notes
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))

@@ -13,8 +13,9 @@ those tensors, so the split is byte placement, no arithmetic:
 - the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
 No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
-or huggingface/ in or beside the folder); every tensor's shape is checked against them. common.pt
-(a training run's args) is not read. Optimizer state beside the model is not merged.
+or huggingface/ in or beside the folder); every tensor's shape is checked against them, and the
+sizes against the training args a run keeps in common.pt (readers.megatron_args), when it does.
+Optimizer state beside the model is not merged.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..configs import load_config
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, TensorPlan
 from . import dcp
+from .megatron_args import COMMON, TrainingArgs, read_training_args
 from .megatron_folder import is_torch_dist
 from .reader import Reader
 
@@ -101,6 +103,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     _refuse_unknown(folder, model, layers)  # before asking for a config: no config makes an MoE model mergeable
     config, config_note = _config_dir(folder, config)
     sizes = _sizes(config)
+    args, args_note = read_training_args(folder)
+    if args is not None:
+        _check_args(folder, config, sizes, args)
     _check_shapes(folder, config, model, layers, sizes)
     by_layer: dict = {}  # stacked tensor -> layer -> its chunks
     outputs = _outputs(model, layers, sizes)
@@ -110,6 +115,8 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
         f"head dim {sizes.head_dim}, from {os.path.join(config, 'config.json')}",
         config_note,
+        args_note,
+        f"config.json's sizes agree with the training args in {COMMON}" if args is not None else None,
     )
     if model[_EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
@@ -170,6 +177,24 @@ def _sizes(config: str) -> _Sizes:
         number("vocab_size"),
         tied if isinstance(tied, bool) else None,
     )
+
+
+def _check_args(folder: str, config: str, s: _Sizes, args: TrainingArgs) -> None:
+    """config.json against the run's own args: the first size they disagree on is refused in one line."""
+    pairs = (
+        ("num_layers", args.layers, "num_hidden_layers", s.layers),
+        ("hidden_size", args.hidden, "hidden_size", s.hidden),
+        ("num_attention_heads", args.heads, "num_attention_heads", s.heads),
+        ("num_query_groups", args.groups, "num_key_value_heads", s.groups),
+        ("kv_channels", args.head_dim, "head_dim", s.head_dim),
+        ("ffn_hidden_size", args.ffn, "intermediate_size", s.ffn),
+    )
+    for arg, recorded, key, given in pairs:
+        if recorded is not None and recorded != given:
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {os.path.join(config, 'config.json')} "
+                f"gives {key} {given}: the config is not this checkpoint's model"
+            )
 
 
 def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
