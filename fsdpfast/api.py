@@ -165,7 +165,7 @@ def merge(
     max_shard_size: the largest output file ("5GB", "500MB", "2GiB" or bytes); more than one file
         adds model.safetensors.index.json.
     layout: force a layout instead of detecting it ("fsdp-ranks", "guide-ranks", "dcp", "dcp-hf",
-        "deepspeed-zero", "fsdp1-flat").
+        "deepspeed-zero", "fsdp1-flat", "megatron").
     config: a folder whose config.json, generation config and tokenizer files are copied (default:
         the checkpoint's huggingface/ folder).
     overwrite: replace `dst` if it is an earlier merge (an empty `dst` is replaced anyway; any other

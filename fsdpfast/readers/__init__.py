@@ -7,12 +7,22 @@ import os
 
 from ..errors import BadInput, option
 from ..plan.model import MergePlan
-from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
+from . import (
+    accelerate_ranks,
+    dcp,
+    dcp_hf,
+    deepspeed_zero,
+    framework_folders,
+    fsdp1_flat,
+    fsdp_ranks,
+    guide_ranks,
+    megatron,
+)
 from .reader import Reader, ReaderOption
 
 # The registry: every layout fsdpfast reads, in the order detection tries them.
 READERS: dict[str, Reader] = {module.READER.name: module.READER for module in (
-    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks)}
+    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks, megatron)}
 
 # Options a user may give beyond the folder, and the one layout each belongs to.
 LAYOUT_OPTIONS: dict[str, str] = {opt.name: reader.name for reader in READERS.values() for opt in reader.options}
@@ -68,7 +78,9 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     if layout is None:
         layout = detect(source)
     elif not READERS[layout].sniff(source):
-        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description})")
+        found = _layouts_in(source)  # a Megatron folder is a DCP folder too, but read as megatron only
+        holds = f"; it holds a {' and '.join(found)} checkpoint" if found else ""
+        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description}){holds}")
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
             raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
