@@ -13,7 +13,8 @@ from .execute.engines import check_engine_name, select_engine
 from .execute.measurements import job_kind
 from .io.sources import SourceFiles
 from .errors import BadInput, InterruptedAfterPublishing, option
-from .io.staging import StagingFolder, check_output_place, copy_config_files, replaceable, write_json
+from .io.staging import (StagingFolder, check_output_place, copy_config_files, replaceable, write_built_config,
+                         write_json)
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
 from .plan.model_check import check_against_model, load_expected_model
@@ -99,7 +100,8 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
-    expected, why_not = load_expected_model(plan.config_dir) if not lora_only else (None, "a LoRA-only checkpoint")
+    expected, why_not = (load_expected_model(plan.config_dir, plan.built_config) if not lora_only
+                         else (None, "a LoRA-only checkpoint"))
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
@@ -133,6 +135,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, a
         "total_bytes": sum(t["bytes"] for t in tensors),
         "source_files": sorted({s.path for s in plan.sources}),
         "config_dir": plan.config_dir,
+        "built_config": plan.built_config,  # config.json built from the checkpoint's own records (no config_dir)
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
         "assumed": plan.assumed,
@@ -212,6 +215,8 @@ def merge(
         if len(files) > 1:
             write_json(staging.file("model.safetensors.index.json"), index_json(files))
         copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir and files else []
+        if plan.built_config is not None and not plan.config_dir and files:
+            copied = write_built_config(plan.built_config, staging, parse_dtype(dtype))
         manifest = build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype))
         if adapters:
             manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)

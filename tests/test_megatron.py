@@ -261,3 +261,86 @@ def test_a_common_pt_that_pickles_other_classes_is_not_read(tmp_path):
     report = fsdpfast.merge(run, tmp_path / "out", config=DATA / "tp2_pp2" / "hf")
     assert any("common.pt not read" in note for note in report.notes), report.notes
     assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+
+
+# --- no config.json: the training args in common.pt give it ---------------------------------------
+
+# fixtures whose common.pt holds Megatron-LM's args (a Llama and a Qwen2 with tied embeddings, bf16)
+WITH_ARGS = ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+# what a Llama / Qwen2 computes with: the built config.json must give what the fixture's HF config gives
+_MODEL_KEYS = (
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "rms_norm_eps", "rope_parameters",
+    "tie_word_embeddings", "dtype", "max_position_embeddings",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", WITH_ARGS)
+def test_without_config_the_training_args_give_config_json(tmp_path, name):
+    import transformers
+
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out")  # no hf/ in or beside the run folder
+    assert any("built from the training args in common.pt" in note and "tokenizer" in note for note in report.notes)
+    assert report.copied == ["config.json"]
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors")))
+    built = json.loads((tmp_path / "out" / "config.json").read_text())
+    given = json.loads((DATA / name / "hf" / "config.json").read_text())
+    assert {k: built.get(k) for k in _MODEL_KEYS} == {k: given.get(k) for k in _MODEL_KEYS}
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), dtype="auto", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    fsdpfast.merge(DATA / name / "run", tmp_path / "with_config", config=DATA / name / "hf")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "with_config"), dtype="auto")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 7], [79, 32, 38, 46, 26, 43, 38, 1]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert fsdpfast.verify(str(tmp_path / "out"), against=str(DATA / name / "run")).ok
+
+
+def test_tp2_pp2_without_config_equals_megatron_bridges_export(tmp_path):
+    fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "bridge_export.safetensors")))
+
+
+def _with_args(tmp_path: Path, drop=(), **changes) -> Path:
+    """The tp2_pp2 run with its common.pt's args changed, saved as Megatron saves common.pt (torch.save)."""
+    import argparse
+
+    from fsdpfast.readers.megatron_args import read_training_args
+
+    run = _copy("tp2_pp2", tmp_path) / "run"
+    args, _ = read_training_args(str(run / ITERATION))
+    recorded = {k: v for k, v in args.recorded.items() if k not in drop}
+    common = {"args": argparse.Namespace(**{**recorded, **changes}), "checkpoint_version": 3.0, "iteration": 7}
+    torch.save(common, run / ITERATION / "common.pt")
+    return run
+
+
+@pytest.mark.parametrize(
+    "drop, changes, mentions",
+    [
+        (("norm_epsilon",), {}, ("norm_epsilon", "--config")),
+        (("rotary_base", "swiglu"), {}, ("rotary_base", "swiglu", "--config")),
+        ((), dict(window_size=(4095, 0)), ("window_size", "--config")),
+        ((), dict(use_rope_scaling=True), ("use_rope_scaling", "--config")),
+        ((), dict(padded_vocab_size=128), ("padded_vocab_size 128", "embedding rows 102")),
+        ((), dict(untie_embeddings_and_output_weights=False), ("untie_embeddings_and_output_weights",)),
+        ((), dict(ffn_hidden_size=64), ("linear_fc1.weight", "intermediate_size 64")),  # shapes still checked
+    ],
+)
+def test_args_that_cannot_build_the_config_are_refused(tmp_path, drop, changes, mentions):
+    cli_refuses(_with_args(tmp_path, drop, **changes), tmp_path / "out", mentions=mentions)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(rotary_interleaved=True), ("rotary_interleaved", "interleaved")),  # no Hugging Face Llama computes it
+        (dict(rotary_base=500000), ("rotary_base 500000", "rope_theta 10000")),
+        (dict(norm_epsilon=1e-6), ("norm_epsilon", "rms_norm_eps")),
+    ],
+)
+def test_args_that_contradict_the_config_are_refused(tmp_path, changes, mentions):
+    run = _with_args(tmp_path, **changes)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=mentions)

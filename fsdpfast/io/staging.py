@@ -246,6 +246,12 @@ def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str 
     return copied
 
 
+def write_built_config(config: dict, staging: StagingFolder, torch_dtype: str | None) -> list[str]:
+    """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
+    write_json(staging.file("config.json"), {**config, "dtype": torch_dtype} if torch_dtype else config)
+    return ["config.json"]
+
+
 def _write_config_with_dtype(source: str, target: str, torch_dtype: str) -> None:
     config = load_config(source)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]

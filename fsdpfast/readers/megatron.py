@@ -13,8 +13,9 @@ those tensors, so the split is byte placement, no arithmetic:
 - the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
 No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
-or huggingface/ in or beside the folder); every tensor's shape is checked against them, and the
-sizes against the training args a run keeps in common.pt (readers.megatron_args), when it does.
+or huggingface/ in or beside the folder), checked against the training args a run keeps in common.pt
+(readers.megatron_args) when it does; without a config.json, from those args, which then give the
+output's config.json (readers.megatron_config). Every tensor's shape is checked against the sizes.
 Optimizer state beside the model is not merged.
 """
 
@@ -29,7 +30,7 @@ from .._parsing.boxes import window_extents
 from ..configs import load_config
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, TensorPlan
-from . import dcp
+from . import dcp, megatron_config
 from .megatron_args import COMMON, TrainingArgs, read_training_args
 from .megatron_folder import is_torch_dist
 from .reader import Reader
@@ -101,22 +102,40 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     model = {k: t for k, t in chunked.tensors.items() if not k.startswith(_NOT_MODEL)}
     layers = _layer_tensors(folder, model)
     _refuse_unknown(folder, model, layers)  # before asking for a config: no config makes an MoE model mergeable
-    config, config_note = _config_dir(folder, config)
-    sizes = _sizes(config)
     args, args_note = read_training_args(folder)
     if args is not None:
-        _check_args(folder, config, sizes, args)
-    _check_shapes(folder, config, model, layers, sizes)
+        megatron_config.refuse_what_hf_does_not_compute(folder, args)
+    config, config_note = _config_dir(folder, config, args is not None, args_note)
+    built = None
+    if config is None:  # no config.json anywhere: the run's own args say what the model is
+        built, config_note = megatron_config.build(
+            folder,
+            args,
+            rows=model[_EMBED].shape[0],
+            tied=_OUTPUT not in model,
+            qkv_bias=_QKV[1] in layers,
+            dtype=model[_EMBED].dtype,
+        )
+        source = f"config.json built from {COMMON}"
+        sizes = _sizes(built, source)
+    else:
+        source = os.path.join(config, "config.json")
+        values = load_config(source)
+        sizes = _sizes(values, source)
+        if args is not None:
+            _check_args(folder, source, sizes, args)
+            megatron_config.check_against(folder, source, values, args)
+    _check_shapes(folder, source, model, layers, sizes)
     by_layer: dict = {}  # stacked tensor -> layer -> its chunks
     outputs = _outputs(model, layers, sizes)
     tensors = [_plan(folder, name, shape, windows, by_layer) for name, shape, windows in outputs]
-    plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config)
+    plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config, built_config=built)
     plan = plan.noted(
         f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
-        f"head dim {sizes.head_dim}, from {os.path.join(config, 'config.json')}",
+        f"head dim {sizes.head_dim}, from {source}",
         config_note,
         args_note,
-        f"config.json's sizes agree with the training args in {COMMON}" if args is not None else None,
+        f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
     )
     if model[_EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
@@ -131,7 +150,8 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     return plan
 
 
-def _config_dir(folder: str, given: str | None) -> tuple[str, str | None]:
+def _config_dir(folder: str, given: str | None, has_args: bool, args_note: str | None) -> tuple[str | None, str | None]:
+    """(the folder with config.json, a note where found); (None, None): none, but the args can build one."""
     if given:
         return given, None
     parent = os.path.dirname(os.path.abspath(folder))
@@ -139,15 +159,17 @@ def _config_dir(folder: str, given: str | None) -> tuple[str, str | None]:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             beside = not os.path.abspath(candidate).startswith(os.path.abspath(folder) + os.sep) and candidate != folder
             return candidate, (f"config.json from {candidate}, beside the checkpoint folder" if beside else None)
+    if has_args:
+        return None, None
+    why = f" ({args_note})" if args_note else ""
     raise BadInput(
-        f"{folder}: a Megatron checkpoint records no Hugging Face config; pass {option('config', meta='DIR')} "
-        "(a folder with the model's config.json: its sizes place the tensors, and it is copied to the output)"
+        f"{folder}: a Megatron checkpoint with no Hugging Face config and no training args in {COMMON}{why}; pass "
+        f"{option('config', meta='DIR')} (a folder with the model's config.json: its sizes place the tensors, "
+        "and it is copied to the output)"
     )
 
 
-def _sizes(config: str) -> _Sizes:
-    path = os.path.join(config, "config.json")
-    values = load_config(path)
+def _sizes(values: dict, path: str) -> _Sizes:
     model_type = values.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise BadInput(
@@ -179,7 +201,7 @@ def _sizes(config: str) -> _Sizes:
     )
 
 
-def _check_args(folder: str, config: str, s: _Sizes, args: TrainingArgs) -> None:
+def _check_args(folder: str, path: str, s: _Sizes, args: TrainingArgs) -> None:
     """config.json against the run's own args: the first size they disagree on is refused in one line."""
     pairs = (
         ("num_layers", args.layers, "num_hidden_layers", s.layers),
@@ -192,7 +214,7 @@ def _check_args(folder: str, config: str, s: _Sizes, args: TrainingArgs) -> None
     for arg, recorded, key, given in pairs:
         if recorded is not None and recorded != given:
             raise BadInput(
-                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {os.path.join(config, 'config.json')} "
+                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {path} "
                 f"gives {key} {given}: the config is not this checkpoint's model"
             )
 
@@ -257,10 +279,9 @@ _LAYER_NEEDED = (
 )
 
 
-def _check_shapes(folder: str, config: str, model: dict, layers: dict, sizes: _Sizes) -> None:
+def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Sizes) -> None:
     """Every tensor's shape against config.json's sizes; the first that differs is refused in one line."""
     s = sizes
-    path = os.path.join(config, "config.json")
     qkv_rows = (s.heads + 2 * s.groups) * s.head_dim
     expected = {
         _QKV[0]: (qkv_rows, s.hidden),

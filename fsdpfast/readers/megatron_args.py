@@ -1,4 +1,5 @@
-"""The training args Megatron-LM saves in a checkpoint's common.pt, read to check config.json against.
+"""The training args Megatron-LM saves in a checkpoint's common.pt: config.json is checked against
+them, or built from them when no config.json is given (readers.megatron_config).
 
 Megatron-LM (and NeMo, verl) put their argparse `args` in the checkpoint's common state, beside
 `iteration` and `checkpoint_version`; `dist_checkpointing.save` writes that common state to
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 import pickletools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._parsing.safe_load import Record, safe_unpickle
 from .._parsing.torch_zip import TorchZip
@@ -33,6 +34,9 @@ class TrainingArgs:
     head_dim: int | None
     ffn: int | None
     tied: bool | None
+    # Every arg recorded as a plain value (number, string, bool, None, or a tuple of them: window_size),
+    # for the config built from them
+    recorded: dict = field(default_factory=dict, compare=False)
 
 
 def read_training_args(folder: str) -> tuple[TrainingArgs | None, str | None]:
@@ -83,6 +87,7 @@ def _sizes(args: Record) -> TrainingArgs:
     if head_dim is None and hidden and heads:
         head_dim = hidden // heads  # Megatron's default kv_channels
     untie = args.get("untie_embeddings_and_output_weights")
+    plain = {key: value for key, value in args.state.items() if isinstance(key, str) and _plain(value)}
     return TrainingArgs(
         whole("num_layers"),
         hidden,
@@ -91,4 +96,12 @@ def _sizes(args: Record) -> TrainingArgs:
         head_dim,
         whole("ffn_hidden_size"),
         (not untie) if isinstance(untie, bool) else None,
+        plain,
     )
+
+
+def _plain(value) -> bool:
+    """A value of the built-in kinds only (not a stand-in record that subclasses one, as a dtype's does)."""
+    if type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    return value is None or type(value) in (bool, int, float, str)
