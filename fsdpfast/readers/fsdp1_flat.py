@@ -213,7 +213,7 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     origin = fsdp1_units.order_source(model)
     plan = plan.noted(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
                       "if training ran another transformers version or the model's remote code, same-shaped parameters "
-                      "could be swapped unnoticed: compare the merged model's outputs with a reference (README: FSDP1)")
+                      "could be swapped unnoticed: compare the merged model's outputs with a reference (docs/formats.md: FSDP1)")
     if order_from and order_from != origin:
         plan = plan.noted(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
     assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
