@@ -91,7 +91,7 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     """
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
-    plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
+    plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, lora_r=lora_r, **options)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
     plan = check_copies(plan, full=full_copy_check)
     if config is not None:

@@ -305,6 +305,11 @@ def _assumed_lines(assumed: dict) -> list[str]:
         return []
     lines = [f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
              f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"]
+    for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (readers.fsdp1_peft)
+        targets, others = adapter["target_modules"], len(adapter["rank_pattern"] or {})
+        lines.append(f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}" + (f" ({others} modules otherwise)" if others else "")
+                     + (f", {len(targets)} modules" if isinstance(targets, list) else f", target_modules {targets!r}")
+                     + f"{', DoRA' if adapter['use_dora'] else ''} ({adapter['source']})")
     for unit in assumed["units"]:
         lines.append(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
                      f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:")

@@ -64,9 +64,11 @@ def _holds_layout(folder: str) -> bool:
     return bool(_layouts_in(folder))
 
 
-def read_plan(folder: str, layout: str | None = None, config: str | None = None, **options) -> MergePlan:
+def read_plan(folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None,
+              **options) -> MergePlan:
     """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
-    one given for another layout is an error. `config` is passed to readers that rebuild the model."""
+    one given for another layout is an error. `config` is passed to readers that rebuild the model,
+    `lora_r` to those that rebuild a PEFT model (elsewhere lora.plan uses it)."""
     given = {name: value for name, value in options.items() if value is not None}
     for name in given:
         if name not in LAYOUT_OPTIONS:
@@ -87,7 +89,8 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     found_config, config_note = (None, None) if config else framework_folders.config_dir(model)
     if READERS[layout].reads_config:
         given["config"] = config or found_config
-    plan = READERS[layout].read(source, **given)
+    extra = {"lora_r": lora_r} if READERS[layout].takes_lora_r and lora_r is not None else {}
+    plan = READERS[layout].read(source, **given, **extra)
     if found_config and (plan.config_dir is None or READERS[layout].reads_config):
         plan = plan.but(config_dir=found_config)
     if config_note and plan.config_dir == found_config:
