@@ -84,6 +84,10 @@ uint32_t crc32c(const py::buffer& data, uint32_t crc) {
   return fsdpfast::crc32c(crc, info.ptr, n);
 }
 
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  return fsdpfast::crc32c_combine(crc_a, crc_b, length_b);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -100,4 +104,6 @@ PYBIND11_MODULE(_native, m) {
         "holding any destination whole. Returns (CRC-32C per destination, first differing byte per destination or -1).");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("length_b"),
+        "CRC-32C of A followed by B, from crc(A), crc(B) and B's length in bytes.");
 }

@@ -119,6 +119,19 @@ def crc32c(data, crc: int = 0) -> int | None:
     return _native.crc32c(data, crc) if _native is not None else None
 
 
+def crc32c_combine(crc_a: int | None, crc_b: int | None, length_b: int) -> int | None:
+    """CRC-32C of A followed by B from their CRCs (None if either is None): a tensor written in
+    byte ranges by several processes gets the checksum of its whole bytes."""
+    if crc_a is None or crc_b is None:
+        return None
+    combine = getattr(_native, "crc32c_combine", None)
+    if combine is None:  # a build from before the function was bound
+        from .errors import FsdpfastError
+
+        raise FsdpfastError("fsdpfast._native has no crc32c_combine (built from older sources); rebuild the extension")
+    return combine(crc_a, crc_b, length_b)
+
+
 def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

@@ -11,19 +11,20 @@ from .lora import output as lora_output, plan as lora_plan
 from .plan.copies import check_copies
 from .execute.engines import check_engine_name, select_engine
 from .execute.measurements import job_kind
-from .io.sources import SourceFiles
+from .execute.parts import share_out, tensor_bytes, tensor_checksums
+from .execute.writer import execute
+from .group import MergeGroup, local_processes
+from .io.sources import rebased
 from .errors import BadInput, InterruptedAfterPublishing, option
-from .io.staging import (StagingFolder, check_output_place, copy_config_files, replaceable, write_built_config,
-                         write_json)
+from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
-from .manifest import MANIFEST_NAME, build_manifest, check_unchanged, source_identity
+from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.model_check import check_against_model, load_expected_model
 from .plan.model import MergePlan
 from .plan.checks import check_plan
 from .plan.normalise import clean_name, parse_dtype, prepare
 from .progress import Progress
 from .wording import count, size
-from .execute.writer import write_file
 
 log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
 
@@ -48,11 +49,13 @@ class MergeReport:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # the output needs something more before it is usable
     adapters: list[str] = field(default_factory=list)  # PEFT adapter folders written (OUT/lora_adapter...)
+    processes: int = 1  # how many processes wrote it (torchrun)
 
     def summary(self) -> str:
         lines = [
             f"merged {count(self.tensors, 'tensor')} ({size(self.bytes_written)}) from {count(self.world_size, 'rank')} "
-            f"[{self.layout}] into {self.out_dir} in {self.seconds:.2f} s with the {self.engine} engine",
+            f"[{self.layout}] into {self.out_dir} in {self.seconds:.2f} s with the {self.engine} engine"
+            + (f" in {self.processes} processes" if self.processes > 1 else ""),
             f"files: {', '.join(self.files)}",
         ]
         lines += [f"tied: {', '.join(names)} written once as {kept}" for kept, names in self.tied.items()]
@@ -159,6 +162,7 @@ def merge(
     lora_alpha: float | None = None,
     lora_r: int | None = None,
     base: str | None = None,
+    group=None,
     **options,
 ) -> MergeReport:
     """Merge the sharded checkpoint in folder `src` into a Hugging Face folder `dst`; a MergeReport.
@@ -178,6 +182,10 @@ def merge(
         "cuda", "torch".
     progress: a progress bar on stderr when it is a terminal.
     options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
+    group: a torch.distributed process group (gloo) of processes that all call `merge` with the same
+        arguments, `src` and `dst` being the same folders of a filesystem they share: rank 0 plans and
+        publishes, every rank writes its share of the bytes (fsdpfast.group). The group's timeout is
+        how long a rank waits for the others. None, or a group of one: this process alone.
 
     `dst` (and its missing parents) appears complete or not at all: everything is written to a
     hidden sibling folder that is renamed into place at the end, with the manifest
@@ -189,6 +197,64 @@ def merge(
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    processes = MergeGroup(group)
+    # plan -> layout -> target: on rank 0; every rank gets the same job
+    job = processes.lead(lambda: _prepare(src, dst, dtype=dtype, max_shard_size=max_shard_size, layout=layout,
+                                          config=config, overwrite=overwrite, engine=engine,
+                                          allow_extra_tensors=allow_extra_tensors, merge_lora=merge_lora,
+                                          lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options),
+                         abandon=lambda job: job.target.discard())
+    try:
+        # execute: each process its share of the bytes; rank 0 gets every piece's checksum
+        pieces = processes.gather(lambda: _write_share(job, processes, src, dst, progress))
+        # finish (index, config, manifest) and publish, on rank 0
+        return processes.lead(lambda: _finish(job, [p for share in pieces for p in share], start, processes.size))
+    except KeyboardInterrupt:
+        if job.target is not None and job.target.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
+            raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
+        raise
+    finally:
+        if job.target is not None:  # None: another rank that never joined it
+            job.target.discard()
+
+
+@dataclass
+class MergeJob:
+    """What every process of a merge works from: the plan, the files, the engine's name, the sources'
+    identity and the target (rank 0's; the others join it by its token)."""
+
+    src: str
+    dst: str
+    dtype: str | None
+    plan: MergePlan
+    files: list[OutputFile]
+    adapter_files: list[OutputFile]
+    identity: list[dict]
+    engine: object  # the Engine; its name travels to the other ranks, which make their own
+    target: object  # the Target; its token travels
+    token: str = ""
+
+    def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
+        state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
+        state["plan"] = self.plan.but(copies=())  # checked by rank 0 already
+        return state
+
+    def join(self, src: str, dst: str) -> None:
+        """On another rank: its own view of the sources and the target (the same folders, perhaps
+        mounted elsewhere), checked to be rank 0's."""
+        self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
+        self.src = src
+        check_same_sources(src, self.identity)
+        self.target = LocalTarget.join(dst, self.token)
+        self.engine = select_engine(self.engine, threads_share=local_processes())
+
+    def check_sources(self) -> None:
+        check_unchanged(self.src, self.identity)
+
+
+def _prepare(src: str, dst: str, *, dtype, max_shard_size, layout, config, overwrite, engine, allow_extra_tensors,
+             merge_lora, lora_alpha, lora_r, base, **options) -> MergeJob:
+    """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
     parse_dtype(dtype)
     check_engine_name(engine)
     check_output_place(dst, src, config)
@@ -198,45 +264,51 @@ def merge(
                       merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
     lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
-    runner = select_engine(engine, job_kind(plan.tensors))
+    runner = select_engine(engine, job_kind(plan.tensors), threads_share=local_processes())
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
-    staging = StagingFolder(dst, overwrite)
-    adapter_files = [f for _, f in lora_output.dry_run_files(plan)]
-    bar = Progress(sum(p.nbytes for f in files + adapter_files for p in f.tensors), enabled=progress)
-    checksums: dict[str, int | None] = {}
+    return MergeJob(src, dst, parse_dtype(dtype), plan, files, lora_output.adapter_outputs(plan), identity, runner,
+                    LocalTarget(dst, overwrite))
+
+
+def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool) -> list:
+    """This process's share of the bytes (all of them, alone); the CRC-32C of each piece written."""
+    if processes.rank != 0:
+        job.join(src, dst)
+    share = share_out(job.files + job.adapter_files, processes.size)[processes.rank]
+    bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     try:
-        with SourceFiles(plan.sources) as sources:
-            for planned in files:
-                checksums.update(write_file(staging.file(planned.name), planned, runner, sources, bar.advance))
-                check_unchanged(src, identity)
-            adapters, adapter_notes = lora_output.write_adapters(plan, staging, runner, sources, bar.advance, src, identity,
-                                                                 parse_dtype(dtype), dst)
-        if len(files) > 1:
-            write_json(staging.file("model.safetensors.index.json"), index_json(files))
-        copied = copy_config_files(plan.config_dir, staging, parse_dtype(dtype)) if plan.config_dir and files else []
-        if plan.built_config is not None and not plan.config_dir and files:
-            copied = write_built_config(plan.built_config, staging, parse_dtype(dtype))
-        manifest = build_manifest(src, plan, files, checksums, identity, runner.name, parse_dtype(dtype))
-        if adapters:
-            manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)
-        write_json(staging.file(MANIFEST_NAME), manifest)
-        check_unchanged(src, identity)
-        staging.publish()
-    except KeyboardInterrupt:
-        if staging.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
-            raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
-        raise
+        return execute(job.plan, share, job.target, engine=job.engine, progress=bar.advance,
+                       after_file=lambda _: job.check_sources())
     finally:
         bar.close()
-        staging.discard()
+
+
+def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeReport:
+    """The small files (index, config, adapter configs, manifest), a last look at the sources, then publish."""
+    plan, files, target = job.plan, job.files, job.target
+    checksums = tensor_checksums(files + job.adapter_files, pieces)
+    if len(files) > 1:
+        target.write_json("model.safetensors.index.json", index_json(files))
+    copied = copy_config_files(plan.config_dir, target, job.dtype) if plan.config_dir and files else []
+    if plan.built_config is not None and not plan.config_dir and files:
+        copied = write_built_config(plan.built_config, target, job.dtype)
+    adapters, adapter_notes = lora_output.write_adapter_files(plan, target, checksums, job.src, job.identity,
+                                                              job.engine.name, job.dtype, job.dst)
+    model_checksums = {name: crc for f in files for name, crc in checksums[f.name].items()}
+    manifest = build_manifest(job.src, plan, files, model_checksums, job.identity, job.engine.name, job.dtype)
+    if adapters:
+        manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)
+    target.write_json(MANIFEST_NAME, manifest)
+    job.check_sources()
+    target.publish()
     return MergeReport(
-        out_dir=dst,
+        out_dir=job.dst,
         layout=plan.layout,
         world_size=plan.world_size,
-        engine=runner.name,
+        engine=job.engine.name,
         tensors=len(plan.tensors) + sum(len(a.plan.tensors) for a in plan.adapters),
-        bytes_written=sum(p.nbytes for f in files + adapter_files for p in f.tensors),
+        bytes_written=sum(p.nbytes for f in files + job.adapter_files for p in f.tensors),
         files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else [])
         + lora_output.written_files(adapters),
         seconds=time.perf_counter() - start,
@@ -245,6 +317,7 @@ def merge(
         notes=list(plan.notes) + adapter_notes,
         warnings=list(plan.warnings),
         adapters=adapters,
+        processes=processes,
     )
 
 

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 
 from . import __version__, readers
-from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, FsdpfastError, command_line_messages
+from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, BadInput, FsdpfastError, command_line_messages
 from .wording import count, size
 
 
@@ -45,6 +45,15 @@ _MERGE_EXAMPLES = """examples:
   fsdpfast merge ckpt --out merged --dtype bf16 --max-shard-size 2GB
   fsdpfast merge ds_checkpoint --out merged --tag global_step500 --exclude-frozen
   fsdpfast merge ckpt --out merged --dry-run          # the plan; writes nothing
+
+several processes, one merge (each node writes its share into one shared --out folder):
+  torchrun --nproc-per-node 8 -m fsdpfast merge ckpt --out merged
+  torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+      -m fsdpfast merge /shared/ckpt --out /shared/merged --timeout 300
+  Every process gets the same arguments; CKPT and --out must be the same folders on a filesystem
+  all of them share. Rank 0 plans and publishes; each process writes its share of the bytes
+  (files split at 1 MiB boundaries where a share ends inside one). Any rank's failure stops all
+  and publishes nothing. The output and its manifest are those of a single-process merge.
 
 layouts (detected; --layout forces one):
 """ + "\n".join(f"  {name:<15} {reader.description}" for name, reader in readers.READERS.items())
@@ -89,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
     _add_lora_options(merge)
     merge.add_argument("--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete")
+    merge.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                       help="under torchrun: how long a process waits for the others at each step before all give up "
+                            "(default 600)")
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
     merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
     merge.add_argument("--quiet", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
@@ -158,6 +170,15 @@ def _layout_options(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    status = _main(argv)
+    from . import group
+
+    if group.started_here():  # torchrun: leave without the interpreter's shutdown (see group.leave)
+        group.leave(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     with command_line_messages():
         args = build_parser().parse_args(argv)
         try:
@@ -224,18 +245,37 @@ def _merge(args) -> int:
         handler.setFormatter(logging.Formatter("fsdpfast: %(message)s"))
         logging.getLogger("fsdpfast").addHandler(handler)
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
+    from . import group
+
     if args.dry_run:
+        if group.launched_by_torchrun() and group.this_rank() != 0:
+            return 0  # the plan is rank 0's to print; nothing is written anyway
         plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                        layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
                        **_layout_options(args), **_lora_options(args))
         _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
-    report = merge(
-        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-        progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args), **_lora_options(args),
-    )
+    several = group.launched_by_torchrun()  # one of several processes: rank 0 alone prints the report
+    if args.timeout is not None and not args.timeout > 0:
+        raise BadInput(f"--timeout {args.timeout:g}: give a number of seconds above 0")
+    pg = group.start_process_group(args.timeout or group.DEFAULT_TIMEOUT_S) if several else None
+    try:
+        report = merge(
+            args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+            layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
+            progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, group=pg, **_layout_options(args),
+            **_lora_options(args),
+        )
+    except FsdpfastError as exc:
+        if several and not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
+            exc.args = (f"rank {group.this_rank()}: {exc}",)
+        raise
+    finally:
+        if several:
+            group.end_process_group()
+    if several and group.this_rank() != 0:
+        return 0
     _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     _warn(report.warnings)
     return 0

@@ -66,6 +66,18 @@ def check_unchanged(checkpoint: str, identity: list[dict]) -> None:
                             "merge again once the checkpoint is complete")
 
 
+def check_same_sources(checkpoint: str, identity: list[dict]) -> None:
+    """Another process of the merge sees the source files rank 0 planned from (a shared filesystem)."""
+    if not os.path.isdir(checkpoint):
+        raise BadInput(f"{checkpoint}: no such folder on this rank; every rank of a merge must see the checkpoint "
+                       "(the same folder on a filesystem they share)")
+    changes = changed_sources(checkpoint, identity)
+    if changes:
+        raise BadInput(f"{checkpoint}: this rank does not see the source files rank 0 planned from ({changes[0]}"
+                       f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); every rank of a merge must "
+                       "see the same checkpoint folder")
+
+
 def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], checksums: dict,
                    identity: list[dict], engine: str, dtype: str | None) -> dict:
     have_checksums = all(checksums.get(p.tensor.name) is not None for f in files for p in f.tensors)

@@ -15,16 +15,15 @@ from dataclasses import dataclass, field, replace
 from . import _ops
 from .lora import verify as lora_verify
 from .dtypes import CASTABLE, itemsize, target_dtype
-from .execute.rows import build_rows, native_pair
+from .execute.compare import SLICE_BYTES, CompareSink, first_difference
+from .execute.runner import run
 from .io.sources import SourceFiles
+from .plan.layout import PlacedTensor
 from .errors import BadInput, ModelMismatch, on_command_line, option
 from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
-from .plan.model import TensorPlan
 from .io.stored import DamagedFile, MappedFiles, StoredTensor, read_folder
 from .wording import count, size
 
-SLICE_BYTES = 16 << 20  # bytes compared (or converted to float64) at once
-CHUNK_BYTES = 1 << 20  # recomputed per thread at once, as in the native engine
 MAX_LISTED = 20  # mismatches printed one per line; the JSON report holds them all
 
 
@@ -252,31 +251,18 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
             continue
         jobs.append((tensor, have))
     recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
-    fused_on = _fused_device(manifest, plan)
+    sink = CompareSink(files, _fused_device(manifest, plan))
+    pieces = [PlacedTensor(tensor, have.byte_offset, have.nbytes) for tensor, have in jobs]
     with SourceFiles(plan.sources) as sources:
-        for batch in _batches(jobs):
-            for (tensor, have), (first, crc) in zip(batch, _recompute_and_compare(batch, files, sources, fused_on)):
-                report.count_checked(have)
-                if first >= 0:
-                    report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
-                                                      first, first // itemsize(have.dtype)))
-                elif crc is not None and tensor.name in recorded and int(recorded[tensor.name][CHECKSUM], 16) != crc:
-                    report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
-            for source in {e.source for tensor, _ in batch for e in tensor.extents}:
-                sources.release(source)
-            for _, have in batch:
-                files.done(have.name)
-
-
-def _batches(jobs: list, limit: int = 64 << 20) -> list[list]:
-    batches, current, size = [], [], 0
-    for job in jobs:
-        if current and size + job[1].nbytes > limit:
-            batches.append(current)
-            current, size = [], 0
-        current.append(job)
-        size += job[1].nbytes
-    return batches + ([current] if current else [])
+        crcs = run(pieces, sources, sink)
+    for (tensor, have), crc in zip(jobs, crcs):
+        report.count_checked(have)
+        first = sink.first[tensor.name]
+        if first >= 0:
+            report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
+                                              first, first // itemsize(have.dtype)))
+        elif crc is not None and tensor.name in recorded and int(recorded[tensor.name][CHECKSUM], 16) != crc:
+            report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
 
 
 def _fused_device(manifest: dict, plan) -> str:
@@ -288,39 +274,6 @@ def _fused_device(manifest: dict, plan) -> str:
         raise BadInput("the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "
                        "verify --against on a machine with a GPU, or check the output against its manifest")
     return device
-
-
-def _recompute_and_compare(batch: list[tuple[TensorPlan, StoredTensor]], files: MappedFiles,
-                           sources: SourceFiles, fused_on: str = "cpu") -> list[tuple[int, int | None]]:
-    """(first differing byte or -1, CRC-32C of the recomputed bytes) for each job."""
-    results: dict[int, tuple[int, int | None]] = {}
-    native = [i for i, (t, _) in enumerate(batch)
-              if _ops.native_cpu() and native_pair(t.source_dtype, t.target_dtype) and t.numel and t.compute is None]
-    if native:
-        views, rows = build_rows([batch[i][0] for i in native], sources)
-        expected = [files.tensor(batch[i][1].name) for i in native]
-        try:
-            crcs, firsts = _ops.native().gather_convert_compare(views, rows, expected, CHUNK_BYTES, _ops.cpu_threads(),
-                                                                release_sources=True)
-        finally:
-            for view in views + expected:
-                view.release()
-        results.update(zip(native, zip(firsts, crcs)))
-    for i, (tensor, have) in enumerate(batch):
-        if i not in results:  # rare dtype pairs, empty tensors, or no native module: one tensor in memory
-            from .execute.torch_ref import TorchEngine
-
-            buffer = bytearray(have.nbytes)
-            if tensor.compute is not None:  # --merge-lora: computed again, on the device the merge used
-                from .lora.fuse import compute_into
-
-                compute_into(tensor, memoryview(buffer), sources, fused_on)
-            else:
-                TorchEngine().execute([(tensor, memoryview(buffer))], sources)
-            view = files.tensor(have.name)
-            results[i] = (_first_difference(memoryview(buffer), view), _ops.crc32c(buffer))
-            view.release()
-    return [results[i] for i in range(len(batch))]
 
 
 # --- against a reference folder ---------------------------------------------------------------
@@ -347,7 +300,7 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
                     report.mismatches.append(Mismatch(name, f"not within tolerance ({detail})",
                                                       element * itemsize(have.dtype), element))
             else:
-                first = _first_difference(ours, expected)
+                first = first_difference(ours, expected)
                 if first >= 0:
                     report.mismatches.append(Mismatch(name, "bytes differ from the reference", first,
                                                       first // itemsize(have.dtype)))
@@ -381,20 +334,6 @@ def _as_float64(torch, view: memoryview, dtype, start: int, end: int):
     size = torch.empty(0, dtype=dtype).element_size()
     piece = bytearray(view[start * size: end * size])  # a private copy: frombuffer wants writable memory
     return torch.frombuffer(piece, dtype=dtype).to(torch.float64) if piece else torch.empty(0, dtype=torch.float64)
-
-
-def _first_difference(a: memoryview, b: memoryview) -> int:
-    """The first byte offset where a and b differ, or -1 (compared a slice at a time)."""
-    for start in range(0, max(len(a), len(b)), SLICE_BYTES):
-        x, y = bytes(a[start: start + SLICE_BYTES]), bytes(b[start: start + SLICE_BYTES])
-        if x != y:
-            step = 4096
-            while step:
-                while x[:step] == y[:step]:
-                    x, y, start = x[step:], y[step:], start + step
-                step //= 64
-            return start
-    return -1
 
 
 def _compare_names(report: VerifyReport, expected: set[str], present: set[str], where: str, source: str) -> None:

@@ -3,7 +3,7 @@ merges, symbolic links. Each checks the contract: OUT_DIR complete or absent, no
 beside it, the checkpoint byte for byte as it was, and one clear line for the user.
 
 A merge is paused deterministically by running the real command line in a child process
-whose `fsdpfast.api.write_file` (or `os.rename`, for the --overwrite swap) is wrapped to
+whose `fsdpfast.execute.writer.write_part` (or `os.rename`, for the --overwrite swap) is wrapped to
 stop after the real call and wait: test-only wrapping in the child, nothing in fsdpfast.
 An interrupt (KeyboardInterrupt, as Ctrl-C and SIGTERM arrive) at each rename of the
 --overwrite swap is injected in-process the same way, by wrapping `os.rename`.
@@ -32,7 +32,7 @@ from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the
 # OUT_DIR was moved aside by --overwrite (`swap`), until the test deletes the ready file.
 HELD_CLI = r"""
 import os, sys, time
-import fsdpfast.api as api
+import fsdpfast.execute.writer as writer
 from fsdpfast.cli import main
 
 ready, point = os.environ["FSDPFAST_TEST_READY"], os.environ["FSDPFAST_TEST_HOLD_AT"]
@@ -43,13 +43,13 @@ def hold():
         time.sleep(0.01)
 
 if point == "file":
-    real_write_file = api.write_file
+    real_write_file = writer.write_part
     def write_file_then_hold(*args, **kwargs):
         result = real_write_file(*args, **kwargs)
-        api.write_file = real_write_file
+        writer.write_part = real_write_file
         hold()
         return result
-    api.write_file = write_file_then_hold
+    writer.write_part = write_file_then_hold
 else:
     real_rename = os.rename
     def rename_then_hold(src, dst):

@@ -13,6 +13,7 @@ import pytest
 
 import fsdpfast
 import fsdpfast.api as api
+import fsdpfast.execute.writer as writer
 from helpers import assert_bit_exact, load_reference, read_merged
 from test_bad_input import leftovers, run_cli, the_error_line, tree_digest
 
@@ -90,13 +91,13 @@ def test_dry_run_says_what_the_merge_will_do_with_the_output(checkpoints, tmp_pa
 
 def test_interrupted_merge_removes_the_parents_it_made(checkpoints, tmp_path, monkeypatch):
     _, folder = checkpoints.get("w2-llama")
-    real_write_file = api.write_file
+    real_write_file = writer.write_part
 
     def write_then_interrupt(*args, **kwargs):  # Ctrl-C after the first file is written
         real_write_file(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "write_file", write_then_interrupt)
+    monkeypatch.setattr(writer, "write_part", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         fsdpfast.merge(folder, tmp_path / "new" / "deeper" / "out")
     assert not (tmp_path / "new").exists()  # output complete or absent, and nothing made for it is left
@@ -106,14 +107,14 @@ def test_files_put_in_the_empty_folder_during_the_merge_are_never_replaced(check
     _, folder = checkpoints.get("w2-llama")
     out = tmp_path / "merged"
     out.mkdir()
-    real_write_file = api.write_file
+    real_write_file = writer.write_part
 
     def write_then_someone_writes_into_out(*args, **kwargs):
         result = real_write_file(*args, **kwargs)
         (out / "notes.txt").write_text("written meanwhile")
         return result
 
-    monkeypatch.setattr(api, "write_file", write_then_someone_writes_into_out)
+    monkeypatch.setattr(writer, "write_part", write_then_someone_writes_into_out)
     with pytest.raises(fsdpfast.BadInput, match="already exists and is not empty"):
         fsdpfast.merge(folder, out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "written meanwhile"

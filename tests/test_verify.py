@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import fsdpfast
-from fsdpfast import _ops, api
+from fsdpfast import _ops
+from fsdpfast.execute import writer
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
 from fsdpfast.io.stored import read_folder
@@ -212,7 +213,7 @@ def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, mon
     """The first output file is written, then a rank file changes: nothing is published."""
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     victim = folder / "model_world_size_2_rank_0.pt"
-    real_write_file = api.write_file
+    real_write_file = writer.write_part
     written = []
 
     def write_then_change(*args, **kwargs):
@@ -227,7 +228,7 @@ def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, mon
         written.append(args[0])
         return result
 
-    monkeypatch.setattr(api, "write_file", write_then_change)
+    monkeypatch.setattr(writer, "write_part", write_then_change)
     out = tmp_path / "out"
     with pytest.raises(SourceChanged, match=victim.name):
         fsdpfast.merge(folder, out, max_shard_size="40KB")

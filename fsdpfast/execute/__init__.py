@@ -1,2 +1,8 @@
-"""Stage 3, execution: engines turn a plan's extents into output bytes; the writer runs them in
-batches over the output files."""
+"""Stage 3, execution: engines turn a plan's extents into output bytes.
+
+- writer.execute(plan, files, target, engine=...): any set of output files, or byte ranges of
+  them (parts.FilePart), written into a Target; the CRC-32C of every piece written.
+- runner.run: the one loop (batches, progress, page release) that feeds a sink;
+  outputs.Sink: what every engine's file output is, and compare.CompareSink (verify --against).
+- engines.select_engine: cpu (native.py), cuda (cuda.py) or torch (torch_ref.py).
+"""

@@ -18,7 +18,7 @@ from ..dtypes import itemsize
 from ..plan.model import TensorPlan
 from .outputs import MappedOutput
 from .rows import build_rows, native_pair
-from ..io.sources import SourceFiles
+from ..io.sources import Source
 from .torch_ref import TorchEngine
 
 STAGING_BYTES = 64 << 20  # the most each of a slot's four buffers holds
@@ -96,10 +96,10 @@ class CudaEngine:
         self.slots = slots
         self._fallback = TorchEngine()
 
-    def output(self, fd: int, size: int) -> MappedOutput:
-        return MappedOutput(fd, size, self.execute)
+    def output(self, fd: int, end: int, start: int = 0) -> MappedOutput:
+        return MappedOutput(fd, end, self.execute, "cuda", start)  # --merge-lora: fused on the GPU, as before
 
-    def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: SourceFiles) -> None:
+    def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: Source) -> None:
         native = [j for j in jobs if native_pair(j[0].source_dtype, j[0].target_dtype) and j[0].numel]
         if native:
             tensors = [tensor for tensor, _ in native]

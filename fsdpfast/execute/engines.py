@@ -56,8 +56,9 @@ def auto_engine(kind: str | None = None) -> str:
     return "torch"
 
 
-def select_engine(name: str = "auto", kind: str | None = None):
-    """The engine object for `name`; for auto, `kind` is the job's conversion (measurements.job_kind)."""
+def select_engine(name: str = "auto", kind: str | None = None, threads_share: int = 1):
+    """The engine object for `name`; for auto, `kind` is the job's conversion (measurements.job_kind);
+    `threads_share`: how many merge processes share this machine's cores."""
     from .. import _ops
 
     check_engine_name(name)
@@ -74,7 +75,7 @@ def select_engine(name: str = "auto", kind: str | None = None):
             raise BadInput(f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}")
         from .native import NativeCpuEngine
 
-        return NativeCpuEngine()
+        return NativeCpuEngine(threads=max(1, _ops.cpu_threads() // threads_share))
     from .torch_ref import TorchEngine
 
     return TorchEngine()

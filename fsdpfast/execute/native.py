@@ -13,7 +13,7 @@ from ..errors import FsdpfastError
 from ..plan.layout import PlacedTensor
 from .outputs import write_through_buffer
 from .rows import build_rows, native_pair
-from ..io.sources import SourceFiles
+from ..io.sources import Source
 
 CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
 
@@ -24,20 +24,21 @@ class NativeCpuEngine:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, threads: int | None = None):
         self.chunk_bytes = chunk_bytes
         self.threads = threads or _ops.cpu_threads()
-        self.fallback = None  # the torch engine, made on first need (float64 casts)
 
-    def output(self, fd: int, size: int) -> "_FileOutput":
-        return _FileOutput(self, fd)
+    def output(self, fd: int, end: int, start: int = 0) -> FileOutput:
+        return FileOutput(self, fd)
 
 
-class _FileOutput:
+class FileOutput:
+    """The native engine's sink (execute.outputs.Sink): each piece written at its own offset."""
+
     def __init__(self, engine: NativeCpuEngine, fd: int):
         self.engine, self.fd = engine, fd
 
-    def write(self, placed: list[PlacedTensor], sources: SourceFiles) -> list[int]:
-        """Write the tensors; their CRC-32Cs, combined from the chunks the threads wrote."""
+    def write(self, placed: list[PlacedTensor], sources: Source) -> list[int]:
+        """Write the pieces; their CRC-32Cs, combined from the chunks the threads wrote."""
         crcs: dict[int, int] = {}
-        native = [p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype)]
+        native = [p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype) and p.tensor.compute is None]
         if native:
             views, rows = build_rows([p.tensor for p in native], sources)
             offsets = array("q", (p.offset for p in native))
@@ -54,12 +55,8 @@ class _FileOutput:
                     view.release()
             crcs.update(zip(map(id, native), written))
         for p in placed:
-            if not native_pair(p.tensor.source_dtype, p.tensor.target_dtype):  # float64 casts: through torch
-                if self.engine.fallback is None:
-                    from .torch_ref import TorchEngine
-
-                    self.engine.fallback = TorchEngine()
-                crcs[id(p)] = write_through_buffer(self.fd, p, self.engine.fallback.execute, sources)
+            if id(p) not in crcs:  # float64 casts (through torch), weights computed by --merge-lora
+                crcs[id(p)] = write_through_buffer(self.fd, p, sources)
         return [crcs[id(p)] for p in placed]
 
     def __enter__(self):

@@ -4,16 +4,16 @@ from __future__ import annotations
 from ..dtypes import torch_dtype
 from ..plan.model import TensorPlan
 from .outputs import MappedOutput
-from ..io.sources import SourceFiles
+from ..io.sources import Source
 
 
 class TorchEngine:
     name = "torch"
 
-    def output(self, fd: int, size: int) -> MappedOutput:
-        return MappedOutput(fd, size, self.execute)
+    def output(self, fd: int, end: int, start: int = 0) -> MappedOutput:
+        return MappedOutput(fd, end, self.execute, "cpu", start)
 
-    def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: SourceFiles) -> None:
+    def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: Source) -> None:
         """Write each tensor's elements, converted to its target dtype, into its destination bytes."""
         import torch
 

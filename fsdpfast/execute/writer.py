@@ -1,67 +1,99 @@
-"""Write one planned safetensors file: header first, then every tensor straight to its offset."""
+"""Stage 3's face: write output files, or byte ranges of them, into a Target.
+
+`execute` writes any set of planned files or FileParts (execute.parts): the whole merge in one
+process, or one process's share of it under torchrun. Each part gets the header bytes in its
+range, then every tensor byte in its range at its offset, through the engine's sink
+(execute.outputs) fed by the runner (execute.runner).
+"""
+
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
-from .. import _ops
-from ..io.sources import SourceFiles
 from ..errors import FsdpfastError
-from ..plan.layout import OutputFile, PlacedTensor
+from ..io.sources import Source, SourceFiles
+from ..plan.layout import OutputFile
+from ..plan.model import MergePlan
+from .parts import FilePart, Piece, pieces_of, tensor_checksums, whole
+from .runner import run
 
-BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input pages are dropped after
+
+def execute(
+    plan: MergePlan,
+    files: list[OutputFile | FilePart],
+    target,
+    *,
+    engine,
+    sources: Source | None = None,
+    progress=None,
+    after_file=None,
+) -> list[Piece]:
+    """Write `files` (whole OutputFiles, or FileParts) into `target` with `engine`; the CRC-32C of
+    every tensor byte range written. `progress(nbytes)` is told as batches finish, `after_file(part)`
+    after each file (part) is complete and on disk. `sources`: the plan's Source (default: its files mapped)."""
+    parts = [f if isinstance(f, FilePart) else whole(f) for f in files]
+    written: list[Piece] = []
+    with nullcontext(sources) if sources is not None else SourceFiles(plan.sources) as opened:
+        for part in parts:
+            written += write_part(target, part, engine, opened, progress)
+            if after_file is not None:
+                after_file(part)
+    return written
 
 
-def write_file(path: str, planned: OutputFile, engine, sources: SourceFiles, progress=None) -> dict[str, int | None]:
-    """Write the file; each tensor's CRC-32C by name. `progress(nbytes)` is told as batches finish."""
-    checksums = {p.tensor.name: _ops.crc32c(b"") for p in planned.tensors if not p.nbytes}
+def write_part(target, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
+    """Write `part` into the target's file of that name; the CRC-32C of each tensor byte range in it."""
+    path = part.file.name  # for messages: the name is all they need
+    try:
+        fd = target.open(part.file.name, part.file.size)
+    except OSError as exc:
+        raise _write_failed(path, exc.strerror or str(exc)) from None
+    try:
+        return write_into(fd, path, part, engine, sources, progress)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, planned: OutputFile, engine, sources: Source, progress=None) -> dict[str, int | None]:
+    """Write a new file at `path` whole; each tensor's CRC-32C by name."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask, as open() gives
     try:
-        _write(fd, planned, engine, sources, checksums, progress)
+        os.ftruncate(fd, planned.size)
+        return tensor_checksums([planned], write_into(fd, path, whole(planned), engine, sources, progress))[
+            planned.name
+        ]
+    finally:
+        os.close(fd)
+
+
+def write_into(fd: int, path: str, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
+    try:
+        return _write(fd, part, engine, sources, progress)
     except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error
         if exc.filename:  # an input file, named by the error itself
             raise
         raise _write_failed(path, exc.strerror or str(exc)) from None
     except FsdpfastError as exc:  # the native kernels' I/O errors ("writing the output file: ...")
         raise _write_failed(path, str(exc)) from None
-    finally:
-        os.close(fd)
-    return checksums
 
 
 def _write_failed(path: str, reason: str) -> FsdpfastError:
-    return FsdpfastError(f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
-                         "free space on that disk (or raise the file size limit) or choose another output folder, then run again")
+    return FsdpfastError(
+        f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
+        "free space on that disk (or raise the file size limit) or choose another output folder, then run again"
+    )
 
 
-def _write(fd: int, planned: OutputFile, engine, sources: SourceFiles, checksums: dict, progress) -> None:
-    os.ftruncate(fd, planned.size)
-    os.pwrite(fd, planned.header, 0)
-    tensors = [p for p in planned.tensors if p.nbytes and p.tensor.compute is None]
-    if tensors:
-        with engine.output(fd, planned.size) as output:
-            for batch in _batches(tensors):
-                checksums.update(zip((p.tensor.name for p in batch), output.write(batch, sources)))
-                if progress is not None:
-                    progress(sum(p.nbytes for p in batch))
-                for source in {e.source for p in batch for e in p.tensor.extents}:
-                    sources.release(source)
-    computed = [p for p in planned.tensors if p.nbytes and p.tensor.compute is not None]
-    if computed:  # --merge-lora: fused weights are computed, not copied
-        from ..lora.fuse import write_computed
-
-        checksums.update(write_computed(fd, computed, sources, engine.name, progress))
+def _write(fd: int, part: FilePart, engine, sources: Source, progress) -> list[Piece]:
+    header = part.file.header[part.start : part.end]
+    if header:
+        os.pwrite(fd, header, part.start)
+    found = pieces_of(part)  # empty tensors have no bytes to write (tensor_checksums knows their CRC)
+    crcs = []
+    if found:
+        placed = [p for p, _ in found]
+        with engine.output(fd, max(p.offset + p.nbytes for p in placed), min(p.offset for p in placed)) as sink:
+            crcs = run(placed, sources, sink, progress)
     os.fsync(fd)
-
-
-def _batches(placed: list[PlacedTensor]) -> list[list[PlacedTensor]]:
-    """Consecutive tensors grouped up to BATCH_BYTES, so small tensors share one engine call."""
-    batches, current, size = [], [], 0
-    for p in placed:
-        if current and size + p.nbytes > BATCH_BYTES:
-            batches.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.nbytes
-    if current:
-        batches.append(current)
-    return batches
+    return [Piece(part.file.name, p.tensor.name, start, p.nbytes, crc) for (p, start), crc in zip(found, crcs)]

@@ -1,9 +1,28 @@
-"""Input files mapped once, read-only in effect, and handed out as byte views."""
+"""Where input bytes come from: a Source hands out each plan source buffer as a byte view.
+
+SourceFiles is the local Source: input files mapped once, read-only in effect. Another kind of
+source (a remote store, read in ranges) implements the same three calls.
+"""
 from __future__ import annotations
 
 import mmap
+import os
+from dataclasses import replace
+from typing import Protocol
 
 from ..plan.model import SourceBuffer
+
+
+class Source(Protocol):
+    """The bytes of a plan's source buffers (MergePlan.sources), by index."""
+
+    def view(self, index: int) -> memoryview:
+        """The buffer's bytes; the caller releases the view when done with it."""
+
+    def release(self, index: int) -> None:
+        """The buffer has been consumed: its memory may be given back (it can still be viewed again)."""
+
+    def close(self) -> None: ...
 
 _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped together on a read fault
 
@@ -59,3 +78,16 @@ class SourceFiles:
     def __exit__(self, *exc):
         self.close()
 
+
+
+def rebased(buffers: list[SourceBuffer], old_root: str, new_root: str) -> list[SourceBuffer]:
+    """The buffers of files inside `old_root` as files inside `new_root` (another process's view of
+    one checkpoint folder, perhaps mounted elsewhere); files outside it (a --base folder) unchanged."""
+    if os.path.abspath(old_root) == os.path.abspath(new_root):
+        return buffers
+    old = os.path.abspath(old_root)
+    moved = {}
+    for path in {b.path for b in buffers}:
+        relative = os.path.relpath(os.path.abspath(path), old)
+        moved[path] = path if relative.startswith(os.pardir) else os.path.join(new_root, relative)
+    return [replace(b, path=moved[b.path]) for b in buffers]

@@ -1,8 +1,10 @@
-"""The output folder: built under a hidden sibling name, published by one rename when complete.
+"""The local Target (io.target): the output folder, built under a hidden sibling name and
+published by one rename when complete.
 
 Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
 killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an earlier fsdpfast
-output, nothing else.
+output, nothing else. Other processes of a merge under torchrun write into the same staging
+folder through `LocalTarget.join` (a shared filesystem).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 _TRAINING_STATE = ("trainer_state.json",)
 
 
-class StagingFolder:
+class LocalTarget:
     """A hidden folder beside OUT_DIR; `publish` renames it into place, `discard` cleans up after either.
 
     OUT_DIR's missing parents are created (and removed again if nothing is published). The output
@@ -72,6 +74,25 @@ class StagingFolder:
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    @property
+    def token(self) -> str:
+        return os.path.basename(self.path)
+
+    @classmethod
+    def join(cls, out_dir: str, token: str) -> JoinedTarget:
+        """The staging folder `token` another process made beside `out_dir`, to write files into."""
+        return JoinedTarget(out_dir, token)
+
+    def open(self, name: str, size: int) -> int:
+        return open_sized(self.file(name), size)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(self.file(name)), exist_ok=True)
+        write_durably(self.file(name), data)
+
+    def write_json(self, name: str, value: dict) -> None:
+        self.write_bytes(name, json_bytes(value))
 
     def publish(self) -> None:
         """Rename the staging folder to OUT_DIR: in one step over an empty OUT_DIR (rename(2) replaces
@@ -131,6 +152,52 @@ class StagingFolder:
             os.rename(previous, self.out_dir)
         shutil.rmtree(previous, ignore_errors=True)  # before the marker, so a SIGKILL here is still cleaned up
         shutil.rmtree(self._old, ignore_errors=True)
+
+
+class JoinedTarget:
+    """Another process's staging folder (a merge under torchrun): files are opened in it, nothing else.
+    Its maker locks, publishes and discards it."""
+
+    published = False
+
+    def __init__(self, out_dir: str, token: str):
+        self.out_dir = os.path.abspath(out_dir)
+        self.token = token
+        self.path = os.path.join(os.path.dirname(self.out_dir), token)
+        if not os.path.isfile(os.path.join(self.path, STAGING_MARKER)):
+            raise BadInput(f"{self.path}: the staging folder rank 0 made beside its output folder is not there on "
+                           "this rank; every rank's --out must be the same folder of a filesystem they share")
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open(self, name: str, size: int) -> int:
+        return open_sized(self.file(name), size)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        raise RuntimeError("only the process that made the target writes whole files into it")
+
+    write_json = write_bytes
+
+    def publish(self) -> None:
+        raise RuntimeError("only the process that made the target publishes it")
+
+    def discard(self) -> None:
+        pass
+
+
+def open_sized(path: str, size: int) -> int:
+    """Open (creating) an output file for writing at offsets, `size` bytes long. Several processes
+    may do this at once: setting the same length twice changes nothing, and no write ends past it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # less the umask, as open() gives
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _make_staging(parent: str, name: str) -> str:
@@ -219,15 +286,22 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
 def write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
+    write_durably(path, json_bytes(value))
+
+
+def write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str | None) -> list[str]:
+def copy_config_files(config_dir: str, target, torch_dtype: str | None) -> list[str]:
     """Copy config, generation config, tokenizer and custom-code files; weights are never copied.
 
     With a target dtype, config.json's dtype entry is updated to what was written.
@@ -239,25 +313,26 @@ def copy_config_files(config_dir: str, staging: StagingFolder, torch_dtype: str 
                 or entry in (MANIFEST_NAME, *_TRAINING_STATE)):
             continue
         if entry == "config.json" and torch_dtype:
-            _write_config_with_dtype(source, staging.file(entry), torch_dtype)
+            target.write_json(entry, _config_with_dtype(source, torch_dtype))
         else:
-            shutil.copyfile(source, staging.file(entry))
+            with open(source, "rb") as f:
+                target.write_bytes(entry, f.read())
         copied.append(entry)
     return copied
 
 
-def write_built_config(config: dict, staging: StagingFolder, torch_dtype: str | None) -> list[str]:
+def write_built_config(config: dict, target, torch_dtype: str | None) -> list[str]:
     """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
-    write_json(staging.file("config.json"), {**config, "dtype": torch_dtype} if torch_dtype else config)
+    target.write_json("config.json", {**config, "dtype": torch_dtype} if torch_dtype else config)
     return ["config.json"]
 
 
-def _write_config_with_dtype(source: str, target: str, torch_dtype: str) -> None:
+def _config_with_dtype(source: str, torch_dtype: str) -> dict:
     config = load_config(source)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     for key in keys:
         config[key] = torch_dtype
-    write_json(target, config)
+    return config
 
 
 def _fsync_dir(path: str) -> None:

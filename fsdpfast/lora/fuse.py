@@ -2,8 +2,8 @@
 
 `fuse` is a plan transform: each adapted weight keeps its place in the output (name, shape,
 dtype) and gets a FusedWeight describing what to compute from which tensors; modules_to_save
-copies simply replace the module's tensors (byte placement, nothing computed). The writer hands
-fused tensors to `compute_into`, one at a time: the unmerged weight, lora_A and lora_B are read
+copies simply replace the module's tensors (byte placement, nothing computed). Every sink
+(execute.outputs) hands fused tensors to `compute_into`, one batch each (execute.runner): the unmerged weight, lora_A and lora_B are read
 through the pure-torch engine, fused by the extension's torch op (torch.ops.fsdpfast.lora_merge,
 csrc/lora_merge.cpp: peft's own ATen calls in peft's order), cast to the output dtype like every
 other tensor, and written. Memory holds a few tensors of one weight at a time, never the model.
@@ -44,6 +44,12 @@ class BiasStep:
 class FusedWeight:
     base: TensorPlan  # the unmerged tensor (its extents and dtype)
     steps: tuple = ()  # applied in order, as peft merges adapters one after another
+
+    def sources(self) -> set[int]:
+        """The plan sources computing it reads (released by the runner once it is written)."""
+        tensors = [self.base] + [t for s in self.steps
+                                 for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))]
+        return {e.source for t in tensors for e in t.extents}
 
 
 def adapter_names(plan: MergePlan, wanted) -> list[str]:
@@ -177,24 +183,6 @@ def compute_into(tensor: TensorPlan, destination: memoryview, sources, device: s
     torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
 
 
-def write_computed(fd: int, placed: list, sources, engine_name: str, progress=None) -> dict[str, int | None]:
-    """Compute and write each placed fused tensor at its offset; their CRC-32C by name."""
-    checksums = {}
-    for p in placed:
-        data = bytearray(p.nbytes)
-        compute_into(p.tensor, memoryview(data), sources, device_for(engine_name))
-        view, offset = memoryview(data), p.offset
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
-        checksums[p.tensor.name] = _ops.crc32c(data)
-        for source in _sources_of(p.tensor.compute):
-            sources.release(source)
-        if progress is not None:
-            progress(p.nbytes)
-    return checksums
-
-
 def _read(tensor: TensorPlan, sources):
     """One checkpoint tensor as it is stored (its own dtype), gathered by the pure-torch engine."""
     import torch
@@ -207,8 +195,3 @@ def _read(tensor: TensorPlan, sources):
     buffer = bytearray(tensor.numel * torch.empty(0, dtype=dtype).element_size())
     TorchEngine().execute([(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer))], sources)
     return torch.frombuffer(buffer, dtype=dtype).reshape(tensor.shape)
-
-
-def _sources_of(fused: FusedWeight) -> set[int]:
-    tensors = [fused.base] + [t for s in fused.steps for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))]
-    return {e.source for t in tensors for e in t.extents}

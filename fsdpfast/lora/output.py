@@ -3,23 +3,22 @@
 Each folder holds `adapter_model.safetensors` (peft's saved names), `adapter_config.json` and
 a manifest of its own, in the format of OUT's: tensor names repeat from adapter to adapter, so
 one manifest per folder keeps them unambiguous, and an adapter folder copied or uploaded alone
-still verifies (`fsdpfast verify OUT/lora_adapter`). Everything is written inside the merge's
-staging folder, so OUT is published with its adapters complete, or not at all. OUT's manifest
-lists the adapter folders.
+still verifies (`fsdpfast verify OUT/lora_adapter`). The adapter files are executed with the
+model's (`adapter_outputs`, named by their place inside OUT); `write_adapter_files` then writes
+each folder's config and manifest into the merge's target, so OUT is published with its
+adapters complete, or not at all. OUT's manifest lists the adapter folders.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import sys
+from dataclasses import replace
 
 from ..errors import BadInput
-from ..io.staging import StagingFolder, write_json
 from ..plan.layout import OutputFile, plan_files
 from ..manifest import MANIFEST_NAME, build_manifest
 from .split import AdapterPlan
 from ..plan.model import MergePlan
-from ..execute.writer import write_file
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -38,22 +37,27 @@ def adapter_file(adapter: AdapterPlan) -> OutputFile:
     return replace(planned, name=ADAPTER_FILE)
 
 
-def write_adapters(plan: MergePlan, staging: StagingFolder, engine, sources, progress, checkpoint: str,
-                   identity: list[dict], dtype: str | None, out_dir: str) -> tuple[list[str], list[str]]:
-    """(folders written, notes)."""
+def adapter_outputs(plan: MergePlan) -> list[OutputFile]:
+    """Each adapter's file, named by its place in the output folder (lora_adapter/adapter_model.safetensors)."""
+    return [replace(adapter_file(adapter), name=f"{adapter.folder}/{ADAPTER_FILE}") for adapter in plan.adapters]
+
+
+def write_adapter_files(plan: MergePlan, target, checksums: dict[str, dict], checkpoint: str, identity: list[dict],
+                        engine: str, dtype: str | None, out_dir: str) -> tuple[list[str], list[str]]:
+    """Each adapter folder's config and manifest, once its file is written (`checksums`: by output file
+    name, then tensor name); (folders written, notes)."""
     folders, notes = [], []
     for adapter in plan.adapters:
-        os.makedirs(staging.file(adapter.folder), exist_ok=True)
         planned = adapter_file(adapter)
-        checksums = write_file(staging.file(os.path.join(adapter.folder, ADAPTER_FILE)), planned, engine, sources, progress)
         config = dict(adapter.config)
         if config.get("base_model_name_or_path") is None:
             config["base_model_name_or_path"], note = _base_path(plan, out_dir, adapter)
             if note:
                 notes.append(note)
-        write_json(staging.file(os.path.join(adapter.folder, CONFIG_FILE)), config)
-        write_json(staging.file(os.path.join(adapter.folder, MANIFEST_NAME)),
-                   build_manifest(checkpoint, adapter.plan, [planned], checksums, identity, engine.name, dtype))
+        target.write_json(f"{adapter.folder}/{CONFIG_FILE}", config)
+        target.write_json(f"{adapter.folder}/{MANIFEST_NAME}",
+                          build_manifest(checkpoint, adapter.plan, [planned], checksums[f"{adapter.folder}/{ADAPTER_FILE}"],
+                                         identity, engine, dtype))
         folders.append(adapter.folder)
     return folders, notes
 
@@ -73,4 +77,4 @@ def written_files(folders: list[str]) -> list[str]:
 
 
 def dry_run_files(plan: MergePlan) -> list[tuple[str, OutputFile]]:
-    return [(f"{adapter.folder}/{ADAPTER_FILE}", adapter_file(adapter)) for adapter in plan.adapters]
+    return [(f.name, f) for f in adapter_outputs(plan)]
