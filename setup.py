@@ -218,8 +218,11 @@ def torch_extensions(cuda_setting_value: str):
         return CppExtension("fsdpfast._C", list(CPU_SOURCES), extra_compile_args=list(CXX_FLAGS), extra_link_args=["-fopenmp"])
 
     def cuda_ops():
+        # -fopenmp for nvcc's host compiler too: ATen's parallel_for is a plain loop in a file compiled without it,
+        # and the CUDA engine's host copies into and out of the pinned buffers would all run on one thread.
         return CUDAExtension("fsdpfast._C", CPU_SOURCES + sorted(glob.glob("csrc/cuda/*.cu")), include_dirs=pip_cuda_includes(),
-                             extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": ["-O3"]}, extra_link_args=["-fopenmp"])
+                             extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": ["-O3", "-Xcompiler", "-fopenmp"]},
+                             extra_link_args=["-fopenmp"])
 
     def record(command, facts):
         # In the source tree (editable installs, in-place builds) and where the modules were built:

@@ -21,6 +21,9 @@ Functions:
     verify(out_dir, ...)    check a merged folder (manifest, shards, a reference); a VerifyReport
     inspect(src, ...)       what a checkpoint holds and a merge would write, as JSON-able data
     plan_merge(src, ...)    the MergePlan (every tensor's pieces), from metadata alone
+    save_pretrained(model, out_dir, ...)
+                            on every rank of a job: a Hugging Face folder written straight from a
+                            live FSDP2 model, no gather; a SaveReport
 
 Layout options, keyword arguments of all four, each for one layout: prefix (dcp), tag and
 exclude_frozen (deepspeed-zero), wrap and use_orig_params (fsdp1-flat).
@@ -38,8 +41,9 @@ __version__ = "0.1.0"
 
 from .api import MergeReport, inspect, merge, plan_merge  # noqa: E402
 from .errors import BadInput, FsdpfastError, UnsafeCheckpoint  # noqa: E402
+from .live.save import SaveReport, save_pretrained  # noqa: E402
 from .manifest import SourceChanged  # noqa: E402
 from .verify import VerifyReport, verify  # noqa: E402
 
-__all__ = ["merge", "inspect", "plan_merge", "verify", "MergeReport", "VerifyReport",
+__all__ = ["merge", "inspect", "plan_merge", "verify", "save_pretrained", "MergeReport", "VerifyReport", "SaveReport",
            "FsdpfastError", "BadInput", "UnsafeCheckpoint", "SourceChanged", "__version__"]

@@ -10,12 +10,13 @@ from . import readers
 from .lora import output as lora_output, plan as lora_plan
 from .plan.copies import check_copies
 from .execute.engines import check_engine_name, select_engine
+from .execute.measurements import job_kind
 from .execute.parts import share_out, tensor_bytes, tensor_checksums
 from .execute.writer import execute
 from .group import MergeGroup, local_processes
 from .io.sources import rebased
 from .errors import BadInput, InterruptedAfterPublishing, option
-from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable
+from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.model_check import check_against_model, load_expected_model
@@ -93,7 +94,7 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     """
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
-    plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, **options)
+    plan = readers.read_plan(os.fspath(src), layout, os.fspath(config) if config else None, lora_r=lora_r, **options)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
     plan = check_copies(plan, full=full_copy_check)
     if config is not None:
@@ -102,7 +103,8 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
-    expected, why_not = load_expected_model(plan.config_dir) if not lora_only else (None, "a LoRA-only checkpoint")
+    expected, why_not = (load_expected_model(plan.config_dir, plan.built_config) if not lora_only
+                         else (None, "a LoRA-only checkpoint"))
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
@@ -136,6 +138,7 @@ def inspect(src: str, *, layout: str | None = None, config: str | None = None, a
         "total_bytes": sum(t["bytes"] for t in tensors),
         "source_files": sorted({s.path for s in plan.sources}),
         "config_dir": plan.config_dir,
+        "built_config": plan.built_config,  # config.json built from the checkpoint's own records (no config_dir)
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
         "assumed": plan.assumed,
@@ -169,12 +172,14 @@ def merge(
     max_shard_size: the largest output file ("5GB", "500MB", "2GiB" or bytes); more than one file
         adds model.safetensors.index.json.
     layout: force a layout instead of detecting it ("fsdp-ranks", "guide-ranks", "dcp", "dcp-hf",
-        "deepspeed-zero", "fsdp1-flat").
+        "deepspeed-zero", "fsdp1-flat", "megatron").
     config: a folder whose config.json, generation config and tokenizer files are copied (default:
         the checkpoint's huggingface/ folder).
     overwrite: replace `dst` if it is an earlier merge (an empty `dst` is replaced anyway; any other
         existing folder is refused).
-    engine: "auto" (default: cuda, else the native cpu engine, else torch), "cpu", "cuda", "torch".
+    engine: "auto" (default: the engine measured fastest on this machine for this kind of conversion,
+        execute/measurements.py; without such a record the native cpu engine, else torch), "cpu",
+        "cuda", "torch".
     progress: a progress bar on stderr when it is a terminal.
     options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
     group: a torch.distributed process group (gloo) of processes that all call `merge` with the same
@@ -260,7 +265,7 @@ def _prepare(src: str, dst: str, *, dtype, max_shard_size, layout, config, overw
                       merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
     lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
-    runner = select_engine(engine, threads_share=local_processes())
+    runner = select_engine(engine, job_kind(plan.tensors), threads_share=local_processes())
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     return MergeJob(src, dst, parse_dtype(dtype), plan, files, lora_output.adapter_outputs(plan), identity, runner,
@@ -290,6 +295,8 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
     if len(files) > 1:
         target.write_json("model.safetensors.index.json", index_json(files))
     copied = copy_config_files(plan.config_dir, target, job.dtype) if plan.config_dir and files else []
+    if plan.built_config is not None and not plan.config_dir and files:
+        copied = write_built_config(plan.built_config, target, job.dtype)
     adapters, adapter_notes = lora_output.write_adapter_files(plan, target, checksums, job.src, job.identity,
                                                               job.engine.name, job.dtype, job.dst)
     model_checksums = {name: crc for f in files for name, crc in checksums[f.name].items()}

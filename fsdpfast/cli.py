@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
     merge.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
     merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
-    merge.add_argument("--engine", default="auto", help="auto (default), cpu, cuda or torch")
+    merge.add_argument("--engine", default="auto", help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
+                       "measured another faster on this machine for this kind of cast), cpu, cuda or torch")
     _add_layout_options(merge)
     merge.add_argument("--allow-extra-tensors", action="store_true",
                        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
@@ -344,6 +345,11 @@ def _assumed_lines(assumed: dict) -> list[str]:
         return []
     lines = [f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
              f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"]
+    for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (readers.fsdp1_peft)
+        targets, others = adapter["target_modules"], len(adapter["rank_pattern"] or {})
+        lines.append(f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}" + (f" ({others} modules otherwise)" if others else "")
+                     + (f", {len(targets)} modules" if isinstance(targets, list) else f", target_modules {targets!r}")
+                     + f"{', DoRA' if adapter['use_dora'] else ''} ({adapter['source']})")
     for unit in assumed["units"]:
         lines.append(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
                      f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:")

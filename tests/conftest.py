@@ -10,6 +10,9 @@ import os
 import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling chatter from torch.load in tests
+# `--engine auto` follows engine timings recorded on the machine (fsdpfast/execute/measurements.py);
+# the tests, and the merges they spawn, must not depend on what a benchmark left there.
+os.environ["FSDPFAST_MEASUREMENTS"] = os.devnull
 
 from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints  # noqa: E402
 from helpers import CheckpointsByWorld  # noqa: E402

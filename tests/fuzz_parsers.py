@@ -1,6 +1,6 @@
 """Fuzz every metadata parser the readers use: only fsdpfast's own errors may come out.
 
-    python tests/fuzz_parsers.py --minutes 10          # the long run (README: "How it is tested")
+    python tests/fuzz_parsers.py --minutes 10          # the long run (docs/guarantees.md: the fuzz record)
     python -m pytest -q tests/test_fuzz.py             # the short run, part of the suite and CI
 
 Targets, each fed by hypothesis from real files (mutated: bits flipped, bytes set, inserted,

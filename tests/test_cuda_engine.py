@@ -34,6 +34,32 @@ def test_device_kernel_on_every_16bit_value_and_float32_specials(source, target)
     assert_same_bits(device_convert(x, target), torch_reference(x, target), x)
 
 
+@pytest.mark.parametrize("source,target", PAIRS, ids=[f"{_name(a)}-{_name(b)}" for a, b in PAIRS])
+def test_device_kernel_on_views_at_odd_byte_offsets(source, target):
+    # Byte views may start anywhere in a device buffer; 2- and 4-byte accesses there would fault.
+    x = (torch.randn(10_001, generator=torch.Generator().manual_seed(3)) * 100).to(source)
+    out_size = torch.empty(0, dtype=target).element_size()
+    src = torch.zeros(x.numel() * x.element_size() + 1, dtype=torch.uint8, device="cuda")
+    src[1:] = x.view(torch.uint8).cuda()
+    out = torch.zeros(x.numel() * out_size + 3, dtype=torch.uint8, device="cuda")
+    plan = torch.tensor([[0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(target)), x.element_size(), out_size,
+                          0, x.numel(), 0, 1, 0, 0]], dtype=torch.int64)
+    _ops.gather_convert([src[1:]], [out[3:]], plan)
+    assert_same_bits(out[3:].cpu().view(target), torch_reference(x, target), x)
+    assert out[:3].cpu().tolist() == [0, 0, 0]
+
+
+def test_staging_is_one_allocation_kept_across_merges(checkpoints, tmp_path):
+    from fsdpfast.execute import cuda
+
+    _, folder = checkpoints.get("w3-bert-dim1")
+    fsdpfast.merge(folder, tmp_path / "first", dtype="bf16", engine="cuda")
+    kept = cuda._staging[torch.cuda.current_device()]
+    fsdpfast.merge(folder, tmp_path / "second", dtype="bf16", engine="cuda")
+    assert cuda._staging[torch.cuda.current_device()] is kept and kept.pinned.is_pinned()
+    assert kept.pinned.numel() < cuda._Staging.nbytes(cuda.SLOTS, cuda.STAGING_BYTES)  # a tiny model pins little
+
+
 def _staged(tmp_path, x: torch.Tensor, to: torch.dtype, staging_bytes: int, runs: int = 1) -> torch.Tensor:
     """Run the staged pipeline on a file-backed source through tiny staging buffers."""
     from fsdpfast.execute.cuda import CudaEngine

@@ -11,7 +11,7 @@ import torch
 
 import fsdpfast
 from fsdpfast import _ops
-from fsdpfast.execute.engines import available_engines
+from fsdpfast.execute.engines import available_engines, select_engine
 from fsdpfast.manifest import MANIFEST_NAME
 
 OTHER_ENGINES = [e for e in available_engines() if e != "torch"]
@@ -38,11 +38,78 @@ def test_engines_write_identical_files(checkpoints, tmp_path, name, dtype):
             assert got[file_name] == expected[file_name], f"{engine} engine: {file_name} differs"
 
 
-def test_auto_picks_the_fastest_available_engine(checkpoints, tmp_path):
+def test_auto_without_a_measurement_picks_cpu_else_torch(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     report = fsdpfast.merge(folder, tmp_path / "out")
     assert report.engine == available_engines()[0]
-    assert report.engine == ("cuda" if _ops.native_cuda() else "cpu" if _ops.native_cpu() else "torch")
+    assert report.engine == ("cpu" if _ops.native_cpu() else "torch")
+
+
+@pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
+def test_auto_takes_cpu_even_where_the_cuda_engine_could_run(monkeypatch):
+    # As on a GPU machine with the CUDA ops loaded and nothing measured: a visible GPU is no reason
+    # to send an offline merge's bytes through it.
+    monkeypatch.setattr(_ops, "native_cuda", lambda: True)
+    assert "cuda" in available_engines()
+    for kind in (None, "copy", "float32->bfloat16"):
+        assert select_engine("auto", kind).name == "cpu"
+
+
+def _record(path, seconds, gpu=None):
+    from fsdpfast.execute import measurements
+
+    measurements.record(seconds, gpu, str(path))
+    return json.loads(path.read_text())
+
+
+@pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
+def test_auto_follows_the_engine_measured_fastest_on_this_machine(checkpoints, tmp_path, monkeypatch):
+    record = tmp_path / "measured.json"
+    monkeypatch.setenv("FSDPFAST_MEASUREMENTS", str(record))
+    written = _record(record, {"copy": {"cpu": 2.0, "torch": 1.0},  # torch measured faster at keep
+                               "float32->bfloat16": {"cpu": 1.0, "torch": 0.97}})  # within the margin: cpu stays
+    assert written["fastest"] == {"copy": "torch", "float32->bfloat16": "cpu"}
+    assert select_engine("auto", "copy").name == "torch"
+    assert select_engine("auto", "float32->bfloat16").name == "cpu"
+    assert select_engine("auto", "bfloat16->float32").name == "cpu"  # not measured
+    assert select_engine("cpu", "copy").name == "cpu"  # a named engine is never second-guessed
+    _, folder = checkpoints.get("w2-llama")  # fp32: a merge at keep is a copy job
+    assert fsdpfast.merge(folder, tmp_path / "keep").engine == "torch"
+    assert fsdpfast.merge(folder, tmp_path / "bf16", dtype="bf16").engine == "cpu"
+    # Another machine's record (another CPU count), or an unreadable one, is not followed.
+    written["machine"]["cpus"] += 1
+    record.write_text(json.dumps(written))
+    assert select_engine("auto", "copy").name == "cpu"
+    record.write_text("{not json")
+    assert select_engine("auto", "copy").name == "cpu"
+
+
+@pytest.mark.skipif(_ops.native_cuda() or not _ops.native_cpu(), reason="a GPU is visible, or no native extension")
+def test_auto_says_once_when_the_measured_cuda_engine_cannot_run(tmp_path, monkeypatch, capsys):
+    from fsdpfast.execute import engines
+
+    record = tmp_path / "measured.json"
+    monkeypatch.setenv("FSDPFAST_MEASUREMENTS", str(record))
+    monkeypatch.setattr(engines, "_said_missing", False)
+    _record(record, {"float32->bfloat16": {"cpu": 2.0, "cuda": 1.0}}, gpu="NVIDIA H200")
+    assert select_engine("auto", "float32->bfloat16").name == "cpu"
+    assert select_engine("auto", "float32->bfloat16").name == "cpu"
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and "the cuda engine, measured fastest here for float32->bfloat16, cannot run" in notes[0]
+
+
+def test_cuda_staging_is_sized_to_the_job():
+    from fsdpfast.execute.cuda import MIN_SLOT_BYTES, STAGING_BYTES, slot_bytes, staging_needed
+    from fsdpfast.plan.model import Extent, TensorPlan
+
+    small = TensorPlan("t", (1000,), "bfloat16", "float32", [Extent(0, 0, 1000, 0)])
+    copied = TensorPlan("c", (1 << 30,), "float32", "float32", [Extent(0, 0, 1 << 30, 0)])
+    assert staging_needed([small, copied]) == 4000  # bf16 -> fp32 fills 4 bytes of a slot per element
+    assert slot_bytes(4000, 3, STAGING_BYTES) == MIN_SLOT_BYTES  # a tiny job pins little
+    assert slot_bytes(0, 3, STAGING_BYTES) < MIN_SLOT_BYTES  # plain copies never reach the buffers
+    assert slot_bytes(10 << 30, 3, STAGING_BYTES) == STAGING_BYTES  # a large one is capped
+    assert slot_bytes(3 * (5 << 20), 3, STAGING_BYTES) == 8 << 20  # between: a power of two holding its share
+    assert slot_bytes(10 << 30, 2, 4096) == 4096  # a cap below the minimum is kept (the tests' tiny slots)
 
 
 @pytest.mark.skipif(_ops.native_cuda(), reason="a GPU is visible")

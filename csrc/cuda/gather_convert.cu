@@ -5,6 +5,10 @@
 // buffer k, stream k copies them to the device, converts them and copies them back, and an event
 // marks slot k done. While the GPU works on slot k the CPU already packs slot k+1 and unpacks
 // the finished slot k-1 into the output views, so reading, converting and writing overlap.
+//
+// The host copies run on torch's OpenMP threads (at::parallel_for), which exist in this file only
+// because setup.py hands -fopenmp to nvcc's host compiler: without it ATen's parallel_for compiles
+// to a plain loop here, and every copy in and out of the pinned buffers ran on one thread.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -13,12 +17,19 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "../convert.h"
+#include "../kernels.h"
 #include "../plan_rows.h"
 #include "../torch_plan.h"
+
+#if !defined(__CUDA_ARCH__) && !defined(_OPENMP)
+#error "build the CUDA ops with -Xcompiler -fopenmp (setup.py does): without it every host copy runs on one thread"
+#endif
 
 namespace fsdpfast {
 namespace {
@@ -50,20 +61,37 @@ void launch_convert(int64_t from, int64_t to, const unsigned char* in, unsigned 
 
 // --- gather_convert on device-resident views: one block per task ---
 
+constexpr int kTaskFields = 6;  // row, run_begin, run_end, elem_begin, elem_end, aligned
+
+// One element through registers, byte by byte: a view may start at any byte (a slice of a uint8
+// buffer), and a 2- or 4-byte load or store at an address that is not a multiple of its size
+// faults on the GPU ("misaligned address") where the CPU would only be slow.
+__device__ __forceinline__ void convert_unaligned(int64_t from, int64_t to, const unsigned char* in, unsigned char* out,
+                                                  int64_t in_size, int64_t out_size) {
+  alignas(4) unsigned char a[4];
+  alignas(4) unsigned char b[4];
+  for (int64_t k = 0; k < in_size; ++k) a[k] = in[k];
+  convert_element(from, to, a, b);
+  for (int64_t k = 0; k < out_size; ++k) out[k] = b[k];
+}
+
 __global__ void gather_convert_kernel(const int64_t* __restrict__ rows, const int64_t* __restrict__ tasks,
                                       unsigned char* const* sources, unsigned char* const* destinations) {
-  const int64_t* task = tasks + blockIdx.x * 5;
+  const int64_t* task = tasks + blockIdx.x * int64_t(kTaskFields);
   const int64_t* row = rows + task[0] * kColumns;
   const int64_t in = row[kSourceItemsize], out = row[kTargetItemsize];
   const int64_t from = row[kSourceCode], to = row[kTargetCode];
+  const bool aligned = task[5] != 0;
   for (int64_t run = task[1]; run < task[2]; ++run) {
     const unsigned char* src = sources[row[kSource]] + (row[kSourceOffset] + run * row[kSourceStride]) * in;
     unsigned char* dst = destinations[row[kDestination]] + (row[kTargetOffset] + run * row[kTargetStride]) * out;
     for (int64_t i = task[3] + threadIdx.x; i < task[4]; i += blockDim.x) {
       if (from == to) {
         for (int64_t b = 0; b < in; ++b) dst[i * out + b] = src[i * in + b];
-      } else {
+      } else if (aligned) {
         convert_element(from, to, src + i * in, dst + i * out);
+      } else {
+        convert_unaligned(from, to, src + i * in, dst + i * out, in, out);
       }
     }
   }
@@ -87,16 +115,26 @@ void gather_convert_cuda(at::TensorList sources, at::TensorList destinations, co
   const int64_t* rows = plan.data_ptr<int64_t>();
   auto tasks = split_tasks(rows, plan.size(0), int64_t(1) << 14);
   if (tasks.empty()) return;
+  const auto source_pointers = device_pointers(sources, device);
+  const auto destination_pointers = device_pointers(destinations, device);
+  // Offsets are counted in elements, so a row's elements are all aligned exactly when its source
+  // and destination views start at a multiple of their element sizes: decided once per row here.
+  auto aligned = [&](int64_t r) {
+    const int64_t* row = rows + r * kColumns;
+    return source_pointers[row[kSource]] % row[kSourceItemsize] == 0 &&
+           destination_pointers[row[kDestination]] % row[kTargetItemsize] == 0;
+  };
   std::vector<int64_t> flat_tasks;
-  for (const auto& t : tasks) flat_tasks.insert(flat_tasks.end(), {t.row, t.run_begin, t.run_end, t.elem_begin, t.elem_end});
+  for (const auto& t : tasks)
+    flat_tasks.insert(flat_tasks.end(), {t.row, t.run_begin, t.run_end, t.elem_begin, t.elem_end, int64_t(aligned(t.row))});
   auto options = at::TensorOptions().dtype(at::kLong);
   auto to_device = [&](const std::vector<int64_t>& v) {
     return at::from_blob(const_cast<int64_t*>(v.data()), {int64_t(v.size())}, options).to(device);
   };
   auto d_rows = plan.to(device);
   auto d_tasks = to_device(flat_tasks);
-  auto d_sources = to_device(device_pointers(sources, device));
-  auto d_destinations = to_device(device_pointers(destinations, device));
+  auto d_sources = to_device(source_pointers);
+  auto d_destinations = to_device(destination_pointers);
   auto stream = at::cuda::getCurrentCUDAStream();
   gather_convert_kernel<<<tasks.size(), 256, 0, stream>>>(
       d_rows.data_ptr<int64_t>(), d_tasks.data_ptr<int64_t>(),
@@ -113,6 +151,29 @@ struct Piece {  // a contiguous run of elements: where it is read, where it land
   int64_t count, slot_offset;
 };
 
+struct Span {  // bytes to copy on the host
+  unsigned char* dst;
+  const unsigned char* src;
+  int64_t bytes;
+};
+
+// Host copies on every thread, cut into 1 MB pieces so that one large tensor spreads over the
+// threads as evenly as many small ones (a slot often holds a single piece of 64 MB).
+void parallel_copy(const std::vector<Span>& spans) {
+  constexpr int64_t kPiece = int64_t(1) << 20;
+  std::vector<Span> pieces;
+  for (const Span& s : spans)
+    for (int64_t offset = 0; offset < s.bytes; offset += kPiece)
+      pieces.push_back({s.dst + offset, s.src + offset, std::min(kPiece, s.bytes - offset)});
+  at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].bytes);
+  });
+}
+
+ParallelFor aten_threads() {
+  return [](int64_t n, const std::function<void(int64_t, int64_t)>& body) { at::parallel_for(0, n, 1, body); };
+}
+
 struct Slot {
   unsigned char* pinned_in;
   unsigned char* pinned_out;
@@ -125,36 +186,61 @@ struct Slot {
   bool busy = false;
 };
 
+// Waits for every slot's stream when the op is left, by return or by exception: the staging
+// buffers are the caller's and the next call reuses them (execute/cuda.py keeps one set per
+// process), so no copy may still run into or out of them once control is back in Python.
+class DrainSlots {
+ public:
+  explicit DrainSlots(std::vector<Slot>& slots) : slots_(slots) {}
+  DrainSlots(const DrainSlots&) = delete;
+  DrainSlots& operator=(const DrainSlots&) = delete;
+  ~DrainSlots() {
+    for (auto& slot : slots_) {
+      // No throwing from a destructor: an error here belongs to the exception already on its way,
+      // so it is cleared rather than left to fail some later, unrelated CUDA call.
+      if (cudaStreamSynchronize(slot.stream.stream()) != cudaSuccess) (void)cudaGetLastError();
+    }
+  }
+
+ private:
+  std::vector<Slot>& slots_;
+};
+
 void unpack(Slot& slot) {
   if (!slot.busy) return;
   slot.done.synchronize();
-  const int64_t size = slot.out_itemsize;
-  at::parallel_for(0, int64_t(slot.pieces.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Piece& p = slot.pieces[i];
-      std::memcpy(p.dst, slot.pinned_out + p.slot_offset * size, p.count * size);
-    }
-  });
+  std::vector<Span> spans;
+  for (const Piece& p : slot.pieces) spans.push_back({p.dst, slot.pinned_out + p.slot_offset * slot.out_itemsize, p.count * slot.out_itemsize});
+  parallel_copy(spans);
   slot.pieces.clear();
   slot.busy = false;
 }
 
 void launch(Slot& slot, int64_t from, int64_t to, int64_t elements) {
   const int64_t in = from == kFloat32 ? 4 : 2, out = to == kFloat32 ? 4 : 2;
-  at::parallel_for(0, int64_t(slot.pieces.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Piece& p = slot.pieces[i];
-      std::memcpy(slot.pinned_in + p.slot_offset * in, p.src, p.count * in);
-    }
-  });
+  std::vector<Span> spans;
+  for (const Piece& p : slot.pieces) spans.push_back({slot.pinned_in + p.slot_offset * in, p.src, p.count * in});
+  parallel_copy(spans);
   cudaStream_t s = slot.stream.stream();
+  slot.busy = true;  // from the first enqueued copy on, the slot must be waited for
   C10_CUDA_CHECK(cudaMemcpyAsync(slot.device_in, slot.pinned_in, elements * in, cudaMemcpyHostToDevice, s));
   launch_convert(from, to, slot.device_in, slot.device_out, elements, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   C10_CUDA_CHECK(cudaMemcpyAsync(slot.pinned_out, slot.device_out, elements * out, cudaMemcpyDeviceToHost, s));
   slot.done.record(slot.stream);
   slot.out_itemsize = out;
-  slot.busy = true;
+}
+
+void check_staging_buffer(const at::Tensor& t, int64_t bytes, bool pinned, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes,
+              "staging buffers must be contiguous uint8 tensors, all of one size");
+  if (pinned) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_pinned(), "staging host buffers must be pinned");
+  } else {
+    // The conversion kernel loads and stores 2 and 4 bytes at a time from the start of these.
+    TORCH_CHECK(t.device() == device && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "staging device buffers must be 16-byte aligned, on one device");
+  }
 }
 
 void gather_convert_staged(at::TensorList sources, at::TensorList destinations, const at::Tensor& plan,
@@ -165,18 +251,30 @@ void gather_convert_staged(at::TensorList sources, at::TensorList destinations, 
   TORCH_CHECK(slots_count >= 2 && pinned_out.size() == slots_count && device_in.size() == slots_count &&
                   device_out.size() == slots_count,
               "gather_convert_staged needs at least two staging slots of four buffers each");
-  const int64_t capacity_bytes = pinned_in[0].numel();  // input side; output buffers are twice as large
-  for (size_t k = 0; k < slots_count; ++k) {
-    TORCH_CHECK(pinned_in[k].is_pinned() && pinned_out[k].is_pinned(), "staging host buffers must be pinned");
-    TORCH_CHECK(pinned_in[k].numel() == capacity_bytes && device_in[k].numel() == capacity_bytes &&
-                    pinned_out[k].numel() >= 2 * capacity_bytes && device_out[k].numel() >= 2 * capacity_bytes,
-                "staging buffers have inconsistent sizes");
-  }
+  // Every buffer holds capacity_bytes; a batch of one dtype pair holds capacity_bytes / max(in, out)
+  // elements, so no buffer is larger than what that batch fills (execute/cuda.py sizes them to the job).
+  const int64_t capacity_bytes = pinned_in[0].numel();
+  TORCH_CHECK(capacity_bytes >= 4, "staging buffers must hold at least one element");
   const at::Device device = device_in[0].device();
+  TORCH_CHECK(device.is_cuda(), "staging device buffers must be CUDA tensors");
+  for (size_t k = 0; k < slots_count; ++k) {
+    check_staging_buffer(pinned_in[k], capacity_bytes, true, device);
+    check_staging_buffer(pinned_out[k], capacity_bytes, true, device);
+    check_staging_buffer(device_in[k], capacity_bytes, false, device);
+    check_staging_buffer(device_out[k], capacity_bytes, false, device);
+  }
   c10::cuda::CUDAGuard guard(device);
-  std::vector<unsigned char*> src, dst;
-  for (const auto& t : sources) src.push_back(static_cast<unsigned char*>(t.data_ptr()));
-  for (const auto& t : destinations) dst.push_back(static_cast<unsigned char*>(t.data_ptr()));
+  std::vector<const unsigned char*> src;
+  std::vector<unsigned char*> dst;
+  std::vector<int64_t> source_bytes, destination_bytes;
+  for (const auto& t : sources) {
+    src.push_back(static_cast<const unsigned char*>(t.data_ptr()));
+    source_bytes.push_back(t.numel());
+  }
+  for (const auto& t : destinations) {
+    dst.push_back(static_cast<unsigned char*>(t.data_ptr()));
+    destination_bytes.push_back(t.numel());
+  }
 
   std::vector<Slot> slots;
   for (size_t k = 0; k < slots_count; ++k) {
@@ -184,9 +282,10 @@ void gather_convert_staged(at::TensorList sources, at::TensorList destinations, 
                          static_cast<unsigned char*>(device_in[k].data_ptr()), static_cast<unsigned char*>(device_out[k].data_ptr()),
                          c10::cuda::getStreamFromPool(false, device.index()), at::cuda::CUDAEvent()});
   }
+  DrainSlots drain(slots);  // from here on, any exception leaves only after every stream is idle
 
   const int64_t* rows = plan.data_ptr<int64_t>();
-  std::vector<int64_t> identity_rows;
+  std::vector<int64_t> identity_rows;  // copied whole, kColumns values per row
   size_t current = 0;
   int64_t filled = 0, slot_from = -1, slot_to = -1;
   auto flush = [&]() {
@@ -199,12 +298,12 @@ void gather_convert_staged(at::TensorList sources, at::TensorList destinations, 
   for (int64_t r = 0; r < plan.size(0); ++r) {
     const int64_t* row = rows + r * kColumns;
     if (row[kSourceCode] == row[kTargetCode]) {  // plain copies never visit the GPU
-      identity_rows.push_back(r);
+      identity_rows.insert(identity_rows.end(), row, row + kColumns);
       continue;
     }
     const int64_t from = row[kSourceCode], to = row[kTargetCode];
     const int64_t in = row[kSourceItemsize], out = row[kTargetItemsize];
-    const int64_t capacity = capacity_bytes / 4;  // elements: fits float32 in, and out at twice the bytes
+    const int64_t capacity = capacity_bytes / std::max(in, out);  // elements of this pair a slot holds
     if (from != slot_from || to != slot_to) {
       flush();
       slot_from = from;
@@ -223,19 +322,20 @@ void gather_convert_staged(at::TensorList sources, at::TensorList destinations, 
     }
   }
   flush();
-  for (auto& slot : slots) unpack(slot);
 
-  // Identity rows: straight CPU copies (they were not worth a trip to the device).
-  at::parallel_for(0, int64_t(identity_rows.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t* row = rows + identity_rows[i] * kColumns;
-      const int64_t size = row[kSourceItemsize];
-      for (int64_t run = 0; run < row[kRuns]; ++run) {
-        std::memcpy(dst[row[kDestination]] + (row[kTargetOffset] + run * row[kTargetStride]) * size,
-                    src[row[kSource]] + (row[kSourceOffset] + run * row[kSourceStride]) * size, row[kCount] * size);
-      }
+  // Plain copies on the CPU threads (not worth a trip to the device), while the GPU finishes the
+  // last batches; then those batches are written out.
+  if (!identity_rows.empty()) {
+    try {
+      gather_convert(src, source_bytes, dst, destination_bytes, identity_rows.data(),
+                     int64_t(identity_rows.size()) / kColumns, aten_threads());
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, e.what());
     }
-  });
+  }
+  for (auto& slot : slots) unpack(slot);
 }
 
 }  // namespace

@@ -77,3 +77,42 @@ def first_overlap(boxes: list[tuple[tuple, tuple]]) -> tuple[int, int] | None:
                 return j, i
         active.append(i)
     return None
+
+
+def window_extents(source: int, src_offset: int, piece_offsets, piece_sizes, window_offsets, window_sizes,
+                   out_shape, out_offsets) -> list[Extent]:
+    """Extents copying the part of a row-major piece that lies inside a window of a larger tensor.
+
+    The piece fills the box (piece_offsets, piece_sizes) of that tensor; the window is the box
+    (window_offsets, window_sizes), whose leading dimensions beyond len(out_shape) have size 1 (a
+    layer index) and are dropped: the window lands at `out_offsets` of an output of shape `out_shape`.
+    Unlike box_extents, the piece may be wider than the output in any dimension (a fused QKV piece
+    holds q, k and v rows), so runs merge only dimensions full in the piece, the window and the output.
+    """
+    ndim, dropped = len(piece_sizes), len(piece_sizes) - len(out_shape)
+    low = [max(p, w) for p, w in zip(piece_offsets, window_offsets)]
+    high = [min(p + ps, w + ws) for p, ps, w, ws in zip(piece_offsets, piece_sizes, window_offsets, window_sizes)]
+    sizes = [h - lo for lo, h in zip(low, high)]
+    if any(s <= 0 for s in sizes):
+        return []
+    assert all(window_sizes[d] == 1 for d in range(dropped))
+    p_strides = _row_major_strides(piece_sizes)
+    o_strides = [0] * dropped + _row_major_strides(out_shape)
+    src = src_offset + sum((lo - p) * s for lo, p, s in zip(low, piece_offsets, p_strides))
+    dst_at = [0] * dropped + [o + lo - w for o, lo, w in zip(out_offsets, low[dropped:], window_offsets[dropped:])]
+    dst = sum(a * s for a, s in zip(dst_at, o_strides))
+    # innermost dimension j such that every dimension inside it is whole in the piece and the output
+    j = ndim - 1
+    while j > dropped and sizes[j] == piece_sizes[j] == out_shape[j - dropped]:
+        j -= 1
+    j = max(j, dropped)
+    count = prod(sizes[j:])
+    if j == dropped or ndim == 0:
+        return [Extent(source, src, count, dst)] if ndim else [Extent(source, src_offset, 1, 0)]
+    outer = j - 1
+    extents = []
+    for index in product(*(range(sizes[d]) for d in range(dropped, outer))):
+        shift_src = sum(i * p_strides[d] for d, i in zip(range(dropped, outer), index))
+        shift_dst = sum(i * o_strides[d] for d, i in zip(range(dropped, outer), index))
+        extents.append(Extent(source, src + shift_src, count, dst + shift_dst, sizes[outer], p_strides[outer], o_strides[outer]))
+    return extents

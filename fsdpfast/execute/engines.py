@@ -3,10 +3,13 @@
 torch: torch copy_ between zero-copy views (the reference, always there).
 cpu:   the native multithreaded kernels (when the extension is built).
 cuda:  conversions through pinned buffers and the GPU (CUDA build and a visible GPU).
-auto:  cuda, else cpu, else torch.
+auto:  the engine measured fastest on this machine for the job's kind of conversion
+       (measurements.py; benchmarks/gpu_check.sh records it), else cpu, else torch. A visible GPU
+       alone does not make it cuda: for an offline merge every byte would go disk -> pinned ->
+       GPU -> pinned -> file for a cast that costs the CPU about one instruction per byte.
 
 torch and the compiled ops are imported only when an engine is chosen, so reading and
-checking a checkpoint stays quick.
+checking a checkpoint stays quick; auto without a record naming cuda never imports torch.
 """
 from __future__ import annotations
 
@@ -24,25 +27,43 @@ def check_engine_name(name: str) -> None:
 
 
 def available_engines() -> list[str]:
-    """Usable engines, fastest first."""
+    """Usable engines, auto's choice without a measurement first: cpu, cuda, torch."""
     from .. import _ops
 
     names = ["torch"]
-    if _ops.native_cpu():
-        names.insert(0, "cpu")
     if _ops.native_cuda():
         names.insert(0, "cuda")
+    if _ops.native_cpu():
+        names.insert(0, "cpu")
     return names
 
 
-def select_engine(name: str = "auto", threads_share: int = 1):
-    """The engine `name` names; `threads_share`: how many merge processes share this machine's cores."""
+def auto_engine(kind: str | None = None) -> str:
+    """The engine `auto` runs for a job of this kind (measurements.job_kind; None: not known)."""
+    from .. import _ops
+    from . import measurements
+
+    measured = measurements.recorded_engine(kind)
+    if measured == "cuda" and not _ops.native_cuda():
+        _say_once(f"the cuda engine, measured fastest here for {kind}, cannot run ({_ops.cuda_unavailable()}); "
+                  f"using the {'cpu' if _ops.native_cpu() else 'torch'} engine")
+        measured = None
+    if measured in ("cuda", "torch") or (measured == "cpu" and _ops.native_cpu()):
+        return measured
+    if _ops.native_cpu():
+        return "cpu"
+    _say_once(f"native extension not available ({_ops.NATIVE_ERROR}); using the pure-torch engine")
+    return "torch"
+
+
+def select_engine(name: str = "auto", kind: str | None = None, threads_share: int = 1):
+    """The engine object for `name`; for auto, `kind` is the job's conversion (measurements.job_kind);
+    `threads_share`: how many merge processes share this machine's cores."""
     from .. import _ops
 
     check_engine_name(name)
     if name == "auto":
-        name = available_engines()[0]
-        _say_if_missing(_ops)
+        name = auto_engine(kind)
     if name == "cuda":
         if not _ops.native_cuda():
             raise BadInput(f"{option('engine', 'cuda')}: {_ops.cuda_unavailable()}; use {option('engine', 'cpu')} or auto")
@@ -60,14 +81,10 @@ def select_engine(name: str = "auto", threads_share: int = 1):
     return TorchEngine()
 
 
-def _say_if_missing(ops) -> None:
-    """`auto` tells, once, when a faster engine was built but cannot run (a GPU with CUDA ops that do not load)."""
+def _say_once(note: str) -> None:
+    """`auto` tells, once per process, when it cannot take the engine it would: the native extension
+    missing, or the cuda engine measured fastest here but unable to run."""
     global _said_missing
-    if _said_missing:
-        return
-    if not ops.native_cpu():
-        print(f"fsdpfast: note: native extension not available ({ops.NATIVE_ERROR}); using the pure-torch engine", file=sys.stderr)
-        _said_missing = True
-    elif ops.CUDA_OPS and ops.gpu_device_present() and not ops.native_cuda_built():
-        print(f"fsdpfast: note: the cuda engine cannot run ({ops.torch_ops_error()}); using the cpu engine", file=sys.stderr)
+    if not _said_missing:
+        print(f"fsdpfast: note: {note}", file=sys.stderr)
         _said_missing = True

@@ -321,6 +321,12 @@ def copy_config_files(config_dir: str, target, torch_dtype: str | None) -> list[
     return copied
 
 
+def write_built_config(config: dict, target, torch_dtype: str | None) -> list[str]:
+    """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
+    target.write_json("config.json", {**config, "dtype": torch_dtype} if torch_dtype else config)
+    return ["config.json"]
+
+
 def _config_with_dtype(source: str, torch_dtype: str) -> dict:
     config = load_config(source)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]

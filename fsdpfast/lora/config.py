@@ -31,11 +31,10 @@ _TASKS = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS", "F
 def resolve(adapters: list[AdapterPlan], folder: str, config_dir: str | None, lora_alpha: float | None,
             lora_r: int | None, notes: list[str]) -> None:
     """Fill every adapter's `config` (and `problems`); one note per adapter says where each value came from."""
-    meta, meta_path = _train_meta(folder)
+    meta, meta_path = train_meta(folder)
     architecture = _architecture(config_dir)
     for adapter in adapters:
-        saved, saved_path = _saved_config([folder, os.path.join(folder, "huggingface"), os.path.join(folder, ADAPTER_ROOT),
-                                           config_dir], adapter.name)
+        saved, saved_path = saved_config(config_folders(folder, config_dir), adapter.name)
         recorded: dict = dict(saved)
         origin = {key: os.path.basename(saved_path) for key in saved}
         if meta and (adapter.name == "default" or len(adapters) == 1):
@@ -147,17 +146,22 @@ def _targets_cover(targets, modules: list[str]) -> bool:
     return all(m in targets or any(m.endswith(f".{t}") for t in targets) for m in modules)
 
 
-def _saved_config(folders: list[str | None], adapter: str) -> tuple[dict, str | None]:
+def config_folders(folder: str, config_dir: str | None) -> list[str]:
+    """Where a saved adapter_config.json is looked for, in order."""
+    return [folder, os.path.join(folder, "huggingface"), os.path.join(folder, ADAPTER_ROOT)] + ([config_dir] if config_dir else [])
+
+
+def saved_config(folders: list[str], adapter: str) -> tuple[dict, str | None]:
+    """peft's adapter_config.json of `adapter` in the first of `folders` that has one, and its path."""
     for folder in folders:
-        if not folder:
-            continue
         path = os.path.join(folder, CONFIG_NAME) if adapter == "default" else os.path.join(folder, adapter, CONFIG_NAME)
         if os.path.isfile(path):
             return load_config(path), path
     return {}, None
 
 
-def _train_meta(folder: str) -> tuple[dict, str | None]:
+def train_meta(folder: str) -> tuple[dict, str | None]:
+    """verl's lora_train_meta.json beside the rank files or one folder up, and its path."""
     for place in (folder, os.path.dirname(os.path.abspath(folder))):
         path = os.path.join(place, META_NAME)
         if os.path.isfile(path):

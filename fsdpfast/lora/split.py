@@ -63,6 +63,11 @@ def is_peft(plan: MergePlan) -> bool:
     return any(_role(*_inner(t.name))[0] != "base" for t in plan.tensors)
 
 
+def lora_role(name: str) -> tuple[str, str | None, str, str]:
+    """(base | lora | copy, adapter, module, part) of one state-dict name (fsdp1-flat rebuilds the peft model from them)."""
+    return _role(*_inner(name))
+
+
 def _inner(name: str) -> tuple[list[str], bool]:
     """The name's parts without wrapper prefixes (FSDP1, torch.compile, DDP) and peft's, and whether peft's was there."""
     full = clean_name(name)

@@ -97,6 +97,9 @@ class MergePlan:
     left_out: tuple[str, ...] = ()  # names left out on request (--exclude-frozen), not missing
     warnings: tuple[str, ...] = ()  # what the user must act on before the output is usable
     config_dir: str | None = None  # folder with config.json / tokenizer files to copy, if any
+    # config.json a reader built from what the checkpoint records, where no config folder was given or
+    # found (readers.megatron_config): written to the output as config.json. Read-only.
+    built_config: dict | None = None
     assumed: dict = field(default_factory=dict)  # what a reader inferred rather than read (shown by inspect); read-only
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
     # recorded in the manifest so that verify --against reads the same plan again. Read-only.

@@ -33,16 +33,20 @@ class ExpectedModel:
     base_only: bool = False  # config.json names no class: the base model, the head's tensors unchecked
 
 
-def load_expected_model(config_dir: str | None) -> tuple[ExpectedModel | None, str]:
+def load_expected_model(config_dir: str | None, built: dict | None = None) -> tuple[ExpectedModel | None, str]:
     """(the model config.json describes, "") or (None, why the check cannot run).
 
+    `built`: the config.json a reader built (MergePlan.built_config), used when there is no config_dir.
     A config.json without `architectures` (saved from a bare config, not a model) names no head:
     the base model of its `model_type` is built instead, and only the tensors under it are checked.
     """
-    if not config_dir or not os.path.isfile(os.path.join(config_dir, "config.json")):
+    if not config_dir and built is not None:
+        path, config = "config.json (built from the checkpoint's own records)", built
+    elif not config_dir or not os.path.isfile(os.path.join(config_dir, "config.json")):
         return None, "no config.json"
-    path = os.path.join(config_dir, "config.json")
-    config = load_config(path)
+    else:
+        path = os.path.join(config_dir, "config.json")
+        config = load_config(path)
     architectures = config.get("architectures")
     named = isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
     if not named and not isinstance(config.get("model_type"), str):

@@ -41,7 +41,8 @@ def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None, expected
     """
     wanted = parse_dtype(dtype)
     tensors = _rename(plan.tensors)
-    pairs = _tied_pairs(tensors, expected, _read_config(config_dir))
+    config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
+    pairs = tied_pairs(tensors, expected, config)
     tensors, notes = _drop_tied(tensors, pairs, plan)
     tensors = [replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted)) for tensor in tensors]
     return plan.but(tensors=tensors).noted(*notes)
@@ -59,7 +60,7 @@ def _rename(tensors) -> list[TensorPlan]:
     return renamed
 
 
-def _tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
+def tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config: dict) -> list[tuple[str, str]]:
     """(kept, dropped) names that transformers ties when it loads the folder."""
     names = [t.name for t in tensors]
     if expected is not None and not expected.base_only:

@@ -7,12 +7,22 @@ import os
 
 from ..errors import BadInput, option
 from ..plan.model import MergePlan
-from . import accelerate_ranks, dcp, dcp_hf, deepspeed_zero, framework_folders, fsdp1_flat, fsdp_ranks, guide_ranks
+from . import (
+    accelerate_ranks,
+    dcp,
+    dcp_hf,
+    deepspeed_zero,
+    framework_folders,
+    fsdp1_flat,
+    fsdp_ranks,
+    guide_ranks,
+    megatron,
+)
 from .reader import Reader, ReaderOption
 
 # The registry: every layout fsdpfast reads, in the order detection tries them.
 READERS: dict[str, Reader] = {module.READER.name: module.READER for module in (
-    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks)}
+    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks, megatron)}
 
 # Options a user may give beyond the folder, and the one layout each belongs to.
 LAYOUT_OPTIONS: dict[str, str] = {opt.name: reader.name for reader in READERS.values() for opt in reader.options}
@@ -54,9 +64,11 @@ def _holds_layout(folder: str) -> bool:
     return bool(_layouts_in(folder))
 
 
-def read_plan(folder: str, layout: str | None = None, config: str | None = None, **options) -> MergePlan:
+def read_plan(folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None,
+              **options) -> MergePlan:
     """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
-    one given for another layout is an error. `config` is passed to readers that rebuild the model."""
+    one given for another layout is an error. `config` is passed to readers that rebuild the model,
+    `lora_r` to those that rebuild a PEFT model (elsewhere lora.plan uses it)."""
     given = {name: value for name, value in options.items() if value is not None}
     for name in given:
         if name not in LAYOUT_OPTIONS:
@@ -68,14 +80,17 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     if layout is None:
         layout = detect(source)
     elif not READERS[layout].sniff(source):
-        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description})")
+        found = _layouts_in(source)  # a Megatron folder is a DCP folder too, but read as megatron only
+        holds = f"; it holds a {' and '.join(found)} checkpoint" if found else ""
+        raise BadInput(f"{source}: no files of layout {layout} ({READERS[layout].description}){holds}")
     for name in given:
         if LAYOUT_OPTIONS[name] != layout:
             raise BadInput(f"{option(name)} applies to {LAYOUT_OPTIONS[name]} checkpoints; {folder} holds {layout}")
     found_config, config_note = (None, None) if config else framework_folders.config_dir(model)
     if READERS[layout].reads_config:
         given["config"] = config or found_config
-    plan = READERS[layout].read(source, **given)
+    extra = {"lora_r": lora_r} if READERS[layout].takes_lora_r and lora_r is not None else {}
+    plan = READERS[layout].read(source, **given, **extra)
     if found_config and (plan.config_dir is None or READERS[layout].reads_config):
         plan = plan.but(config_dir=found_config)
     if config_note and plan.config_dir == found_config:

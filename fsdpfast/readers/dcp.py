@@ -26,6 +26,7 @@ from ..errors import BadInput, UnsafeCheckpoint, option
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .._parsing.boxes import box_extents
 from .discover import check_not_broken_link
+from .megatron_folder import is_torch_dist
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .._parsing.torch_zip import TorchZip
@@ -38,6 +39,8 @@ _METADATA_CLASSES = frozenset({
         "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     "torch.distributed.checkpoint.filesystem._StorageInfo",
+    # Megatron-Core's planner keeps every rank's save plan in .metadata (all_local_plans); not read
+    *(f"torch.distributed.checkpoint.planner.{name}" for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
     "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
 })
 _MODEL_PREFIXES = ("model", "module", "state_dict")
@@ -45,7 +48,9 @@ _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
 def matches(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
+    # a Megatron-Core torch_dist folder is a DCP folder too; readers.megatron reads it under its own names
+    return (os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
+            and not is_torch_dist(folder))
 
 
 @dataclass(frozen=True)
@@ -210,17 +215,65 @@ def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> di
     return chosen
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
-    shape, dtype = entry.shape, entry.dtype
-    if dtype not in DTYPES:
-        raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
-    extents = []
+@dataclass(frozen=True)
+class Chunk:
+    """One saved chunk of a tensor: the box it fills in the global tensor, and where its
+    row-major elements are (a source buffer and the element offset of its first element)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    source: int
+    element_offset: int
+
+
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """A tensor of a DCP folder as its chunks, for readers that place it differently (readers.megatron)."""
+
+    name: str  # flat name
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class ChunkedFolder:
+    tensors: dict[str, ChunkedTensor]  # by flat name
+    others: list[str]  # flat names of the entries that are not tensors (bytes, objects)
+    sources: list[SourceBuffer]
+    world_size: int  # ranks that wrote the files .metadata references
+
+
+def read_chunks(folder: str) -> ChunkedFolder:
+    """Every tensor of a flat DCP state dict as its chunks, located in place; no placement done."""
+    metadata = _parse(_read_metadata(os.path.join(folder, ".metadata")), folder)
+    sources: list[SourceBuffer] = []
+    headers: dict[str, SafetensorsHeader | None] = {}
+    tensors = {name: ChunkedTensor(name, entry.shape, entry.dtype,
+                                   tuple(_chunks(folder, name, entry, metadata.storage, sources, headers)))
+               for name, entry in metadata.tensors.items()}
+    others = [k for k in metadata.entries if k not in metadata.tensors]
+    return ChunkedFolder(tensors, others, sources, len(_ranks(metadata.referenced)) or 1)
+
+
+def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> list[Chunk]:
+    if entry.dtype not in DTYPES:
+        raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {entry.dtype}, which is not supported")
+    chunks = []
     for offsets, sizes in entry.chunks:
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
-        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources, headers)
-        extents += box_extents(source, element_offset, shape, offsets, sizes)
+        source, element_offset = _chunk_source(folder, flat_name, info, entry.dtype, sizes, sources, headers)
+        chunks.append(Chunk(offsets, sizes, source, element_offset))
+    return chunks
+
+
+def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
+    shape, dtype = entry.shape, entry.dtype
+    extents = []
+    for chunk in _chunks(folder, flat_name, entry, storage, sources, headers):
+        extents += box_extents(chunk.source, chunk.element_offset, shape, chunk.offsets, chunk.sizes)
     if sum(e.numel for e in extents) != prod(shape):
         raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
     return TensorPlan(name, shape, dtype, dtype, extents)

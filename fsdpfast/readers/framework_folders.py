@@ -5,7 +5,8 @@ folder it made. When that folder holds no checkpoint layout itself, the model is
 where the framework puts it, and the choice is said in the plan notes:
 - accelerate `save_state` and a Hugging Face Trainer's `checkpoint-N/`: `pytorch_model_fsdp_{i}/`
   (a DCP folder), one per prepared model, beside `optimizer_{i}/`, rng states, `trainer_state.json`;
-- verl's step folder `global_step_N/`: the rank files are in `actor/` (and `critic/`).
+- verl's step folder `global_step_N/`: the rank files are in `actor/` (and `critic/`);
+- Megatron-LM's run folder: the latest `iter_N/`, named by latest_checkpointed_iteration.txt.
 Several candidates are refused, naming them. torchtitan's `step-N/` is a DCP folder whose model
 sits at the top level of the state dict; readers.dcp reads it as it is.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import BadInput
+from .megatron_folder import latest_iteration
 
 _ACCELERATE_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")  # accelerate's FSDP_MODEL_NAME + model index
 _ACCELERATE_FILE = re.compile(r"pytorch_model_fsdp(_\d+)?_rank\d+\.bin")  # its per-rank files (LOCAL, or use_dcp=False)
@@ -43,6 +45,9 @@ def locate(folder: str, holds_layout: Callable[[str], bool]) -> ModelFolder:
     """The folder to read for `folder`. `holds_layout(path)`: some reader matches `path` itself."""
     if not os.path.isdir(folder) or holds_layout(folder):
         return ModelFolder(folder, config_dirs=_accelerate_config_dirs(folder))
+    iteration = latest_iteration(folder)  # Megatron-LM's run folder: iter_N/ beside latest_checkpointed_iteration.txt
+    if iteration and holds_layout(iteration[0]):
+        return ModelFolder(iteration[0], [iteration[1]])
     entries = _entries(folder)
     models = sorted((int(m.group(1)), e) for e in entries
                     if (m := _ACCELERATE_MODEL.fullmatch(e)) and os.path.isdir(os.path.join(folder, e)))

@@ -48,9 +48,10 @@ def matches(folder: str) -> bool:
 
 
 def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: str | None = None,
-         order_from: str | None = None) -> MergePlan:
+         order_from: str | None = None, lora_r: int | None = None) -> MergePlan:
     """`order_from`: the transformers version and class a merge took the parameter order from
-    (recorded in its manifest; verify --against passes it back, and the plan notes a difference)."""
+    (recorded in its manifest; verify --against passes it back, and the plan notes a difference).
+    `lora_r` (--lora-r): a PEFT model's LoRA rank where the files do not show it (fsdp1_peft)."""
     families = _families(folder)
     if len(families) > 1:
         shown = ", ".join(f"{stem}*.{ext}" for stem, ext in families)
@@ -62,7 +63,7 @@ def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: st
     states = load_rank_states(complete_ranks(folder, ranks, world, lambda r: f"{stem}{r}.{ext}"), _model_part,
                               sharded_tensors=True, unpickled={first: whole})
     try:
-        return _plan(folder, states, world, wrap, use_orig_params, config, order_from)
+        return _plan(folder, states, world, wrap, use_orig_params, config, order_from, lora_r)
     finally:
         for state in states:
             state.archive.close()
@@ -169,7 +170,7 @@ class _FlatParam:
     shards: list[tuple[RankState, TensorRef | None]]  # per rank, its local piece (None: holds none)
 
 
-def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_params, config, order_from) -> MergePlan:
+def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_params, config, order_from, lora_r) -> MergePlan:
     flats = _read_flat_params(states, world)
     config_dir = _config_dir(folder, config)
     from . import fsdp1_units  # torch and transformers, for this layout only
@@ -178,7 +179,8 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     wrap_names = _wrap_list(wrap)
     wrap_given = wrap_names is not None
     wrap_names = fsdp1_units.default_wrap(model) if wrap_names is None else wrap_names
-    units = {u.path: u for u in fsdp1_units.units(model, wrap_names)}
+    model, leaves, peft_notes, peft_assumed = _as_trained(model, folder, config_dir, flats, states, lora_r)
+    units = {u.path: u for u in fsdp1_units.units(model, wrap_names, leaves)}
     _check_units(folder, flats, units, model, arch, wrap_names, fsdp1_units)
     flats = {path: flats[path] for path in units}  # in the order FSDP1 built the units
     views = _original_views(states, units)
@@ -187,7 +189,9 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
                        f"only with use_orig_params=True; drop {option('use_orig_params', False)}")
     if views:
         use_orig_params = True
-    align, how = _alignment(flats, units, world, use_orig_params, arch, wrap_names, views)
+    lora_hint = (f"; or, the model being a PEFT model, its LoRA config ({'; '.join(a['source'] for a in peft_assumed)}; "
+                 f"the rank: {option('lora_r', meta='R')})") if peft_assumed else ""
+    align, how = _alignment(flats, units, world, use_orig_params, arch, wrap_names, views, lora_hint)
     layouts = {path: flat_layout(units[path], align, world)[0] for path in flats}
     _check_views(views, flats, layouts, world)
     sources = StorageSources()
@@ -204,8 +208,10 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     plan = MergePlan(NAME, world, sources.buffers, tensors, config_dir=config_dir)
     unit_word = "unit" if len(flats) == 1 else "units"
     source = option("wrap") if wrap_given else "default: the model's _no_split_modules"
-    plan = plan.noted(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {arch} (built on the meta device from "
-                      f"{os.path.join(config_dir, 'config.json')}), wrapped by {', '.join(wrap_names) or 'nothing'} ({source})")
+    leaf_note = f" and {len(leaves)} trainable leaf modules (peft's fsdp_auto_wrap_policy; the files' units)" if leaves else ""
+    plan = plan.noted(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {'a PEFT model over ' if peft_notes else ''}{arch} "
+                      f"(built on the meta device from {os.path.join(config_dir, 'config.json')}), wrapped by "
+                      f"{', '.join(wrap_names) or 'nothing'} ({source}){leaf_note}", *peft_notes)
     plan = plan.noted(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
     if views:
         plan = plan.noted(f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)")
@@ -213,14 +219,31 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     origin = fsdp1_units.order_source(model)
     plan = plan.noted(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
                       "if training ran another transformers version or the model's remote code, same-shaped parameters "
-                      "could be swapped unnoticed: compare the merged model's outputs with a reference (README: FSDP1)")
+                      "could be swapped unnoticed: compare the merged model's outputs with a reference (docs/formats.md: FSDP1)")
     if order_from and order_from != origin:
         plan = plan.noted(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
     assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
-    plan = plan.but(assumed={**assumed, "order_from": origin})
+    plan = plan.but(assumed={**assumed, "order_from": origin, **({"peft": peft_assumed} if peft_assumed else {})})
     # Recorded in the manifest (layout_options): which transformers gave the order this merge assumed.
     plan = plan.but(options={"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin})
     return plan
+
+
+def _as_trained(model, folder, config_dir, flats, states, lora_r):
+    """(the peft model over `model` when the files name one, else `model`; the saved units that are
+    peft's trainable leaves; notes; the adapters' configs for `inspect`)."""
+    from . import fsdp1_peft
+
+    sizes: dict[str, int] = {}  # plain tensors (views, buffers) by name, in rank 0's order, elements summed over ranks
+    for state in states:
+        for key, value in state.tensors.items():
+            if isinstance(value, TensorRef):
+                name = ".".join(p for p in key.split(".") if p not in _WRAPPERS)
+                sizes[name] = sizes.get(name, 0) + prod(value.shape)
+    if not fsdp1_peft.is_peft(flats, sizes):
+        return model, frozenset(), [], []
+    built, notes, assumed = fsdp1_peft.rebuild(model, folder, config_dir, list(flats), sizes, lora_r)
+    return built, frozenset(fsdp1_peft.leaf_units(built, flats)), notes, assumed
 
 
 def _tied_notes(units) -> list[str]:
@@ -347,7 +370,7 @@ def flat_layout(unit, align: int, world: int) -> tuple[list[tuple], int]:
     return placed, offset
 
 
-def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views) -> tuple[int, str]:
+def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views, lora_hint="") -> tuple[int, str]:
     """The alignment (0: use_orig_params=False) whose layout gives every unit its saved size."""
     aligned = []
     for flat in flats.values():
@@ -363,7 +386,8 @@ def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views) ->
         flag = "" if use_orig_params is None else f", or drop {option('use_orig_params', use_orig_params)}"
         raise BadInput(f"{flat.shards[0][0].path}: {flat.key} holds {flat.size:,} elements, but unit {path or '(root)'} of {arch} "
                        f"wrapped by {', '.join(wrap_names) or 'nothing'} flattens to {sizes}; the model or the wrapping differs from "
-                       f"training: pass the wrapped classes with {option('wrap')} (and the model's config with {option('config')}){flag}")
+                       f"training: pass the wrapped classes with {option('wrap')} (and the model's config with {option('config')}){flag}"
+                       f"{lora_hint}")
     layouts = {tuple(tuple(o for _, o in flat_layout(units[p], a, world)[0]) for p in flats) for a in fitting}
     if len({a > 0 for a in fitting}) > 1 and len(layouts) > 1:
         raise BadInput("the flat parameters' sizes fit both use_orig_params=True and False with different layouts; "
@@ -461,7 +485,7 @@ def _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, lay
     }
 
 
-READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True, options=(
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True, takes_lora_r=True, options=(
     ReaderOption("wrap", "module classes FSDP1 wrapped, comma-separated (default: the model's decoder-layer class, its "
                  "_no_split_modules; 'none': the root only)"),
     ReaderOption("use_orig_params", "whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)",

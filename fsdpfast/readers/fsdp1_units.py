@@ -94,11 +94,17 @@ def _class_for(config: dict) -> str:
 
 
 def order_source(model) -> str:
-    """Where the parameter order comes from: the transformers version and the model class."""
+    """Where the parameter order comes from: the transformers version and the model class (and peft's, for a peft model)."""
     import transformers
 
-    cls = type(model)
-    return f"transformers {transformers.__version__} {cls.__module__}.{cls.__qualname__}"
+    inner = model.get_base_model() if type(model).__module__.startswith("peft.") else model
+    cls = type(inner)
+    origin = f"transformers {transformers.__version__} {cls.__module__}.{cls.__qualname__}"
+    if inner is model:
+        return origin
+    import peft
+
+    return f"peft {peft.__version__} {type(model).__module__}.{type(model).__qualname__} over {origin}"
 
 
 def default_wrap(model) -> list[str]:
@@ -106,8 +112,9 @@ def default_wrap(model) -> list[str]:
     return sorted(model._no_split_modules or ())
 
 
-def units(model, wrap: list[str]) -> list[Unit]:
-    """FSDP1's units for an auto-wrap policy over the classes named `wrap`, in construction order.
+def units(model, wrap: list[str], leaves: frozenset[str] = frozenset()) -> list[Unit]:
+    """FSDP1's units for an auto-wrap policy over the classes named `wrap` (and the modules at the
+    paths `leaves`: peft's policy wraps trainable leaf modules), in construction order.
 
     Units without parameters are left out: FSDP1 saves no flat parameter for them.
     """
@@ -118,7 +125,7 @@ def units(model, wrap: list[str]) -> list[Unit]:
         raise BadInput(f"{option('wrap', unknown[0])}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
     wanted = set(wrap)
     targets = []
-    _post_order(model, "", wanted, targets, set())
+    _post_order(model, "", wanted, targets, set(), leaves)
     targets.append(("", model))
     claimed: set[int] = set()
     found = []
@@ -145,14 +152,14 @@ def _with_tied_elsewhere(model, found: list[Unit]) -> list[Unit]:
                                             for p in unit.params)) for unit in found]
 
 
-def _post_order(module, path: str, wanted: set[str], out: list, seen: set[int]) -> None:
+def _post_order(module, path: str, wanted: set[str], out: list, seen: set[int], leaves: frozenset[str]) -> None:
     for name, child in module.named_children():
         if id(child) in seen:
             continue
         seen.add(id(child))
         child_path = f"{path}.{name}" if path else name
-        _post_order(child, child_path, wanted, out, seen)
-        if any(c.__name__ in wanted for c in type(child).__mro__):
+        _post_order(child, child_path, wanted, out, seen, leaves)
+        if child_path in leaves or any(c.__name__ in wanted for c in type(child).__mro__):
             out.append((child_path, child))
 
 

@@ -37,7 +37,8 @@ class Reader:
     sniff(folder): whether the folder holds this layout, from file names (and, where names alone
         cannot tell, a file header); cheap, reads no tensor data.
     read(folder, **options): the MergePlan, from metadata only; options are this reader's own
-        (None: not given), plus `config` (the --config folder) when `reads_config`.
+        (None: not given), plus `config` (the --config folder) when `reads_config`, and `lora_r`
+        (--lora-r, when given) when `takes_lora_r`.
     """
 
     name: str
@@ -46,3 +47,4 @@ class Reader:
     read: Callable[..., MergePlan]
     options: tuple[ReaderOption, ...] = ()
     reads_config: bool = False  # reads config.json itself: to rebuild the model, or to place plain pieces
+    takes_lora_r: bool = False  # rebuilds a PEFT model, and takes --lora-r for it where the files do not show the rank

@@ -89,10 +89,20 @@ def build_model(spec: CheckpointSpec):
 
 def write_checkpoints(root: str, specs: list[CheckpointSpec], world_size: int) -> None:
     """Write every spec's checkpoint with `world_size` spawned ranks (one process group for all)."""
+    spawn_writers(root, specs, world_size, _write_one)
+
+
+def spawn_writers(root: str, specs: list, world_size: int, write_one, backend: str = "gloo") -> None:
+    """Run `write_one(rank, world_size, root, spec)` for each spec on `world_size` spawned ranks of one
+    process group (serve_rank: a barrier after each spec). `write_one` must be a module-level function."""
     import torch.multiprocessing as mp
 
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+    mp.spawn(_writer_rank, args=(world_size, _free_port(), root, specs, write_one, backend), nprocs=world_size, join=True)
+
+
+def _writer_rank(rank: int, world_size: int, port: int, root: str, specs: list, write_one, backend: str) -> None:
+    serve_rank(rank, world_size, port, backend, [partial(write_one, rank, world_size, root, spec) for spec in specs])
 
 
 def _free_port() -> int:
@@ -126,10 +136,6 @@ def serve_rank(rank: int, world_size: int, port: int, backend: str, jobs) -> Non
     finally:
         dist.destroy_process_group()
     exit_rank()
-
-
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[CheckpointSpec]) -> None:
-    serve_rank(rank, world_size, port, "gloo", [partial(_write_one, rank, world_size, root, spec) for spec in specs])
 
 
 def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> None:

@@ -24,17 +24,17 @@ import copy
 import json
 import os
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from .examples import PROBE_INPUT, CheckpointSpec, _free_port, _write_hf_files, build_model, serve_rank
+from .examples import PROBE_INPUT, CheckpointSpec, _free_port, _write_hf_files, build_model, spawn_writers
 
 
 @dataclass(frozen=True)
 class PeftSpec:
     name: str
-    layout: str = "fsdp-ranks"  # fsdp-ranks (verl) | guide-ranks | dcp | dcp-hf | deepspeed-zero2 (its own writer)
+    # fsdp-ranks (verl) | guide-ranks | dcp | dcp-hf | deepspeed-zero2 | fsdp1-orig, fsdp1-peft-policy (their own writers)
+    layout: str = "fsdp-ranks"
     model: str = "llama"  # llama | llama-tied (fsdpfast.testing.examples)
     dtype: str = "float32"  # the model's dtype; adapters keep it (autocast_adapter_dtype=False)
     r: int = 8
@@ -59,14 +59,7 @@ class PeftSpec:
 
 
 def write_peft_checkpoints(root: str, specs: list[PeftSpec], world_size: int) -> None:
-    import torch.multiprocessing as mp
-
-    os.makedirs(root, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
-
-
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[PeftSpec]) -> None:
-    serve_rank(rank, world_size, port, "gloo", [partial(write_one, rank, world_size, root, spec) for spec in specs])
+    spawn_writers(root, specs, world_size, write_one)
 
 
 def lora_config(spec: PeftSpec, **fields):

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _tied_names, build_model, serve_rank
+from .examples import CheckpointSpec, _tied_names, build_model, spawn_writers
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,7 @@ class TpSpec:
 
 def write_tp_checkpoints(root: str, specs: list[TpSpec], world_size: int) -> None:
     """Write every spec's checkpoints with `world_size` spawned ranks (one process group for all)."""
-    import torch.multiprocessing as mp
-
-    os.makedirs(root, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
-
-
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[TpSpec]) -> None:
-    serve_rank(rank, world_size, port, "gloo", [partial(write_one, rank, world_size, root, spec) for spec in specs])
+    spawn_writers(root, specs, world_size, write_one)
 
 
 def _example(spec: TpSpec) -> CheckpointSpec:

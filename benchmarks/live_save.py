@@ -1,0 +1,148 @@
+"""Saving a live FSDP2 model as a Hugging Face folder: three ways, side by side, on gloo ranks (CPU).
+
+  fsdpfast      fsdpfast.save_pretrained(model, out): every rank writes its rows in place
+  gather        get_model_state_dict(full_state_dict=True, cpu_offload=True), then rank 0's
+                model.save_pretrained(state_dict=...): what accelerate and the Trainer do
+  dcp+consol.   torch.distributed.checkpoint.save with HuggingFaceStorageWriter (one shard file per
+                rank), then consolidate_safetensors_files_on_every_rank into one folder
+
+Each way runs in fresh processes (so peak RSS is its own), on the same seeded model, one round
+after another, for --rounds rounds; the table gives each way's median seconds (the save alone,
+from a barrier to a barrier) and rank 0's peak RSS growth during the save, with ratios to fsdpfast.
+
+    python benchmarks/live_save.py --world 4 --hidden 1024 --layers 8 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WAYS = ("fsdpfast", "gather", "dcp+consol.")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) -> None:
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                      num_key_value_heads=args.hidden // 128, vocab_size=args.vocab,
+                                      architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    out = os.path.join(args.workdir, f"{way}-out")
+    dist.barrier()
+    before = _rss_mb()
+    start = time.perf_counter()
+    if way == "fsdpfast":
+        import fsdpfast
+
+        fsdpfast.save_pretrained(model, out, dtype="bf16")
+    elif way == "gather":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            model.save_pretrained(out, state_dict={k: v.to(torch.bfloat16) for k, v in full.items()})
+        del full
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+        shards = os.path.join(args.workdir, "dcp-shards")
+        state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(shards, save_distributed=True))
+        os.makedirs(out, exist_ok=True)
+        dist.barrier()
+        consolidate_safetensors_files_on_every_rank(shards, out, fqn_to_index_mapping={k: 1 for k in state},
+                                                    num_threads=1)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"seconds": seconds, "rss_growth_mb": _peak_mb() - before, "before_mb": before}, f)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_way(way: str, args) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for leftover in (f"{way}-out", "dcp-shards"):
+        shutil.rmtree(os.path.join(args.workdir, leftover), ignore_errors=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = os.path.join(args.workdir, f"{way}.json")
+    mp.spawn(_rank, args=(args.world, port, way, args, result), nprocs=args.world, join=True)
+    with open(result) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="fsdpfast-live-")
+    results = {way: [] for way in WAYS}
+    for _ in range(args.rounds):
+        for way in WAYS:
+            results[way].append(run_way(way, args))
+    size = sum(os.path.getsize(os.path.join(args.workdir, "fsdpfast-out", f))
+               for f in os.listdir(os.path.join(args.workdir, "fsdpfast-out")) if f.endswith(".safetensors"))
+    print(f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
+          f"{args.world} gloo ranks; {args.rounds} rounds, medians")
+    print(f"{'way':<14}{'seconds':>9}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}")
+    base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
+    for way in WAYS:
+        secs = statistics.median(r["seconds"] for r in results[way])
+        rss = statistics.median(r["rss_growth_mb"] for r in results[way])
+        print(f"{way:<14}{secs:>9.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}{rss / max(base['rss_growth_mb'], 1):>12.1f}")
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

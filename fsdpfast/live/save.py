@@ -1,0 +1,130 @@
+"""`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 model, no gather.
+
+Called on every rank of the job. The stages are an offline merge's, with the model in memory as
+the source: every rank plans the same folder from the DTensors' metadata (live.state), rank 0
+makes the output (the staging folder beside OUT_DIR) and writes the headers, every rank writes
+its own rows at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
+writes the index, config and manifest and publishes after all have succeeded: a failure on any
+rank publishes nothing (group.MergeGroup). Host memory per rank is two tensors' shards at most.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..execute.parts import tensor_checksums
+from ..group import MergeGroup
+from ..io.staging import JoinedTarget, LocalTarget
+from ..manifest import MANIFEST_NAME, build_manifest
+from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
+from ..plan.normalise import parse_dtype
+from .state import plan_live
+from .write import write_runs
+
+
+@dataclass
+class SaveReport:
+    """What `save_pretrained` wrote (on rank 0; other ranks get the same report)."""
+
+    out_dir: str
+    tensors: int
+    bytes_written: int
+    files: list[str]
+    seconds: float
+    processes: int
+    tied: dict[str, list[str]] = field(default_factory=dict)
+
+
+def save_pretrained(model, out_dir: str, *, dtype: str | None = None, config=None, tokenizer=None,
+                    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, group=None, overwrite: bool = False) -> SaveReport:
+    """Write `model` (FSDP2-sharded: DTensor parameters on a 1-D or HSDP mesh) as a Hugging Face folder.
+
+    Call it on every rank of the process group, as the model's forward is called. The folder is
+    the one an offline merge of the same model's checkpoint writes (same files, headers and
+    bytes), with its manifest; it appears complete or not at all.
+    dtype: None/"keep", "bf16", "fp16" or "fp32": floating tensors cast as torch's `.to()` rounds.
+    config: the model's config (default `model.config`), written as config.json with the dtype
+        written; `tokenizer`: saved beside it if given (its save_pretrained).
+    group: the process group (default: the default group when torch.distributed is initialised).
+    """
+    start = time.perf_counter()
+    out_dir = os.fspath(out_dir)
+    wanted = parse_dtype(dtype)
+    processes = MergeGroup(_default_group(group))
+    config = config if config is not None else getattr(model, "config", None)
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
+    plan, tensors = plan_live(model.state_dict(), dtype, config_dict)
+    files = plan_files(plan, max_shard_size)
+    output = processes.lead(lambda: _make_output(out_dir, overwrite, files), abandon=lambda made: made.target.discard())
+    target = output.target if processes.rank == 0 else None
+    try:
+        if target is None:
+            target = JoinedTarget(out_dir, output.token)
+        pieces = processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank))
+        return processes.lead(lambda: _finish(target, plan, files, [p for share in pieces for p in share], wanted,
+                                              config_dict, model, tokenizer, start, processes.size, out_dir))
+    finally:
+        if target is not None:
+            target.discard()
+
+
+@dataclass
+class _Output:
+    """Rank 0's target, and the token the other ranks join it by (only the token travels)."""
+
+    token: str
+    target: object = None
+
+    def __getstate__(self):
+        return {"token": self.token, "target": None}
+
+
+def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile]) -> _Output:
+    target = LocalTarget(out_dir, overwrite)
+    try:
+        for f in files:  # the headers first: the ranks write tensor bytes only
+            fd = target.open(f.name, f.size)
+            try:
+                os.pwrite(fd, f.header, 0)
+            finally:
+                os.close(fd)
+    except BaseException:
+        target.discard()
+        raise
+    return _Output(target.token, target)
+
+
+def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start, processes, out_dir) -> SaveReport:
+    checksums = tensor_checksums(files, pieces)
+    if len(files) > 1:
+        target.write_json("model.safetensors.index.json", index_json(files))
+    if config is not None:
+        written = dtype or _dtype_of(plan)
+        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+        target.write_json("config.json", {**config, **{k: written for k in keys}})
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "to_dict"):
+        target.write_json("generation_config.json", generation.to_dict())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target.path)
+    flat = {name: crc for f in files for name, crc in checksums[f.name].items()}
+    manifest = build_manifest(out_dir, plan, files, flat, [], "live", dtype)
+    manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against
+    target.write_json(MANIFEST_NAME, manifest)
+    target.publish()
+    return SaveReport(out_dir, len(plan.tensors), sum(p.nbytes for f in files for p in f.tensors), [f.name for f in files],
+                      time.perf_counter() - start, processes, {t.name: list(t.aliases) for t in plan.tensors if t.aliases})
+
+
+def _dtype_of(plan) -> str:
+    floating = [t.target_dtype for t in plan.tensors if t.target_dtype.startswith(("float", "bfloat"))]
+    return max(set(floating), key=floating.count) if floating else "float32"
+
+
+def _default_group(group):
+    if group is not None:
+        return group
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

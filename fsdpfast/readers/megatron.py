@@ -1,0 +1,424 @@
+"""Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 models.
+
+The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
+shapes: TP, PP and virtual pipeline stages only decide which chunks exist, so all are handled by
+the chunk boxes. Layer tensors are stacked: `decoder.layers.self_attention.linear_qkv.weight` is
+(L, (n + 2g)·d, h), layer i at index i whatever the pipeline stage that saved it (per-layer
+`decoder.layers.{i}.` names, as a heterogeneous checkpoint has them, are read too). Each Hugging Face tensor is a set of windows into
+those tensors, so the split is byte placement, no arithmetic:
+- linear_qkv interleaves q, k, v per query group: layer i viewed as (g, (n/g + 2)·d, h), per group
+  the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
+  order, and so on. Its bias (Qwen2) is split the same way.
+- linear_fc1 is [gate; up] (f rows each) whatever the TP;
+- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
+No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
+Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
+or huggingface/ in or beside the folder), checked against the training args a run keeps in common.pt
+(readers.megatron_args) when it does; without a config.json, from those args, which then give the
+output's config.json (readers.megatron_config). Every tensor's shape is checked against the sizes.
+Optimizer state beside the model is not merged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from math import prod
+
+from .._parsing.boxes import window_extents
+from ..configs import load_config
+from ..errors import BadInput, option
+from ..plan.model import MergePlan, TensorPlan
+from . import dcp, megatron_config
+from .megatron_args import COMMON, TrainingArgs, read_training_args
+from .megatron_folder import is_torch_dist
+from .reader import Reader
+
+NAME = "megatron"
+DESCRIPTION = "metadata.json (torch_dist) + .metadata + .distcp: Megatron-Core dist_checkpointing (iter_N/ folders)"
+_MODEL_TYPES = ("llama", "mistral", "qwen2")  # whose Hugging Face names and layout this mapping writes
+_LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
+_NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
+_NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEngine names, and the local spec's)
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_PROJ, _FC1, _FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
+_EMBED, _OUTPUT, _FINAL_NORM = (
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "decoder.final_layernorm.weight",
+)
+# What unknown names reveal, for the refusal: (a piece of the name, what it means)
+_KNOWN_UNSUPPORTED = (
+    (".experts.", "MoE layers"),
+    ("mlp.router", "MoE layers"),
+    ("shared_experts", "MoE layers"),
+    ("linear_q_down_proj", "multi-latent attention (MLA)"),
+    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
+    ("q_layernorm", "QK layernorm"),
+    ("k_layernorm", "QK layernorm"),
+    ("position_embeddings", "learned position embeddings (not RoPE)"),
+    ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
+    ("mtp", "multi-token prediction layers"),
+    ("vision", "a vision tower"),
+)
+
+
+def matches(folder: str) -> bool:
+    return is_torch_dist(folder) and os.path.isfile(os.path.join(folder, ".metadata"))
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The model's sizes, from config.json."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    layers: int
+    vocab: int
+    tied: bool | None  # None: config.json does not say
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A box of a Megatron tensor (layer index first for a stacked one) placed at `at` in the output."""
+
+    tensor: dcp.ChunkedTensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    at: tuple[int, ...]
+
+
+def read(folder: str, config: str | None = None) -> MergePlan:
+    chunked = dcp.read_chunks(folder)
+    model = {k: t for k, t in chunked.tensors.items() if not k.startswith(_NOT_MODEL)}
+    layers = _layer_tensors(folder, model)
+    _refuse_unknown(folder, model, layers)  # before asking for a config: no config makes an MoE model mergeable
+    args, args_note = read_training_args(folder)
+    if args is not None:
+        megatron_config.refuse_what_hf_does_not_compute(folder, args)
+    config, config_note = _config_dir(folder, config, args is not None, args_note)
+    built = None
+    if config is None:  # no config.json anywhere: the run's own args say what the model is
+        built, config_note = megatron_config.build(
+            folder,
+            args,
+            rows=model[_EMBED].shape[0],
+            tied=_OUTPUT not in model,
+            qkv_bias=_QKV[1] in layers,
+            dtype=model[_EMBED].dtype,
+        )
+        source = f"config.json built from {COMMON}"
+        sizes = _sizes(built, source)
+    else:
+        source = os.path.join(config, "config.json")
+        values = load_config(source)
+        sizes = _sizes(values, source)
+        if args is not None:
+            _check_args(folder, source, sizes, args)
+            megatron_config.check_against(folder, source, values, args)
+    _check_shapes(folder, source, model, layers, sizes)
+    by_layer: dict = {}  # stacked tensor -> layer -> its chunks
+    outputs = _outputs(model, layers, sizes)
+    tensors = [_plan(folder, name, shape, windows, by_layer) for name, shape, windows in outputs]
+    plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config, built_config=built)
+    plan = plan.noted(
+        f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
+        f"head dim {sizes.head_dim}, from {source}",
+        config_note,
+        args_note,
+        f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
+    )
+    if model[_EMBED].shape[0] > sizes.vocab:
+        plan = plan.noted(
+            f"left out: embedding rows {sizes.vocab}..{model[_EMBED].shape[0] - 1}, Megatron's vocabulary "
+            f"padding past config.json's vocab_size {sizes.vocab}"
+        )
+    others = [k for k in chunked.tensors if k not in model] + [k for k in chunked.others if "_extra_state" not in k]
+    if others:
+        plan = plan.noted(
+            f"not merged: {len(others)} other entries ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        )
+    return plan
+
+
+def _config_dir(folder: str, given: str | None, has_args: bool, args_note: str | None) -> tuple[str | None, str | None]:
+    """(the folder with config.json, a note where found); (None, None): none, but the args can build one."""
+    if given:
+        return given, None
+    parent = os.path.dirname(os.path.abspath(folder))
+    for candidate in (os.path.join(folder, "huggingface"), folder, os.path.join(parent, "huggingface")):
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            beside = not os.path.abspath(candidate).startswith(os.path.abspath(folder) + os.sep) and candidate != folder
+            return candidate, (f"config.json from {candidate}, beside the checkpoint folder" if beside else None)
+    if has_args:
+        return None, None
+    why = f" ({args_note})" if args_note else ""
+    raise BadInput(
+        f"{folder}: a Megatron checkpoint with no Hugging Face config and no training args in {COMMON}{why}; pass "
+        f"{option('config', meta='DIR')} (a folder with the model's config.json: its sizes place the tensors, "
+        "and it is copied to the output)"
+    )
+
+
+def _sizes(values: dict, path: str) -> _Sizes:
+    model_type = values.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise BadInput(
+            f"{path}: model_type {model_type!r}; the megatron layout writes {', '.join(_MODEL_TYPES)} models "
+            "(Megatron GPT with RMSNorm, SwiGLU, RoPE)"
+        )
+
+    def number(key, default=None):
+        value = values.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise BadInput(f"{path}: {key} is {value!r}, not a positive whole number")
+        return value
+
+    hidden, heads = number("hidden_size"), number("num_attention_heads")
+    groups = number("num_key_value_heads", heads)
+    if heads % groups:
+        raise BadInput(f"{path}: {heads} attention heads do not divide into {groups} key/value heads")
+    head_dim = number("head_dim") if values.get("head_dim") is not None else hidden // heads
+    tied = values.get("tie_word_embeddings")
+    return _Sizes(
+        hidden,
+        heads,
+        groups,
+        head_dim,
+        number("intermediate_size"),
+        number("num_hidden_layers"),
+        number("vocab_size"),
+        tied if isinstance(tied, bool) else None,
+    )
+
+
+def _check_args(folder: str, path: str, s: _Sizes, args: TrainingArgs) -> None:
+    """config.json against the run's own args: the first size they disagree on is refused in one line."""
+    pairs = (
+        ("num_layers", args.layers, "num_hidden_layers", s.layers),
+        ("hidden_size", args.hidden, "hidden_size", s.hidden),
+        ("num_attention_heads", args.heads, "num_attention_heads", s.heads),
+        ("num_query_groups", args.groups, "num_key_value_heads", s.groups),
+        ("kv_channels", args.head_dim, "head_dim", s.head_dim),
+        ("ffn_hidden_size", args.ffn, "intermediate_size", s.ffn),
+    )
+    for arg, recorded, key, given in pairs:
+        if recorded is not None and recorded != given:
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {path} "
+                f"gives {key} {given}: the config is not this checkpoint's model"
+            )
+
+
+def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
+    """Layer key -> {layer index: tensor} for per-layer names, or {None: the stacked tensor}."""
+    layers: dict[str, dict] = {}
+    for name, tensor in model.items():
+        match = _LAYER.fullmatch(name)
+        if match:
+            index = None if match.group(1) is None else int(match.group(1))
+            layers.setdefault(match.group(2), {})[index] = tensor
+    mixed = [key for key, found in layers.items() if None in found and len(found) > 1]
+    if mixed:
+        raise BadInput(
+            f"{folder}: decoder.layers.{mixed[0]} is both stacked and per layer; the checkpoint is not one model"
+        )
+    return layers
+
+
+def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
+    known_layer = set(_NORMS) | set(_QKV) | {_PROJ, _FC1, _FC2}
+    unknown = [
+        name
+        for name in model
+        if not (_LAYER.fullmatch(name) and _LAYER.fullmatch(name).group(2) in known_layer)
+        and name not in (_EMBED, _OUTPUT, _FINAL_NORM)
+    ]
+    if unknown:
+        kinds = list(dict.fromkeys(what for name in unknown for piece, what in _KNOWN_UNSUPPORTED if piece in name))
+        shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
+        raise BadInput(
+            f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2) only"
+        )
+    for needed in (_EMBED, _FINAL_NORM):
+        if needed not in model:
+            raise BadInput(f"{folder}: no {needed} in the checkpoint; not a whole Megatron GPT model")
+    for names in _LAYER_NEEDED:
+        present = [key for key in names if key in layers]
+        if len(present) > 1:
+            raise BadInput(
+                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two names "
+                "for one norm; the checkpoint is not one model"
+            )
+        if not present:
+            raise BadInput(
+                f"{folder}: no decoder.layers.{names[0]} in the checkpoint; not a Megatron GPT model "
+                "with SwiGLU and RMSNorm"
+            )
+
+
+# Each layer's tensors (alternatives: the TransformerEngine name, the local spec's)
+_LAYER_NEEDED = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    (_QKV[0],),
+    (_PROJ,),
+    (_FC1,),
+    (_FC2,),
+)
+
+
+def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Sizes) -> None:
+    """Every tensor's shape against config.json's sizes; the first that differs is refused in one line."""
+    s = sizes
+    qkv_rows = (s.heads + 2 * s.groups) * s.head_dim
+    expected = {
+        _QKV[0]: (qkv_rows, s.hidden),
+        _QKV[1]: (qkv_rows,),
+        _PROJ: (s.hidden, s.heads * s.head_dim),
+        _FC1: (2 * s.ffn, s.hidden),
+        _FC2: (s.hidden, s.ffn),
+        **{key: (s.hidden,) for key in _NORMS},
+    }
+    why = {
+        _QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
+        _PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
+        _FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
+        _FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
+    }
+    why[_QKV[1]] = why[_QKV[0]]
+    for key, found in layers.items():
+        indices = sorted(found) if None not in found else list(range(found[None].shape[0]))
+        if indices != list(range(s.layers)):
+            have = len(indices) if None not in found else found[None].shape[0]
+            raise BadInput(
+                f"{folder}: decoder.layers.{key} holds {have} layers; {path} has num_hidden_layers {s.layers}"
+            )
+        for index, tensor in found.items():
+            shape = tensor.shape[1:] if index is None else tensor.shape
+            if shape != expected[key]:
+                raise BadInput(
+                    f"{folder}: {tensor.name} has layer shape {list(shape)}; {path} gives {list(expected[key])} "
+                    f"({why.get(key, f'hidden_size {s.hidden}')}): the config is not this checkpoint's model"
+                )
+    for name in (_EMBED, _OUTPUT):
+        if name in model and (model[name].shape[1:] != (s.hidden,) or model[name].shape[0] < s.vocab):
+            raise BadInput(
+                f"{folder}: {name} is {list(model[name].shape)}; {path} gives vocab_size {s.vocab} and hidden_size "
+                f"{s.hidden}: the config is not this checkpoint's model"
+            )
+    if model[_FINAL_NORM].shape != (s.hidden,):
+        raise BadInput(
+            f"{folder}: {_FINAL_NORM} is {list(model[_FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
+        )
+    if s.tied is not None and s.tied == (_OUTPUT in model):
+        holds = (
+            "holds output_layer.weight (untied)"
+            if _OUTPUT in model
+            else "holds no output_layer.weight (tied embeddings)"
+        )
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has tie_word_embeddings {str(s.tied).lower()}: "
+            "the config is not this checkpoint's model"
+        )
+
+
+def _outputs(model: dict, layers: dict, s: _Sizes):
+    """(Hugging Face name, the windows it is made of), in the model's order."""
+
+    def whole(tensor, at_rows=None):
+        return [
+            _Window(
+                tensor,
+                (0,) * len(tensor.shape),
+                tensor.shape if at_rows is None else (at_rows, *tensor.shape[1:]),
+                (0,) * len(tensor.shape),
+            )
+        ]
+
+    yield "model.embed_tokens.weight", (s.vocab, s.hidden), whole(model[_EMBED], s.vocab)
+    for i in range(s.layers):
+        prefix = f"model.layers.{i}."
+        for key, hf in _NORMS.items():
+            if key in layers:
+                yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
+        for key in _QKV:
+            if key in layers:
+                yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
+        h, inner = s.hidden, s.heads * s.head_dim
+        yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[_PROJ], i, ((0, h), (0, inner)))
+        yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[_FC1], i, ((0, s.ffn), (0, h)))
+        yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[_FC1], i, ((s.ffn, s.ffn), (0, h)))
+        yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[_FC2], i, ((0, h), (0, s.ffn)))
+    yield "model.norm.weight", (s.hidden,), whole(model[_FINAL_NORM])
+    if _OUTPUT in model:
+        yield "lm_head.weight", (s.vocab, s.hidden), whole(model[_OUTPUT], s.vocab)
+
+
+def _layer_window(found: dict, i: int, box, at_row: int = 0) -> list[_Window]:
+    """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`."""
+    offsets, sizes = tuple(start for start, _ in box), tuple(size for _, size in box)
+    at = (at_row,) + (0,) * (len(box) - 1)
+    if None in found:
+        return [_Window(found[None], (i, *offsets), (1, *sizes), at)]
+    return [_Window(found[i], offsets, sizes, at)]
+
+
+def _qkv(found: dict, i: int, s: _Sizes, prefix: str, kind: str):
+    """q_proj, k_proj, v_proj of layer i: per query group, (n/g)·d rows of q, then d of k, then d of v."""
+    per_group, d = s.heads // s.groups, s.head_dim
+    group_rows = (per_group + 2) * d
+    tail = ((0, s.hidden),) if kind == "weight" else ()
+    parts = (("q", 0, per_group * d), ("k", per_group * d, d), ("v", (per_group + 1) * d, d))
+    for proj, start, rows in parts:
+        windows = [
+            w
+            for group in range(s.groups)
+            for w in _layer_window(found, i, ((group * group_rows + start, rows), *tail), at_row=group * rows)
+        ]
+        shape = (s.groups * rows, s.hidden) if kind == "weight" else (s.groups * rows,)
+        yield f"{prefix}self_attn.{proj}_proj.{kind}", shape, windows
+
+
+def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window], by_layer: dict) -> TensorPlan:
+    extents = []
+    for w in windows:
+        for chunk in _chunks_at(w, shape, by_layer):
+            extents += window_extents(
+                chunk.source, chunk.element_offset, chunk.offsets, chunk.sizes, w.offsets, w.sizes, shape, w.at
+            )
+    if sum(e.numel for e in extents) != prod(shape):
+        raise BadInput(
+            f"{folder}: the chunks of {windows[0].tensor.name} cover {sum(e.numel for e in extents)} of the "
+            f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
+        )
+    dtype = windows[0].tensor.dtype
+    return TensorPlan(name, shape, dtype, dtype, extents)
+
+
+def _chunks_at(w: _Window, shape: tuple[int, ...], by_layer: dict) -> list[dcp.Chunk]:
+    """The chunks that may meet the window: of its layer only, for a layer of a stacked tensor
+    (which has a chunk per layer and TP rank: looking at all of them would cost layers squared)."""
+    if len(w.sizes) == len(shape):
+        return list(w.tensor.chunks)
+    if w.tensor.name not in by_layer:
+        index: dict[int, list] = {}
+        for chunk in w.tensor.chunks:
+            for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
+                index.setdefault(layer, []).append(chunk)
+        by_layer[w.tensor.name] = index
+    return by_layer[w.tensor.name].get(w.offsets[0], [])
+
+
+READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)

@@ -1,0 +1,147 @@
+"""A Hugging Face config.json built from the training args a Megatron run saved in common.pt.
+
+Used when no config.json is given or found. Only what the args record is written, each under
+Megatron-LM's argparse name: num_layers, hidden_size, ffn_hidden_size, num_attention_heads,
+num_query_groups (with group_query_attention), kv_channels (Megatron's default: hidden / heads),
+norm_epsilon, rotary_base, max_position_embeddings. What the tensors show is taken from them:
+vocab_size is the embedding's rows, padding included (Megatron pads the vocabulary; the tokenizer's
+own size is not in the args), tied embeddings are the absence of output_layer.weight, the dtype is
+the weights'. The family: QKV bias without other biases is Qwen2; otherwise Llama, since Llama and
+Mistral without a sliding window are one computation with the same names and the args cannot tell
+them apart. A size the family needs that the args do not record, or a feature its config cannot
+express, is refused: --config then names the model.
+"""
+
+from __future__ import annotations
+
+from ..errors import BadInput, option
+from .megatron_args import COMMON, TrainingArgs
+
+# Megatron-LM arg -> config.json key; the args must record these (no default of ours stands in)
+_NEEDED = (
+    ("num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size"),
+    ("ffn_hidden_size", "intermediate_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("norm_epsilon", "rms_norm_eps"),
+    ("rotary_base", "rope_theta"),
+)
+# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says
+NOT_HF = (
+    ("rotary_interleaved", lambda v: v is True, "interleaved rotary embeddings"),
+    ("apply_layernorm_1p", lambda v: v is True, "zero-centred norm weights (apply_layernorm_1p)"),
+    ("rotary_percent", lambda v: v is not None and v != 1.0, "rotary embeddings on part of each head"),
+    ("normalization", lambda v: v is not None and v != "RMSNorm", "a norm other than RMSNorm"),
+    ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
+)
+# Features a built config would have to name but the args do not describe fully: --config says
+_NEEDS_CONFIG = (
+    ("use_rope_scaling", lambda v: v is True, "RoPE scaling"),
+    ("rotary_seq_len_interpolation_factor", lambda v: v is not None, "RoPE sequence interpolation"),
+    ("window_size", lambda v: v is not None, "sliding-window attention"),
+)
+
+
+def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
+    """Args that say the run computed something no Llama / Mistral / Qwen2 does: one line."""
+    for arg, is_on, what in NOT_HF:
+        if arg in args.recorded and is_on(args.recorded[arg]):
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {args.recorded[arg]!r}: the model uses {what}, "
+                "which Hugging Face Llama / Mistral / Qwen2 do not compute; the megatron layout cannot write it"
+            )
+
+
+def check_against(folder: str, path: str, values: dict, args: TrainingArgs) -> None:
+    """config.json's norm epsilon and RoPE base against the args, where both say."""
+    rope = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
+    pairs = (
+        ("norm_epsilon", "rms_norm_eps", values.get("rms_norm_eps")),
+        ("rotary_base", "rope_theta", rope.get("rope_theta", values.get("rope_theta"))),
+    )
+    for arg, key, given in pairs:
+        recorded = args.recorded.get(arg)
+        if _number(recorded) and _number(given) and recorded != given:
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {path} gives {key} {given}: "
+                "the config is not this checkpoint's model"
+            )
+
+
+def build(folder: str, args: TrainingArgs, *, rows: int, tied: bool, qkv_bias: bool, dtype: str) -> tuple[dict, str]:
+    """(config.json's values, a note saying where they came from)."""
+    r = args.recorded
+    how = f"pass {option('config', meta='DIR')} (a folder with the model's config.json)"
+    missing = [f"{arg} ({key})" for arg, key in _NEEDED if not _number(r.get(arg))]
+    if args.groups is None and args.heads:  # group_query_attention without num_query_groups
+        missing.append("num_query_groups (num_key_value_heads)")
+    if r.get("swiglu") is not True:
+        missing.append("swiglu True (hidden_act silu)")
+    if missing:
+        raise BadInput(
+            f"{folder}: no config.json, and the training args in {COMMON} do not record {', '.join(missing)}, "
+            f"which the model's config.json needs; {how}"
+        )
+    for arg, is_on, what in _NEEDS_CONFIG:
+        if is_on(r.get(arg)):
+            raise BadInput(
+                f"{folder}: no config.json, and the training args in {COMMON} have {arg} {r[arg]!r} ({what}), "
+                f"which a config built from them would not describe exactly; {how}"
+            )
+    for arg, recorded, found, what in (
+        ("padded_vocab_size", r.get("padded_vocab_size"), rows, "embedding rows"),
+        ("add_qkv_bias", r.get("add_qkv_bias"), qkv_bias, "linear_qkv.bias present"),
+        (
+            "untie_embeddings_and_output_weights",
+            r.get("untie_embeddings_and_output_weights"),
+            not tied,
+            "output_layer.weight present",
+        ),
+    ):
+        if recorded is not None and recorded != found:
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {recorded!r}, but the checkpoint has {what} "
+                f"{found!r}: the args are not this checkpoint's; {how}"
+            )
+    family = "qwen2" if qkv_bias else "llama"
+    values = {
+        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
+        "model_type": family,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.groups,
+        "head_dim": args.head_dim,
+        "vocab_size": rows,
+        "hidden_act": "silu",
+        "rms_norm_eps": r["norm_epsilon"],
+        "rope_theta": float(r["rotary_base"]),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(r["rotary_base"])},
+        "tie_word_embeddings": tied,
+        "dtype": dtype,
+    }
+    if _number(r.get("max_position_embeddings")):
+        values["max_position_embeddings"] = r["max_position_embeddings"]
+    if family == "llama":  # Llama's attention_bias would put a bias on o_proj too: Megatron's QKV bias is Qwen2's
+        values.update(attention_bias=False, mlp_bias=False)
+    else:  # Qwen2's q/k/v carry a bias by design; no sliding window (refused above when the args have one)
+        values.update(use_sliding_window=False, sliding_window=None)
+    unrecorded = (
+        "" if "max_position_embeddings" in values else "; max_position_embeddings not recorded: transformers' default"
+    )
+    chosen = (
+        "Qwen2ForCausalLM (QKV bias)"
+        if qkv_bias
+        else "LlamaForCausalLM (the args cannot tell Llama from Mistral: without a sliding window they are one model)"
+    )
+    note = (
+        f"config.json built from the training args in {COMMON} as {chosen}; vocab_size {rows}: every embedding row, "
+        f"Megatron's vocabulary padding included{unrecorded}; no tokenizer files: pass {option('config', meta='DIR')} "
+        "for them (and to name another model class or trim the padding)"
+    )
+    return values, note
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

@@ -1,0 +1,99 @@
+"""Live FSDP2 models saved by `fsdpfast.save_pretrained` on spawned gloo ranks, for the tests.
+
+Each rank builds the same tiny model, shards it with FSDP2 `fully_shard` (dim 0, another dim via
+shard_placement_fn, or HSDP), trains one step, then writes three things: the folder
+save_pretrained makes (`live/`), the verl-style rank files of the same model for an offline merge
+(`ckpt/`), and, on rank 0, the reference: `get_model_state_dict(full_state_dict=True)` saved the
+usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
+ended in `outcome-{rank}.json`, so a test can check that a rank's failure failed them all.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
+
+
+@dataclass(frozen=True)
+class LiveSpec:
+    name: str
+    model: str = "llama"  # "llama-tied": tied embeddings
+    dtype: str = "float32"  # the parameters'
+    shard_dim: int = 0  # FSDP2's Shard(dim) of 2-D parameters
+    hsdp: bool = False  # a (replicate, shard) mesh: world size 4
+    save_dtype: str | None = None  # save_pretrained(dtype=...)
+    max_shard_size: str | int = "5GB"
+    fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
+    seed: int = 0
+
+    def folder(self, root: str) -> str:
+        return os.path.join(root, self.name)
+
+    def as_checkpoint_spec(self) -> CheckpointSpec:
+        return CheckpointSpec(self.name, model=self.model, dtype=self.dtype, seed=self.seed)
+
+
+def save_live(root: str, specs: list[LiveSpec], world_size: int) -> None:
+    import torch.multiprocessing as mp
+
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[LiveSpec]) -> None:
+    serve_rank(rank, world_size, port, "gloo", [partial(_save_one, rank, world_size, root, spec) for spec in specs])
+
+
+def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
+    import fsdpfast
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    folder = spec.folder(root)
+    os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
+    base = spec.as_checkpoint_spec()
+    model = build_model(base)
+    mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if spec.hsdp
+            else init_device_mesh("cpu", (world_size,)))
+    placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    _train_one_step(model, base)
+    torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        _write_hf_files(os.path.join(folder, "ckpt", "huggingface"), base)
+        model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
+    limit = _limit_file_size(1024) if rank == spec.fail_rank else None
+    try:
+        report = fsdpfast.save_pretrained(model, os.path.join(folder, "live"), dtype=spec.save_dtype,
+                                          max_shard_size=spec.max_shard_size)
+        outcome = {"ok": True, "files": report.files, "tied": report.tied}
+    except Exception as exc:  # recorded for the test: every rank must fail when one does
+        outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if limit is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def _limit_file_size(limit: int) -> tuple[int, int]:
+    """Writes past `limit` bytes fail with EFBIG on this rank (as a full disk would fail them); the old limits."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from pwrite, not a killed process
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    return old

@@ -1,0 +1,105 @@
+"""`fsdpfast.save_pretrained` from live FSDP2 models on real gloo ranks.
+
+The folder must hold, bit for bit, what `get_model_state_dict(full_state_dict=True)` holds (saved
+the usual way by the model's own save_pretrained), and its safetensors files must be byte for byte
+those an offline merge of the same model's rank files writes; a rank whose writes fail publishes
+nothing, and every rank says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdpfast
+from fsdpfast.testing.live_examples import LiveSpec, save_live
+
+SPECS = {
+    2: [LiveSpec("w2-fp32", seed=31), LiveSpec("w2-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=32),
+        LiveSpec("w2-dim1-to-bf16", shard_dim=1, save_dtype="bf16", max_shard_size="40KB", seed=34),
+        LiveSpec("w2-fails", fail_rank=1, seed=33)],
+    3: [LiveSpec("w3-uneven-rows", seed=36)],  # 101 vocabulary rows over 3 ranks
+    4: [LiveSpec("w4-hsdp-tied", model="llama-tied", hsdp=True, seed=35)],
+}
+ALL = {spec.name: (world, spec) for world, specs in SPECS.items() for spec in specs}
+SAVED = [name for name, (_, spec) in ALL.items() if spec.fail_rank is None]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("live")
+    for world, specs in SPECS.items():
+        save_live(str(root), specs, world)
+    return root
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+def outcomes(folder: Path, world: int) -> list[dict]:
+    return [json.loads((folder / f"outcome-{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_folder_is_the_gathered_state_dict(saved, name):
+    world, spec = ALL[name]
+    folder = saved / name
+    assert all(o["ok"] for o in outcomes(folder, world)), outcomes(folder, world)
+    live, reference = tensors_of(folder / "live"), tensors_of(folder / "reference")
+    # A tied name is written once, as the offline merge writes it (transformers ties it again on
+    # load); the reference's own save keeps both names: each must hold the kept one's bytes.
+    tied = outcomes(folder, world)[0]["tied"]
+    assert bool(tied) == (spec.model == "llama-tied"), tied
+    for kept, aliases in tied.items():
+        for alias in aliases:
+            live[alias] = live[kept]
+    assert set(live) == set(reference)
+    cast = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec.save_dtype]
+    for key, want in reference.items():
+        want = want.to(cast) if cast is not None and want.is_floating_point() else want
+        assert live[key].dtype == want.dtype, key
+        assert torch.equal(live[key].view(torch.uint8) if live[key].ndim else live[key], want.view(torch.uint8) if want.ndim else want), key
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
+    _, spec = ALL[name]
+    folder = saved / name
+    fsdpfast.merge(folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size)
+    weights = sorted(p.name for p in (folder / "live").iterdir() if p.name.endswith((".safetensors", ".index.json")))
+    assert weights == sorted(p.name for p in (tmp_path / "merged").iterdir() if p.name.endswith((".safetensors", ".index.json")))
+    for name_ in weights:
+        assert (folder / "live" / name_).read_bytes() == (tmp_path / "merged" / name_).read_bytes(), name_
+    if spec.max_shard_size != "5GB":
+        assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split is tested too
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_folder_loads_and_verifies(saved, name):
+    import transformers
+
+    folder = saved / name / "live"
+    assert fsdpfast.verify(folder).ok
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    live = tensors_of(folder)
+    for key, value in model.state_dict().items():
+        if key in live:
+            assert torch.equal(value, live[key]), key
+
+
+def test_a_rank_whose_writes_fail_publishes_nothing(saved):
+    world, spec = ALL["w2-fails"]
+    folder = saved / "w2-fails"
+    results = outcomes(folder, world)
+    assert not any(o["ok"] for o in results), results
+    assert "rank 1" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
+    assert not (folder / "live").exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".live")], list(folder.iterdir())  # no staging left
