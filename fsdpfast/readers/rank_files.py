@@ -50,8 +50,9 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
     """
     states = []
     for rank, path in rank_paths:
-        archive = TorchZip(path)
+        archive = TorchZip(path)  # read and closed: the storage spans stay, no file stays open
         whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
+        archive.close()
         state_dict = model_part(whole, path)
         tensors, skipped = {}, []
         for name, value in state_dict.items():
