@@ -286,16 +286,18 @@ def main(argv=None) -> None:
     parser.add_argument("--layout", default="fsdp-ranks", choices=["fsdp-ranks", "dcp"])
     parser.add_argument("--ranks", help="START:END, the ranks to write (fsdp-ranks; default all)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--data", default="sparse", choices=["sparse", "values"], help="see the module doc")
+    parser.add_argument("--seed", type=int, default=0, help="the values' seed (--data values)")
     parser.add_argument("--config", action="store_true", help="also write huggingface/config.json")
     args = parser.parse_args(argv)
     shape = TINY if args.model == "tiny" else LLAMA3[args.model]
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     if args.layout == "dcp":
-        write_dcp(args.out, shape, args.world_size, dtype=dtype)
+        write_dcp(args.out, shape, args.world_size, args.data, dtype, args.seed)
     else:
         start, end = map(int, args.ranks.split(":")) if args.ranks else (0, args.world_size)
-        write_fsdp_ranks(args.out, shape, args.world_size, range(start, end), dtype=dtype)
+        write_fsdp_ranks(args.out, shape, args.world_size, range(start, end), args.data, dtype, args.seed)
     if args.config:
         write_config(args.out, shape)
 
