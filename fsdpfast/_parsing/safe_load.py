@@ -21,14 +21,15 @@ from ..dtypes import DTYPES
 from ..errors import UnsafeCheckpoint, BadInput
 
 
-@dataclass(frozen=True)
+# The records a checkpoint's tensors become have slots: a planner holds one per tensor per rank.
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     key: str  # the zip record name under data/
     dtype: str
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     storage: StorageRef
     offset: int  # in elements of `dtype`
@@ -45,7 +46,7 @@ class TensorRef:
         return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DTensorRef:
     local: TensorRef
     spec: "Record"  # DTensorSpec stand-in; readers.placements interprets it
@@ -148,8 +149,21 @@ def is_count(value) -> bool:
 
 
 def as_dims(value) -> tuple[int, ...] | None:
-    """`value` as a tuple of whole numbers, or None if it is anything else."""
-    return tuple(value) if isinstance(value, (tuple, list)) and all(is_count(v) for v in value) else None
+    """`value` as a tuple of whole numbers, or None if it is anything else. Equal results are one
+    tuple (shapes and strides repeat across a checkpoint's tensors and ranks)."""
+    if not isinstance(value, (tuple, list)) or not all(is_count(v) for v in value):
+        return None
+    dims = tuple(value)
+    known = _DIMS.get(dims)
+    if known is None:
+        if len(_DIMS) >= _DIMS_KEPT:
+            _DIMS.clear()
+        known = _DIMS[dims] = dims
+    return known
+
+
+_DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
+_DIMS_KEPT = 1 << 16
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
@@ -365,7 +379,9 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
             children = [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = item
-        elif isinstance(item, (DTensorRef, _WrapperShell)):
+        elif isinstance(item, DTensorRef):
+            children = [item.local, item.spec]
+        elif isinstance(item, _WrapperShell):
             children = list(vars(item).values())
         else:
             continue

@@ -117,6 +117,11 @@ class TorchZip:
             raise BadInput(f"{self.where}: a zip file but not a torch.save archive (no single data.pkl inside)")
         self.prefix = pickles[0].name[: -len("data.pkl")]
         self._place_records(pickles[0], cd_offset)
+        storages = self.prefix + "data/"
+        # what is kept once read: (data start, size, method) of each storage record, by key
+        self._storages = {name[len(storages):]: (record.start, record.size, record.method)
+                          for name, record in self._records.items() if name.startswith(storages)}
+        self._records = None
 
     def _end_record(self, tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
         """(entries, directory size, directory offset, where the end records begin)."""
@@ -264,13 +269,13 @@ class TorchZip:
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """(byte offset in the file, byte length) of storage record `key`."""
-        name = f"{self.prefix}data/{key}"
-        record = self._records.get(name)
-        if record is None:
-            raise BadInput(f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt")
-        if record.method != 0:
+        record = self._storages.get(key)
+        if record is None or record[2] != 0:
+            name = f"{self.prefix}data/{key}"
+            if record is None:
+                raise BadInput(f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt")
             raise BadInput(f"{self.where}: storage record {name!r} is compressed; torch.save never does that")
-        return self.base + record.start, record.size
+        return self.base + record[0], record[1]
 
     def storage_buffer(self, storage) -> SourceBuffer:
         """The bytes of `storage` (a safe_load.StorageRef), in place in this file, for the engine to map."""

@@ -39,12 +39,15 @@ def whole_copies(name: str, pieces, sources: StorageSources, problem: str = WHOL
             for state, value in pieces[1:]]
 
 
-def replica_copies(name: str, pieces, sources: StorageSources) -> list[Copy]:
+def replica_copies(name: str, pieces, sources: StorageSources, layouts=None) -> list[Copy]:
     """HSDP: each replica's local piece against the primary replica's piece of the same shard (the one read).
-    The pieces' layouts were checked when the DTensor was planned."""
+    The pieces' layouts were checked when the DTensor was planned (`layouts`: theirs, if at hand)."""
+    if layouts is None:
+        layouts = [read_layout(value.spec, f"{state.path}: {name}") for state, value in pieces]
+    if not any(kind == "replicate" for layout in layouts for kind, _, _ in layout.placements):
+        return []  # no replica groups: nothing is held twice
     primary, replicas = {}, []
-    for state, value in pieces:
-        layout = read_layout(value.spec, f"{state.path}: {name}")
+    for (state, value), layout in zip(pieces, layouts):
         shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
         if layout.is_primary_replica():
             primary[shard] = (state, value)
