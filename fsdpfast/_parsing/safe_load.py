@@ -14,14 +14,32 @@ import collections
 import io
 import pickle
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import UnsafeCheckpoint, BadInput
 
 
+def _refuse_state(self, state):
+    """pickle's BUILD opcode writes pickled state into the object below it. Nothing fsdpfast hands
+    the unpickler, and nothing it makes of what it reads, takes any: the Python unpickler refuses
+    BUILD onto them before it gets here (_RestrictedUnpickler._load_build); the C unpickler, which
+    reads plain pickles (see safe_unpickle), calls this and is refused the same way."""
+    raise UnsafeCheckpoint(f"refusing to set the state of {getattr(self, 'qualname', type(self).__name__)!s}: only "
+                           "records and dicts take pickled state; fsdpfast does not let a checkpoint change its own objects")
+
+
+def _takes_no_state(cls):
+    """A dataclass whose instances refuse pickled state (_refuse_state), and still copy and pickle
+    (by their fields, never through __setstate__)."""
+    cls.__setstate__ = _refuse_state
+    cls.__reduce__ = lambda self: (type(self), tuple(getattr(self, f.name) for f in fields(self)))
+    return cls
+
+
 # The records a checkpoint's tensors become have slots: a planner holds one per tensor per rank.
+@_takes_no_state
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     key: str  # the zip record name under data/
@@ -29,6 +47,7 @@ class StorageRef:
     numel: int
 
 
+@_takes_no_state
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     storage: StorageRef
@@ -46,12 +65,14 @@ class TensorRef:
         return True
 
 
+@_takes_no_state
 @dataclass(frozen=True, slots=True)
 class DTensorRef:
     local: TensorRef
     spec: "Record"  # DTensorSpec stand-in; readers.placements interprets it
 
 
+@_takes_no_state
 @dataclass(frozen=True)
 class ShardedTensorRef:
     """A ShardedTensor (FSDP1 state dicts): global shape, dtype and its pickled state.
@@ -101,15 +122,39 @@ class Record:
 class _DType(str):
     """A dtype global such as torch.float32, kept as its name."""
 
+    __setstate__ = _refuse_state
+
 
 class _StorageKind:
+    __setstate__ = _refuse_state
+
     def __init__(self, dtype: str):
         self.dtype = dtype
 
 
 class _TensorClass:
+    __setstate__ = _refuse_state
+
     def __init__(self, qualname: str):
         self.qualname = qualname
+
+
+class _Call(tuple):
+    """An allowed function, as the unpickler gets it: called like it, and no pickled state can be
+    written into it (a function has a __dict__ that BUILD would fill)."""
+
+    __slots__ = ()
+    __setstate__ = _refuse_state
+
+    def __new__(cls, function):
+        return tuple.__new__(cls, (function,))
+
+    def __call__(self, *args, **kwargs):
+        return self[0](*args, **kwargs)
+
+    @property
+    def qualname(self) -> str:
+        return getattr(self[0], "__qualname__", "function")
 
 
 _DTENSOR = _TensorClass("DTensor")
@@ -126,6 +171,7 @@ _DISTRIBUTED_RECORDS = {
 }
 
 
+@_takes_no_state
 @dataclass
 class _WrapperShell:
     cls: Any
@@ -240,31 +286,32 @@ _STORAGE_CLASSES = {
     "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
 }
 
+# What each allowed global is to the unpickler: types, stand-ins, and functions wrapped (_Call).
 _ALLOWED: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": _bytearray,
-    "_codecs.encode": _encode,
-    "torch.Size": lambda dims=(): tuple(dims),
-    "torch.device": lambda *args: str(args[0]) if args else "cpu",
-    "torch.serialization._get_layout": lambda name: str(name),
+    "builtins.bytearray": _Call(_bytearray),
+    "_codecs.encode": _Call(_encode),
+    "torch.Size": _Call(lambda dims=(): tuple(dims)),
+    "torch.device": _Call(lambda *args: str(args[0]) if args else "cpu"),
+    "torch.serialization._get_layout": _Call(lambda name: str(name)),
     "torch.Tensor": _PLAIN_TENSOR,
     "torch.nn.parameter.Parameter": _PARAMETER,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_tensor_v2": _Call(_rebuild_tensor_v2),
+    "torch._utils._rebuild_tensor_v3": _Call(_rebuild_tensor_v3),
+    "torch._utils._rebuild_parameter": _Call(_rebuild_parameter),
+    "torch._utils._rebuild_parameter_with_state": _Call(_rebuild_parameter),
+    "torch._utils._rebuild_wrapper_subclass": _Call(_rebuild_wrapper_subclass),
+    "torch._tensor._rebuild_from_type_v2": _Call(_rebuild_from_type_v2),
     "torch.storage.UntypedStorage": _StorageKind("uint8"),
     "torch.distributed.tensor.DTensor": _DTENSOR,
     "torch.distributed.tensor._api.DTensor": _DTENSOR,
     "torch.distributed._tensor.api.DTensor": _DTENSOR,
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
-    "builtins.getattr": _getattr,
-    "__builtin__.getattr": _getattr,  # protocol 2 names builtins this way
+    "builtins.getattr": _Call(_getattr),
+    "__builtin__.getattr": _Call(_getattr),  # protocol 2 names builtins this way
 }
 _ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
 _ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
@@ -327,13 +374,53 @@ class _RestrictedUnpickler(pickle._Unpickler):
         return StorageRef(key, kind.dtype, numel)
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """CPython's C unpickler, for pickles the native scan finds plain (see safe_unpickle): the same
+    allow-list and persistent ids as _RestrictedUnpickler; BUILD onto anything but a record or a
+    dict is refused by the objects themselves (_refuse_state)."""
+
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.extra_records = extra_records
+
+    find_class = _RestrictedUnpickler.find_class
+    persistent_load = _RestrictedUnpickler.persistent_load
+
+
+def _plain(data: bytes) -> bool:
+    """Whether the C unpickler may read `data`: fsdpfast._native scans it (csrc/pickle_scan.h) for
+    opcodes CPython's pickler writes and memo slots written in order, so its memo cannot be made to
+    outgrow the pickle. Without the native module, never."""
+    from .. import _ops
+
+    native = _ops.native() if _ops.native_cpu() and not _PYTHON_ONLY else None
+    scan = getattr(native, "pickle_not_plain", None)
+    return scan is not None and scan(data) is None
+
+
+_PYTHON_ONLY = False  # tests set it to read every pickle with the Python unpickler
+
+
 def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
     """Unpickle `data` (a checkpoint's data.pkl) into plain containers and inert records.
 
     `extra_records`: further fully qualified class names a reader accepts as inert records.
+    A plain pickle (every one torch writes) is read by the C unpickler, four times faster; any
+    other, and any pickle the C unpickler fails on, by the Python one, whose answer (or message)
+    is the one given: the two read plain pickles alike (tests/test_fuzz.py compares them).
     """
+    if _plain(data):
+        try:
+            return _load(_PlainUnpickler, data, where, extra_records)
+        except Exception:  # noqa: S110  (the Python unpickler says what is wrong, in its words)
+            pass
+    return _load(_RestrictedUnpickler, data, where, extra_records)
+
+
+def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str]) -> Any:
     try:
-        value = _RestrictedUnpickler(data, where, extra_records).load()
+        value = unpickler(data, where, extra_records).load()
     except (UnsafeCheckpoint, BadInput):
         raise
     except RecursionError:
@@ -390,6 +477,9 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
         seen.add(id(item))
         if depth >= limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for child in children if not isinstance(child, _LEAVES))
     return False
+
+
+_LEAVES = (int, float, str, bytes, type(None), TensorRef, StorageRef)  # nothing below them to walk
 

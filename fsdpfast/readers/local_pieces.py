@@ -17,11 +17,18 @@ REPLICAS_DIFFER = ("the replica groups of an HSDP checkpoint hold the same shard
 
 def local_source(state, name: str, local: TensorRef, sources: StorageSources) -> tuple[int, int]:
     """(source buffer, element offset) of a rank's contiguous local piece."""
-    if not local.is_contiguous():
-        raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
+    known = _ROW_MAJOR.get(local.shape)
+    if known != local.stride:
+        if not local.is_contiguous():
+            raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
+        if known is None and len(_ROW_MAJOR) < 1 << 16:
+            _ROW_MAJOR[local.shape] = local.stride  # contiguous: the next piece of this shape and stride is too
     if local.offset + prod(local.shape) > local.storage.numel:
         raise BadInput(f"{state.path}: {name} reaches past the end of its storage; the file is corrupt")
     return sources.index(state.path, local, state.archive), local.offset
+
+
+_ROW_MAJOR: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> a stride seen contiguous with it
 
 
 def local_piece(state, name: str, local: TensorRef, sources: StorageSources) -> TensorPlan:

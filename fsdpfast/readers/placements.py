@@ -63,6 +63,14 @@ class DTensorLayout:
         """True on the one replica group that is read (coordinate 0 on every Replicate mesh dim)."""
         return all(c == 0 for c, (kind, _, _) in zip(self.coordinate, self.placements) if kind == "replicate")
 
+    @property
+    def primary(self) -> bool:
+        """is_primary_replica(), worked out once."""
+        known = self.__dict__.get("_primary")
+        if known is None:
+            known = self.__dict__["_primary"] = self.is_primary_replica()
+        return known
+
     def readings(self) -> tuple[str, ...]:
         """The ways torch places this spec's pieces: one without _StridedShard, else those that apply."""
         if not any(kind == "strided" for kind, _, _ in self.placements):
