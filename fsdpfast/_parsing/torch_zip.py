@@ -37,6 +37,7 @@ _EOCD_MAGIC, _ZIP64_LOCATOR_MAGIC, _ZIP64_EOCD_MAGIC = b"PK\x05\x06", b"PK\x06\x
 _CENTRAL_MAGIC, _LOCAL_MAGIC = b"PK\x01\x02", b"PK\x03\x04"
 _MAX32 = 0xFFFFFFFF
 _TAIL = 1 << 16  # read from the end at once: the end records and, for most files, the central directory
+_WINDOW_TAIL = 4096  # the same from a mapping (a DCP chunk's archive: a few records)
 _HEAD_SLACK = 4096  # read past data.pkl, to take the small records after it (byteorder, ...) in the same read
 _DEFAULT_ALIGNMENT = 64
 
@@ -98,7 +99,7 @@ class TorchZip:
         return os.pread(self._fd, size, self.base + offset)
 
     def _open(self) -> None:
-        tail_start = max(0, self.size - _TAIL)
+        tail_start = max(0, self.size - (_TAIL if self._buffer is None else _WINDOW_TAIL))
         tail = self._read(tail_start, self.size - tail_start)
         self._tail, self._tail_start = tail, tail_start
         if len(tail) < _EOCD.size:

@@ -14,7 +14,9 @@ in planner_data; the model part is picked automatically, or by `prefix`.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
+import mmap
 import os
 import re
 import reprlib
@@ -72,9 +74,18 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     names = _model_names(metadata.paths, prefix, folder)
     sources: list[SourceBuffer] = []
     headers: dict[str, SafetensorsHeader | None] = {}
+    chunks = _Chunks(folder)
+    for flat_name in names:  # where every chunk is, checked, before any file is read
+        entry = metadata.tensors[flat_name]
+        for offsets, _ in entry.chunks:
+            info = metadata.storage.get((flat_name, offsets))
+            if info is not None:
+                chunks.place(flat_name, info, headers)
+    chunks.read_archives(headers)
     tensors = []
     for flat_name, name in names.items():
-        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
+        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers,
+                                    chunks))
     skipped = [k for k in metadata.entries if k not in names]
     plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
     nested = any(len(path) > 1 for path in metadata.paths.values())
@@ -210,7 +221,8 @@ def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> di
     return chosen
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
+def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers,
+                 chunks: _Chunks) -> TensorPlan:
     shape, dtype = entry.shape, entry.dtype
     if dtype not in DTYPES:
         raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {dtype}, which is not supported")
@@ -219,7 +231,7 @@ def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sour
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
-        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources, headers)
+        source, element_offset = _chunk_source(folder, flat_name, info, dtype, sizes, sources, headers, chunks)
         extents += box_extents(source, element_offset, shape, offsets, sizes)
     if sum(e.numel for e in extents) != prod(shape):
         raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
@@ -236,8 +248,8 @@ def _dtype(properties) -> str:
     return str(value[0]) if isinstance(value, tuple) and value else "None"
 
 
-def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers) -> tuple[int, int]:
-    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+def _file_range(folder, flat_name, info: Record) -> tuple[str, int, int]:
+    """(path, offset, length) of one chunk's bytes, as .metadata places them, checked."""
     relative, offset, length = (info.args[:3] if len(info.args) >= 3
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
     if info.get("transform_descriptors"):
@@ -249,22 +261,70 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
         raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
-    path = os.path.join(folder, str(relative))
-    check_not_broken_link(path)
-    if not os.path.isfile(path):
-        raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
-    if path not in headers:
-        headers[path] = read_header(path) if looks_like_safetensors(path) else None
-    if headers[path] is not None:
+    return os.path.join(folder, str(relative)), int(offset), int(length)
+
+
+class _Chunks:
+    """The torch.save archives of a folder's chunks, each read once: the chunks of one .distcp file
+    together, from one mapping of it (one file open at a time, whatever the world size), and each
+    distinct pickle unpickled once (a chunk's pickle says only its shape, dtype and storage, so the
+    chunks of one shape share theirs)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.files: dict[str, dict[tuple[int, int], str]] = {}  # path -> {(offset, length): a tensor it holds}
+        self.read: dict[tuple[str, int, int], tuple] = {}  # (path, offset, length) -> (TensorRef, byte offset, byte length, where)
+
+    def place(self, flat_name: str, info: Record, headers) -> None:
+        path, offset, length = _file_range(self.folder, flat_name, info)
+        if path not in headers:
+            check_not_broken_link(path)
+            if not os.path.isfile(path):
+                raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
+            headers[path] = read_header(path) if looks_like_safetensors(path) else None
+        if headers[path] is None:
+            self.files.setdefault(path, {}).setdefault((offset, length), flat_name)
+
+    def read_archives(self, headers) -> None:
+        pickles: dict[bytes, object] = {}
+        for path, ranges in self.files.items():
+            with _mapped(path) as mapping:
+                for (offset, length), flat_name in sorted(ranges.items()):
+                    archive = TorchZip(path, offset, length, buffer=mapping)
+                    data = archive.pickle_bytes
+                    tensor = pickles.get(data)
+                    if tensor is None:
+                        tensor = pickles[data] = safe_unpickle(data, archive.where)
+                    if not isinstance(tensor, TensorRef):
+                        raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
+                    byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+                    self.read[(path, offset, length)] = (tensor, byte_offset, byte_length, archive.where)
+
+
+@contextlib.contextmanager
+def _mapped(path: str):
+    """The whole file, mapped read-only while its chunks are read (an empty file: empty bytes)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield mapping
+    finally:
+        mapping.close()
+
+
+def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers,
+                  chunks: _Chunks) -> tuple[int, int]:
+    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+    path, offset, length = _file_range(folder, flat_name, info)
+    if headers[path] is not None:  # every chunk was placed (and its file read) before the tensors are planned
         return _safetensors_chunk(headers[path], flat_name, dtype, sizes, sources), 0
-    with TorchZip(path, int(offset), int(length)) as archive:
-        tensor = safe_unpickle(archive.pickle_bytes, archive.where)
-        if not isinstance(tensor, TensorRef):
-            raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
-            raise BadInput(f"{archive.where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
-                           f".metadata says {dtype}{list(sizes)}")
-        byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+    tensor, byte_offset, byte_length, where = chunks.read[(path, offset, length)]
+    if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
+        raise BadInput(f"{where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
+                       f".metadata says {dtype}{list(sizes)}")
     if (tensor.offset + prod(sizes)) * itemsize(dtype) > byte_length:
         raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
     sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))

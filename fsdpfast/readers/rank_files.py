@@ -64,7 +64,7 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
             if isinstance(value, (TensorRef, DTensorRef)):
                 key = names.setdefault(str(name), str(name))
                 if isinstance(value, DTensorRef):
-                    value = DTensorRef(value.local, layouts.of(value.spec, lambda: f"{path}: {key}"))
+                    value = DTensorRef(value.local, layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}"))
                 tensors[key] = value
             elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
                 archive.close()
@@ -177,7 +177,7 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_l
     layouts = []
     holders: dict[tuple[int, ...], list[str]] = {}
     for i, (state, value) in enumerate(pieces):
-        layout = value.spec if type(value.spec) is DTensorLayout else spec_layouts.of(value.spec, lambda: wheres[i])
+        layout = value.spec if type(value.spec) is DTensorLayout else spec_layouts.of(value.spec, lambda i=i: wheres[i])
         if value.local.dtype != dtype or (layout is not reference and (
                 layout.global_shape != reference.global_shape or layout.placements != reference.placements
                 or layout.mesh_shape != reference.mesh_shape)):
