@@ -197,9 +197,11 @@ def is_count(value) -> bool:
 def as_dims(value) -> tuple[int, ...] | None:
     """`value` as a tuple of whole numbers, or None if it is anything else. Equal results are one
     tuple (shapes and strides repeat across a checkpoint's tensors and ranks)."""
-    if not isinstance(value, (tuple, list)) or not all(is_count(v) for v in value):
+    if not isinstance(value, (tuple, list)):
         return None
     dims = tuple(value)
+    if not _INT.issuperset(map(type, dims)) or (dims and min(dims) < 0):  # exact ints (no bools), none negative
+        return None
     known = _DIMS.get(dims)
     if known is None:
         if len(_DIMS) >= _DIMS_KEPT:
@@ -208,6 +210,7 @@ def as_dims(value) -> tuple[int, ...] | None:
     return known
 
 
+_INT = frozenset({int})
 _DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
 _DIMS_KEPT = 1 << 16
 

@@ -45,11 +45,12 @@ _DEFAULT_ALIGNMENT = 64
 class _Record:
     """A zip record as the central directory lists it (offsets relative to the archive)."""
 
-    __slots__ = ("name", "header", "size", "flags", "method", "name_len", "start")
+    __slots__ = ("name", "header", "size", "flags", "method", "name_len", "start", "bound")
 
     def __init__(self, name: str, header: int, size: int, flags: int, method: int, name_len: int):
         self.name, self.header, self.size, self.flags, self.method, self.name_len = name, header, size, flags, method, name_len
         self.start = -1  # where its data starts, once known
+        self.bound = 0  # where the next record (or the zip directory) starts
 
 
 class TorchZip:
@@ -182,17 +183,19 @@ class TorchZip:
     def _place_records(self, pickle: _Record, cd_offset: int) -> None:
         """Find where every record's data starts (see the module doc), and read data.pkl."""
         ordered = sorted(self._records.values(), key=lambda r: r.header)
-        bounds = {id(r): (ordered[i + 1].header if i + 1 < len(ordered) else cd_offset) for i, r in enumerate(ordered)}
+        for record, after in zip(ordered, ordered[1:]):
+            record.bound = after.header
+        ordered[-1].bound = cd_offset
         # data.pkl and the small records after it (.format_version, .storage_alignment, byteorder): one read
-        head_end = min(bounds[id(pickle)] + _HEAD_SLACK, cd_offset)
+        head_end = min(pickle.bound + _HEAD_SLACK, cd_offset)
         head = self._read(pickle.header, head_end - pickle.header)
         for record in ordered:
             if pickle.header <= record.header and record.header + _LOCAL.size <= head_end:
                 local = head[record.header - pickle.header: record.header - pickle.header + _LOCAL.size]
-                self._from_local_header(record, local, bounds[id(record)])
+                self._from_local_header(record, local, record.bound)
         self._check_stored(pickle)
         if pickle.start < 0:
-            self._from_local_header(pickle, self._read(pickle.header, _LOCAL.size), bounds[id(pickle)])
+            self._from_local_header(pickle, self._read(pickle.header, _LOCAL.size), pickle.bound)
         if pickle.start + pickle.size > head_end:  # a long local extra field: not torch's
             head_end = pickle.start + pickle.size
             head = self._read(pickle.header, head_end - pickle.header)
@@ -204,7 +207,7 @@ class TorchZip:
                 if record.start >= 0 and record.start + record.size <= head_end:
                     small[key] = head[record.start - pickle.header: record.start - pickle.header + record.size]
                 else:
-                    self._locate(record, bounds[id(record)])
+                    self._locate(record)
                     small[key] = self._read(record.start, record.size)
         byteorder = small.get("byteorder")
         if byteorder is not None and byteorder.strip() != b"little":
@@ -213,17 +216,18 @@ class TorchZip:
         alignment = int(alignment) if alignment.isdigit() and 0 < int(alignment) <= 1 << 20 else _DEFAULT_ALIGNMENT
         for record in ordered:
             if record.start < 0:
-                self._locate(record, bounds[id(record)], alignment)
+                self._locate(record, alignment)
 
-    def _locate(self, record: _Record, bound: int, alignment: int = _DEFAULT_ALIGNMENT) -> None:
+    def _locate(self, record: _Record, alignment: int = _DEFAULT_ALIGNMENT) -> None:
         """Where the record's data starts: torch's alignment rule, if the next record begins right
-        after the data and its descriptor; else from its local header."""
+        after the data and its descriptor (16 or 24 bytes where the flags announce one); else from
+        its local header."""
         start = _aligned_start(record, alignment)
-        descriptors = (16, 24) if record.flags & 0x8 else (0,)
-        if any(start + record.size + descriptor == bound for descriptor in descriptors):
+        gap = record.bound - start - record.size
+        if gap == 16 or gap == 24 if record.flags & 0x8 else gap == 0:
             record.start = start
             return
-        self._from_local_header(record, self._read(record.header, _LOCAL.size), bound)
+        self._from_local_header(record, self._read(record.header, _LOCAL.size), record.bound)
 
     def _from_local_header(self, record: _Record, local: bytes, bound: int) -> None:
         if len(local) != _LOCAL.size or local[:4] != _LOCAL_MAGIC:
