@@ -51,8 +51,8 @@ def replica_copies(name: str, pieces, sources: StorageSources, layouts=None) -> 
     The pieces' layouts were checked when the DTensor was planned (`layouts`: theirs, if at hand)."""
     if layouts is None:
         layouts = [read_layout(value.spec, f"{state.path}: {name}") for state, value in pieces]
-    if not any(kind == "replicate" for layout in layouts for kind, _, _ in layout.placements):
-        return []  # no replica groups: nothing is held twice
+    if not any(kind == "replicate" for kind, _, _ in layouts[0].placements):
+        return []  # no replica groups (the pieces' placements agree): nothing is held twice
     primary, replicas = {}, []
     for (state, value), layout in zip(pieces, layouts):
         shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")

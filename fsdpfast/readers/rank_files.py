@@ -9,6 +9,7 @@ per tensor between whole copies and torch.chunk pieces.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable
@@ -95,13 +96,25 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
     sources = StorageSources()
     layouts = SpecLayouts()
     tensors, copies, notes = [], [], []
-    for name in states[0].tensors:
-        pieces = [(s, s.tensors[name]) for s in states]
-        kinds = {type(v) for _, v in pieces}
+    columns: dict[str, list] = {name: [] for name in states[0].tensors}
+    located: dict[str, tuple[array, array]] = {name: (array("q"), array("q")) for name in states[0].tensors}
+    # Each tensor's pieces, and where each DTensor's local piece lies (source buffer, element
+    # offset; -1 for an empty piece, which has nothing to read nor to check), gathered file by
+    # file: one file's records at a time is what stays in the processor's cache.
+    for state in states:
+        for name, value in state.tensors.items():
+            columns[name].append(value)
+            if type(value) is DTensorRef:
+                source, offset = _local_source(state, name, value.local, sources) if prod(value.local.shape) else (-1, 0)
+                located[name][0].append(source)
+                located[name][1].append(offset)
+    for name, values in columns.items():
+        pieces = list(zip(states, values))
+        kinds = {type(v) for v in values}
         if len(kinds) > 1:
             raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
         if kinds == {DTensorRef}:
-            tensor, piece_layouts = _plan_dtensor(name, pieces, world, sources, layouts)
+            tensor, piece_layouts = _plan_dtensor(name, pieces, world, sources, layouts, located[name])
             tensors.append(tensor)
             copies += replica_copies(name, pieces, sources, piece_layouts)
         elif world == 1 or any_dtensor:
@@ -165,8 +178,8 @@ class _Wheres:
         return f"{self.pieces[i][0].path}: {self.name}"
 
 
-def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts
-                  ) -> tuple[TensorPlan, list[DTensorLayout]]:
+def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts,
+                  located: tuple[array, array]) -> tuple[TensorPlan, list[DTensorLayout]]:
     """The tensor's plan, and each piece's layout. (The loops run once per tensor per rank: a
     million times at 1,024 ranks, so the checks are direct and messages are made only when needed.)"""
     first_state, first = pieces[0]
@@ -195,13 +208,12 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_l
         layouts.append(layout)
     reading = choose_reading(layouts, [value.local.shape for _, value in pieces], wheres)
     extents: list[Extent] = []
-    for (state, value), layout in zip(pieces, layouts):
+    for (state, value), layout, source, offset in zip(pieces, layouts, *located):
         # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
         # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
         runs = layout.local_extents(reading)
         if not runs or not layout.primary or (copies > 1 and holders[layout.coordinate][0] != state.path):
             continue
-        source, offset = _local_source(state, name, value.local, sources)
         extents += [Extent(source, offset + src, count, dst, n, src_stride, dst_stride)
                     for src, count, dst, n, src_stride, dst_stride in runs]
     _check_coverage(name, reference.global_shape, extents, first_state.path)
