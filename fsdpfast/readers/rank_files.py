@@ -208,7 +208,7 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_l
         layouts.append(layout)
     reading = choose_reading(layouts, [value.local.shape for _, value in pieces], wheres)
     extents: list[Extent] = []
-    for (state, value), layout, source, offset in zip(pieces, layouts, *located):
+    for (state, _), layout, source, offset in zip(pieces, layouts, *located):
         # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
         # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
         runs = layout.local_extents(reading)
