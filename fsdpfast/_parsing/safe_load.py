@@ -480,7 +480,8 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
         seen.add(id(item))
         if depth >= limit:
             return True
-        stack.extend((child, depth + 1) for child in children if not isinstance(child, _LEAVES))
+        depth += 1
+        stack.extend([(child, depth) for child in children if not isinstance(child, _LEAVES)])
     return False
 
 

@@ -37,7 +37,7 @@ _EOCD_MAGIC, _ZIP64_LOCATOR_MAGIC, _ZIP64_EOCD_MAGIC = b"PK\x05\x06", b"PK\x06\x
 _CENTRAL_MAGIC, _LOCAL_MAGIC = b"PK\x01\x02", b"PK\x03\x04"
 _MAX32 = 0xFFFFFFFF
 _TAIL = 1 << 16  # read from the end at once: the end records and, for most files, the central directory
-_WINDOW_TAIL = 4096  # the same from a mapping (a DCP chunk's archive: a few records)
+_WINDOW_TAIL = 4096  # the same in a window of a file (a DCP chunk's archive: a few records)
 _HEAD_SLACK = 4096  # read past data.pkl, to take the small records after it (byteorder, ...) in the same read
 _DEFAULT_ALIGNMENT = 64
 
@@ -56,24 +56,23 @@ class _Record:
 class TorchZip:
     """A torch.save archive: a whole file, or the window [base, base + length) of one.
 
-    `buffer`: the whole file's bytes (a mapping), to read from instead of opening the file (DCP
-    reads many archives from one .distcp file). The file is closed before the constructor returns;
-    `pickle_bytes` and every storage record's span stay available (`close()` drops the pickle)."""
+    `fd`: the file, already open, to read from (DCP reads many archives from one .distcp file; the
+    caller closes it), and `file_size` its size. Else the file is opened and closed before the constructor returns. Either
+    way `pickle_bytes` and every storage record's span stay available (`close()` drops the pickle)."""
 
-    def __init__(self, path: str, base: int = 0, length: int | None = None, buffer=None):
+    def __init__(self, path: str, base: int = 0, length: int | None = None, fd: int | None = None,
+                 file_size: int | None = None):
         self.path = path
         self.base = base
         self.where = path if length is None else f"{path} (bytes {base}..{base + length})"
-        self._fd = None
-        self._buffer = buffer
+        self._fd = fd
+        self._own = fd is None
         self._tail, self._tail_start = b"", 1 << 62
         self.pickle_bytes: bytes | None = None
         try:
-            if buffer is None:
+            if self._own:
                 self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self.file_size = os.fstat(self._fd).st_size
-            else:
-                self.file_size = len(buffer)
+            self.file_size = os.fstat(self._fd).st_size if file_size is None else file_size
             self.size = self.file_size - base if length is None else length
             if base < 0 or self.size < 0 or base + self.size > self.file_size:
                 raise BadInput(f"{self.where}: runs past the end of the file; the file is truncated")
@@ -95,12 +94,10 @@ class TorchZip:
             return b""
         if self._tail_start <= offset:  # small files: everything is in the tail read first
             return self._tail[offset - self._tail_start: offset - self._tail_start + size]
-        if self._buffer is not None:
-            return bytes(self._buffer[self.base + offset: self.base + offset + size])
         return os.pread(self._fd, size, self.base + offset)
 
     def _open(self) -> None:
-        tail_start = max(0, self.size - (_TAIL if self._buffer is None else _WINDOW_TAIL))
+        tail_start = max(0, self.size - (_TAIL if self._own else _WINDOW_TAIL))
         tail = self._read(tail_start, self.size - tail_start)
         self._tail, self._tail_start = tail, tail_start
         if len(tail) < _EOCD.size:
@@ -246,10 +243,9 @@ class TorchZip:
                            "writes that")
 
     def _close_file(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._own:
             os.close(self._fd)
-            self._fd = None
-        self._buffer = None
+        self._fd = None
         self._tail = b""
 
     def _not_zip(self) -> str:

@@ -15,8 +15,8 @@ in planner_data; the model part is picked automatically, or by `prefix`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
-import mmap
 import os
 import re
 import reprlib
@@ -25,6 +25,7 @@ from math import prod
 
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput, UnsafeCheckpoint, option
+from ..open_files import out_of_files
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .._parsing.boxes import box_extents
 from .discover import check_not_broken_link
@@ -258,15 +259,24 @@ def _file_range(folder, flat_name, info: Record) -> tuple[str, int, int]:
     if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
         # (reprlib: a pickle can nest a value deeper than repr can walk)
         raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}")
-    if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
+    path = _inside(folder, relative)
+    if path is None:
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
         raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
-    return os.path.join(folder, str(relative)), int(offset), int(length)
+    return path, int(offset), int(length)
+
+
+@functools.lru_cache(maxsize=4096)  # every chunk of a file names it: checked once
+def _inside(folder: str, relative: str) -> str | None:
+    """folder/relative, or None if `relative` leads outside the folder."""
+    if os.path.isabs(relative) or os.path.normpath(relative).split(os.sep)[0] == "..":
+        return None
+    return os.path.join(folder, relative)
 
 
 class _Chunks:
     """The torch.save archives of a folder's chunks, each read once: the chunks of one .distcp file
-    together, from one mapping of it (one file open at a time, whatever the world size), and each
+    together, through one descriptor (one file open at a time, whatever the world size), and each
     distinct pickle unpickled once (a chunk's pickle says only its shape, dtype and storage, so the
     chunks of one shape share theirs)."""
 
@@ -288,9 +298,10 @@ class _Chunks:
     def read_archives(self, headers) -> None:
         pickles: dict[bytes, object] = {}
         for path, ranges in self.files.items():
-            with _mapped(path) as mapping:
+            with _opened(path) as fd:
+                size = os.fstat(fd).st_size
                 for (offset, length), flat_name in sorted(ranges.items()):
-                    archive = TorchZip(path, offset, length, buffer=mapping)
+                    archive = TorchZip(path, offset, length, fd=fd, file_size=size)
                     data = archive.pickle_bytes
                     tensor = pickles.get(data)
                     if tensor is None:
@@ -302,17 +313,17 @@ class _Chunks:
 
 
 @contextlib.contextmanager
-def _mapped(path: str):
-    """The whole file, mapped read-only while its chunks are read (an empty file: empty bytes)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            yield b""
-            return
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def _opened(path: str):
+    """The file's descriptor while its chunks are read (small reads: a mapping would map and fault in
+    the 64 KB around every chunk's header)."""
     try:
-        yield mapping
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise out_of_files(exc, path) or BadInput(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        yield fd
     finally:
-        mapping.close()
+        os.close(fd)
 
 
 def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers,
