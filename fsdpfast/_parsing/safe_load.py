@@ -139,22 +139,19 @@ class _TensorClass:
         self.qualname = qualname
 
 
-class _Call(tuple):
-    """An allowed function, as the unpickler gets it: called like it, and no pickled state can be
-    written into it (a function has a __dict__ that BUILD would fill)."""
+class _Allowed:
+    """An allowed function, as the unpickler gets it: an instance of a class of its own that calls
+    it (no extra frame) and has no __dict__ or settable slots, so no pickled state can be written
+    into it (a plain function has a __dict__ that BUILD would fill)."""
 
     __slots__ = ()
     __setstate__ = _refuse_state
 
-    def __new__(cls, function):
-        return tuple.__new__(cls, (function,))
 
-    def __call__(self, *args, **kwargs):
-        return self[0](*args, **kwargs)
-
-    @property
-    def qualname(self) -> str:
-        return getattr(self[0], "__qualname__", "function")
+def _allowed(function) -> _Allowed:
+    name = getattr(function, "__qualname__", "function")
+    cls = type(f"Allowed[{name}]", (_Allowed,), {"__slots__": (), "__call__": staticmethod(function), "qualname": name})
+    return cls()
 
 
 _DTENSOR = _TensorClass("DTensor")
@@ -289,32 +286,32 @@ _STORAGE_CLASSES = {
     "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
 }
 
-# What each allowed global is to the unpickler: types, stand-ins, and functions wrapped (_Call).
+# What each allowed global is to the unpickler: types, stand-ins, and functions wrapped (_allowed).
 _ALLOWED: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": _Call(_bytearray),
-    "_codecs.encode": _Call(_encode),
-    "torch.Size": _Call(lambda dims=(): tuple(dims)),
-    "torch.device": _Call(lambda *args: str(args[0]) if args else "cpu"),
-    "torch.serialization._get_layout": _Call(lambda name: str(name)),
+    "builtins.bytearray": _allowed(_bytearray),
+    "_codecs.encode": _allowed(_encode),
+    "torch.Size": _allowed(lambda dims=(): tuple(dims)),
+    "torch.device": _allowed(lambda *args: str(args[0]) if args else "cpu"),
+    "torch.serialization._get_layout": _allowed(lambda name: str(name)),
     "torch.Tensor": _PLAIN_TENSOR,
     "torch.nn.parameter.Parameter": _PARAMETER,
-    "torch._utils._rebuild_tensor_v2": _Call(_rebuild_tensor_v2),
-    "torch._utils._rebuild_tensor_v3": _Call(_rebuild_tensor_v3),
-    "torch._utils._rebuild_parameter": _Call(_rebuild_parameter),
-    "torch._utils._rebuild_parameter_with_state": _Call(_rebuild_parameter),
-    "torch._utils._rebuild_wrapper_subclass": _Call(_rebuild_wrapper_subclass),
-    "torch._tensor._rebuild_from_type_v2": _Call(_rebuild_from_type_v2),
+    "torch._utils._rebuild_tensor_v2": _allowed(_rebuild_tensor_v2),
+    "torch._utils._rebuild_tensor_v3": _allowed(_rebuild_tensor_v3),
+    "torch._utils._rebuild_parameter": _allowed(_rebuild_parameter),
+    "torch._utils._rebuild_parameter_with_state": _allowed(_rebuild_parameter),
+    "torch._utils._rebuild_wrapper_subclass": _allowed(_rebuild_wrapper_subclass),
+    "torch._tensor._rebuild_from_type_v2": _allowed(_rebuild_from_type_v2),
     "torch.storage.UntypedStorage": _StorageKind("uint8"),
     "torch.distributed.tensor.DTensor": _DTENSOR,
     "torch.distributed.tensor._api.DTensor": _DTENSOR,
     "torch.distributed._tensor.api.DTensor": _DTENSOR,
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
-    "builtins.getattr": _Call(_getattr),
-    "__builtin__.getattr": _Call(_getattr),  # protocol 2 names builtins this way
+    "builtins.getattr": _allowed(_getattr),
+    "__builtin__.getattr": _allowed(_getattr),  # protocol 2 names builtins this way
 }
 _ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
 _ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
