@@ -11,6 +11,7 @@
 
 #include "crc32c.h"
 #include "kernels.h"
+#include "pickle_scan.h"
 #include "plan_rows.h"
 
 namespace py = pybind11;
@@ -77,6 +78,12 @@ py::tuple gather_convert_compare(const std::vector<py::buffer>& sources, const p
   return py::make_tuple(crcs, first);
 }
 
+py::object pickle_not_plain(const py::buffer& data) {
+  py::buffer_info info = data.request();
+  const char* why = fsdpfast::pickle_not_plain(static_cast<const unsigned char*>(info.ptr), size_t(info.size * info.itemsize));
+  return why == nullptr ? py::object(py::none()) : py::object(py::str(why));
+}
+
 uint32_t crc32c(const py::buffer& data, uint32_t crc) {
   py::buffer_info info = data.request();
   const size_t n = size_t(info.size * info.itemsize);
@@ -102,6 +109,8 @@ PYBIND11_MODULE(_native, m) {
         py::arg("chunk_bytes"), py::arg("threads") = 0, py::arg("release_sources") = false,
         "Recompute plan rows chunk by chunk and compare with the `expected` buffers (one per destination) without "
         "holding any destination whole. Returns (CRC-32C per destination, first differing byte per destination or -1).");
+  m.def("pickle_not_plain", &pickle_not_plain, py::arg("data"),
+        "None if the C unpickler may read this pickle (csrc/pickle_scan.h), else why not.");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("length_b"),

@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from . import __version__, readers
 from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, BadInput, FsdpfastError, command_line_messages
+from .open_files import out_of_files
 from .wording import count, size
 
 
@@ -206,7 +207,8 @@ def _main(argv: list[str] | None) -> int:
             print(f"fsdpfast: interrupted; {str(exc) or 'nothing was published'}", file=sys.stderr)
             return 130
         except OSError as exc:
-            print(f"fsdpfast: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+            message = out_of_files(exc, exc.filename or "") or f"{exc.filename or ''}: {exc.strerror or exc}"
+            print(f"fsdpfast: error: {message}", file=sys.stderr)
             return EXIT_FAILURE
         return EXIT_BAD_INPUT
 

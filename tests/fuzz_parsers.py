@@ -8,6 +8,8 @@ deleted, cut, spliced between files, little-endian integers replaced by edge val
 from scratch:
   unpickle         readers.safe_load.safe_unpickle on data.pkl and .metadata pickles
   pickle_opcodes   safe_unpickle on opcode streams made of the globals and opcodes checkpoints use
+  unpicklers_agree the C unpickler (plain pickles) against the Python one, on mutated real pickles
+                   and on opcode streams (unpicklers_agree_opcodes): the same value, or both refuse
   torch_zip        readers.torch_zip.TorchZip on whole rank files (zip directory, local headers)
   dcp_metadata     a real DCP folder whose .metadata is fuzzed, planned end to end
   safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
@@ -261,6 +263,12 @@ class Targets:
     def pickle_opcodes(self, data: bytes) -> None:
         safe_unpickle(data, "fuzz", dcp._METADATA_CLASSES)
 
+    def unpicklers_agree(self, data: bytes) -> None:
+        _unpicklers_agree(data)
+
+    def unpicklers_agree_opcodes(self, data: bytes) -> None:
+        _unpicklers_agree(data)
+
     def torch_zip(self, data: bytes) -> None:
         path = self.workdir / "fuzz.pt"
         path.write_bytes(data)
@@ -338,6 +346,72 @@ def _only_clean_errors(*checks) -> None:
             assert "\n" not in str(exc), f"a multi-line error: {exc!r}"
 
 
+def _outcome(read) -> tuple[bool, object]:
+    try:
+        return True, read()
+    except FsdpfastError as exc:
+        return False, exc
+
+
+def _unpicklers_agree(data: bytes) -> None:
+    """The C unpickler, where the native scan lets it read `data`, and the Python one agree: the
+    same value, or both refuse; and safe_unpickle answers as the Python one does."""
+    from fsdpfast._parsing import safe_load
+
+    def read(unpickler):
+        return lambda: safe_load._load(unpickler, data, "fuzz", dcp._METADATA_CLASSES)
+
+    reference = _outcome(read(safe_load._RestrictedUnpickler))
+    if safe_load._plain(data):
+        fast = _outcome(read(safe_load._PlainUnpickler))
+        assert fast[0] == reference[0] or not fast[0], f"the C unpickler read what the Python one refuses: {reference[1]}"
+        if fast[0]:
+            _assert_same(fast[1], reference[1])
+    public = _outcome(lambda: safe_unpickle(data, "fuzz", dcp._METADATA_CLASSES))
+    assert public[0] == reference[0], (public, reference)
+    if public[0]:
+        _assert_same(public[1], reference[1])
+    else:
+        assert str(public[1]) == str(reference[1]) and type(public[1]) is type(reference[1]), (public, reference)
+
+
+def _assert_same(a, b, seen=None) -> None:
+    """Structural equality of two unpickled values (records, refs, containers; shared and cyclic ones)."""
+    from fsdpfast._parsing.safe_load import Record
+
+    seen = set() if seen is None else seen
+    if (id(a), id(b)) in seen:
+        return
+    seen.add((id(a), id(b)))
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, Record):
+        assert a.qualname == b.qualname
+        _assert_same(a.args, b.args, seen)
+        _assert_same(a.state, b.state, seen)
+        _assert_same(a.state_value, b.state_value, seen)
+    elif isinstance(a, dict):
+        assert len(a) == len(b)
+        for (key, value), (other_key, other_value) in zip(a.items(), b.items()):
+            _assert_same(key, other_key, seen)
+            _assert_same(value, other_value, seen)
+        _assert_same(getattr(a, "__dict__", None), getattr(b, "__dict__", None), seen)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y, seen)
+    elif isinstance(a, (set, frozenset)):
+        assert a == b
+    elif isinstance(a, (DTensorRef, TensorRef, StorageRef)):
+        for name in type(a).__dataclass_fields__:
+            _assert_same(getattr(a, name), getattr(b, name), seen)
+    elif isinstance(a, float):
+        assert a == b or (a != a and b != b)
+    elif isinstance(a, (int, str, bytes, bytearray, complex, type(None))):
+        assert a == b or (a != a and b != b), (a, b)
+    else:
+        assert a is b or repr(a) == repr(b), (a, b)
+
+
 def _storage_keys(value) -> set[str]:
     keys = set()
     for item in each_object(value):
@@ -353,6 +427,8 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
     return {
         "unpickle": mutated(seeds.pickles),
         "pickle_opcodes": opcode_streams(),
+        "unpicklers_agree": mutated(seeds.pickles),
+        "unpicklers_agree_opcodes": opcode_streams(),
         "torch_zip": mutated(seeds.rank_files),
         "dcp_metadata": mutated([(seeds.folders["w2-dcp"] / ".metadata").read_bytes()]),
         "safetensors": mutated([(seeds.folders["w3-dcp-safetensors"] / "__0_0.distcp").read_bytes()]),

@@ -30,7 +30,7 @@ CHECKPOINTS = ("w2-llama", "w3-bert-dim1", "w2-guide", "w4-hsdp-tied", "w2-dcp",
 
 # Runs under the other interpreter: plans (or refusals) as JSON on stdout.
 _SCRIPT = r"""
-import json, sys
+import dataclasses, json, sys
 sys.modules["torch"] = None  # importing torch would fail: proves planning needs none
 from fsdpfast import readers
 from fsdpfast._parsing.safe_load import safe_unpickle
@@ -39,7 +39,7 @@ def plan_of(folder):
     p = readers.read_plan(folder)
     return {"layout": p.layout, "world_size": p.world_size, "notes": list(p.notes),
             "sources": [[s.path, s.byte_offset, s.nbytes, s.dtype] for s in p.sources],
-            "tensors": [[t.name, list(t.shape), t.source_dtype, [list(e.__dict__.values()) for e in t.extents]] for t in p.tensors]}
+            "tensors": [[t.name, list(t.shape), t.source_dtype, [list(dataclasses.astuple(e)) for e in t.extents]] for t in p.tensors]}
 
 def outcome(path):
     try:

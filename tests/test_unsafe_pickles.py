@@ -6,13 +6,13 @@ create it, so the absence means fsdpfast refused the payload, not that the paylo
 """
 from __future__ import annotations
 
-import copy
 import io
 import os
 import pickle
 import shlex
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -192,10 +192,11 @@ def _stand_in(qualname: str):
 
 @pytest.mark.parametrize("name", STATE_PAYLOADS)
 def test_control_unrestricted_build_changes_the_target(name):
-    """The same bytes through pickle's own BUILD, onto a throwaway copy of the stand-in, do change it."""
+    """The same bytes through pickle's own BUILD, onto an ordinary object holding the stand-in's
+    fields, do change it."""
     payload, qualname, field = STATE_PAYLOADS[name]
     original = _stand_in(qualname)
-    throwaway = copy.copy(original)
+    throwaway = types.SimpleNamespace(**vars(original))
 
     class Unrestricted(pickle._Unpickler):
         def find_class(self, module, name):
@@ -203,6 +204,24 @@ def test_control_unrestricted_build_changes_the_target(name):
 
     Unrestricted(io.BytesIO(payload)).load()
     assert getattr(throwaway, field, None) != getattr(original, field, None)
+
+
+@pytest.mark.parametrize("unpickler", [pickle._Unpickler, pickle.Unpickler], ids=["python", "c"])
+@pytest.mark.parametrize("name", STATE_PAYLOADS)
+def test_the_stand_ins_themselves_refuse_pickled_state(name, unpickler):
+    """Even to an unpickler without fsdpfast's BUILD check (the C one, which reads plain pickles),
+    the shared stand-ins refuse pickled state, unchanged."""
+    payload, qualname, field = STATE_PAYLOADS[name]
+    target = _stand_in(qualname)
+    before = dict(vars(target))
+
+    class Unrestricted(unpickler):
+        def find_class(self, module, name):
+            return target
+
+    with pytest.raises(UnsafeCheckpoint, match="refusing to set the state of"):
+        Unrestricted(io.BytesIO(payload)).load()
+    assert vars(target) == before and getattr(target, field, None) == before.get(field)
 
 
 @pytest.mark.parametrize("name", STATE_PAYLOADS)

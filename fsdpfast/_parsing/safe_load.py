@@ -14,21 +14,41 @@ import collections
 import io
 import pickle
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import UnsafeCheckpoint, BadInput
 
 
-@dataclass(frozen=True)
+def _refuse_state(self, state):
+    """pickle's BUILD opcode writes pickled state into the object below it. Nothing fsdpfast hands
+    the unpickler, and nothing it makes of what it reads, takes any: the Python unpickler refuses
+    BUILD onto them before it gets here (_RestrictedUnpickler._load_build); the C unpickler, which
+    reads plain pickles (see safe_unpickle), calls this and is refused the same way."""
+    raise UnsafeCheckpoint(f"refusing to set the state of {getattr(self, 'qualname', type(self).__name__)!s}: only "
+                           "records and dicts take pickled state; fsdpfast does not let a checkpoint change its own objects")
+
+
+def _takes_no_state(cls):
+    """A dataclass whose instances refuse pickled state (_refuse_state), and still copy and pickle
+    (by their fields, never through __setstate__)."""
+    cls.__setstate__ = _refuse_state
+    cls.__reduce__ = lambda self: (type(self), tuple(getattr(self, f.name) for f in fields(self)))
+    return cls
+
+
+# The records a checkpoint's tensors become have slots: a planner holds one per tensor per rank.
+@_takes_no_state
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     key: str  # the zip record name under data/
     dtype: str
     numel: int
 
 
-@dataclass(frozen=True)
+@_takes_no_state
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     storage: StorageRef
     offset: int  # in elements of `dtype`
@@ -45,12 +65,14 @@ class TensorRef:
         return True
 
 
-@dataclass(frozen=True)
+@_takes_no_state
+@dataclass(frozen=True, slots=True)
 class DTensorRef:
     local: TensorRef
     spec: "Record"  # DTensorSpec stand-in; readers.placements interprets it
 
 
+@_takes_no_state
 @dataclass(frozen=True)
 class ShardedTensorRef:
     """A ShardedTensor (FSDP1 state dicts): global shape, dtype and its pickled state.
@@ -100,15 +122,36 @@ class Record:
 class _DType(str):
     """A dtype global such as torch.float32, kept as its name."""
 
+    __setstate__ = _refuse_state
+
 
 class _StorageKind:
+    __setstate__ = _refuse_state
+
     def __init__(self, dtype: str):
         self.dtype = dtype
 
 
 class _TensorClass:
+    __setstate__ = _refuse_state
+
     def __init__(self, qualname: str):
         self.qualname = qualname
+
+
+class _Allowed:
+    """An allowed function, as the unpickler gets it: an instance of a class of its own that calls
+    it (no extra frame) and has no __dict__ or settable slots, so no pickled state can be written
+    into it (a plain function has a __dict__ that BUILD would fill)."""
+
+    __slots__ = ()
+    __setstate__ = _refuse_state
+
+
+def _allowed(function) -> _Allowed:
+    name = getattr(function, "__qualname__", "function")
+    cls = type(f"Allowed[{name}]", (_Allowed,), {"__slots__": (), "__call__": staticmethod(function), "qualname": name})
+    return cls()
 
 
 _DTENSOR = _TensorClass("DTensor")
@@ -125,6 +168,7 @@ _DISTRIBUTED_RECORDS = {
 }
 
 
+@_takes_no_state
 @dataclass
 class _WrapperShell:
     cls: Any
@@ -148,8 +192,24 @@ def is_count(value) -> bool:
 
 
 def as_dims(value) -> tuple[int, ...] | None:
-    """`value` as a tuple of whole numbers, or None if it is anything else."""
-    return tuple(value) if isinstance(value, (tuple, list)) and all(is_count(v) for v in value) else None
+    """`value` as a tuple of whole numbers, or None if it is anything else. Equal results are one
+    tuple (shapes and strides repeat across a checkpoint's tensors and ranks)."""
+    if not isinstance(value, (tuple, list)):
+        return None
+    dims = tuple(value)
+    if not _INT.issuperset(map(type, dims)) or (dims and min(dims) < 0):  # exact ints (no bools), none negative
+        return None
+    known = _DIMS.get(dims)
+    if known is None:
+        if len(_DIMS) >= _DIMS_KEPT:
+            _DIMS.clear()
+        known = _DIMS[dims] = dims
+    return known
+
+
+_INT = frozenset({int})
+_DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
+_DIMS_KEPT = 1 << 16
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
@@ -226,31 +286,32 @@ _STORAGE_CLASSES = {
     "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
 }
 
+# What each allowed global is to the unpickler: types, stand-ins, and functions wrapped (_allowed).
 _ALLOWED: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.complex": complex,
-    "builtins.bytearray": _bytearray,
-    "_codecs.encode": _encode,
-    "torch.Size": lambda dims=(): tuple(dims),
-    "torch.device": lambda *args: str(args[0]) if args else "cpu",
-    "torch.serialization._get_layout": lambda name: str(name),
+    "builtins.bytearray": _allowed(_bytearray),
+    "_codecs.encode": _allowed(_encode),
+    "torch.Size": _allowed(lambda dims=(): tuple(dims)),
+    "torch.device": _allowed(lambda *args: str(args[0]) if args else "cpu"),
+    "torch.serialization._get_layout": _allowed(lambda name: str(name)),
     "torch.Tensor": _PLAIN_TENSOR,
     "torch.nn.parameter.Parameter": _PARAMETER,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_tensor_v2": _allowed(_rebuild_tensor_v2),
+    "torch._utils._rebuild_tensor_v3": _allowed(_rebuild_tensor_v3),
+    "torch._utils._rebuild_parameter": _allowed(_rebuild_parameter),
+    "torch._utils._rebuild_parameter_with_state": _allowed(_rebuild_parameter),
+    "torch._utils._rebuild_wrapper_subclass": _allowed(_rebuild_wrapper_subclass),
+    "torch._tensor._rebuild_from_type_v2": _allowed(_rebuild_from_type_v2),
     "torch.storage.UntypedStorage": _StorageKind("uint8"),
     "torch.distributed.tensor.DTensor": _DTENSOR,
     "torch.distributed.tensor._api.DTensor": _DTENSOR,
     "torch.distributed._tensor.api.DTensor": _DTENSOR,
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
-    "builtins.getattr": _getattr,
-    "__builtin__.getattr": _getattr,  # protocol 2 names builtins this way
+    "builtins.getattr": _allowed(_getattr),
+    "__builtin__.getattr": _allowed(_getattr),  # protocol 2 names builtins this way
 }
 _ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
 _ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
@@ -313,13 +374,53 @@ class _RestrictedUnpickler(pickle._Unpickler):
         return StorageRef(key, kind.dtype, numel)
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """CPython's C unpickler, for pickles the native scan finds plain (see safe_unpickle): the same
+    allow-list and persistent ids as _RestrictedUnpickler; BUILD onto anything but a record or a
+    dict is refused by the objects themselves (_refuse_state)."""
+
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.extra_records = extra_records
+
+    find_class = _RestrictedUnpickler.find_class
+    persistent_load = _RestrictedUnpickler.persistent_load
+
+
+def _plain(data: bytes) -> bool:
+    """Whether the C unpickler may read `data`: fsdpfast._native scans it (csrc/pickle_scan.h) for
+    opcodes CPython's pickler writes and memo slots written in order, so its memo cannot be made to
+    outgrow the pickle. Without the native module, never."""
+    from .. import _ops
+
+    native = _ops.native() if _ops.native_cpu() and not _PYTHON_ONLY else None
+    scan = getattr(native, "pickle_not_plain", None)
+    return scan is not None and scan(data) is None
+
+
+_PYTHON_ONLY = False  # tests set it to read every pickle with the Python unpickler
+
+
 def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
     """Unpickle `data` (a checkpoint's data.pkl) into plain containers and inert records.
 
     `extra_records`: further fully qualified class names a reader accepts as inert records.
+    A plain pickle (every one torch writes) is read by the C unpickler, four times faster; any
+    other, and any pickle the C unpickler fails on, by the Python one, whose answer (or message)
+    is the one given: the two read plain pickles alike (tests/test_fuzz.py compares them).
     """
+    if _plain(data):
+        try:
+            return _load(_PlainUnpickler, data, where, extra_records)
+        except Exception:  # noqa: S110  (the Python unpickler says what is wrong, in its words)
+            pass
+    return _load(_RestrictedUnpickler, data, where, extra_records)
+
+
+def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str]) -> Any:
     try:
-        value = _RestrictedUnpickler(data, where, extra_records).load()
+        value = unpickler(data, where, extra_records).load()
     except (UnsafeCheckpoint, BadInput):
         raise
     except RecursionError:
@@ -365,7 +466,9 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
             children = [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = item
-        elif isinstance(item, (DTensorRef, _WrapperShell)):
+        elif isinstance(item, DTensorRef):
+            children = [item.local, item.spec]
+        elif isinstance(item, _WrapperShell):
             children = list(vars(item).values())
         else:
             continue
@@ -374,6 +477,10 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
         seen.add(id(item))
         if depth >= limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        depth += 1
+        stack.extend([(child, depth) for child in children if not isinstance(child, _LEAVES)])
     return False
+
+
+_LEAVES = (int, float, str, bytes, type(None), TensorRef, StorageRef)  # nothing below them to walk
 

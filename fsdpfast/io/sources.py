@@ -5,12 +5,12 @@ source (a remote store, read in ranges) implements the same three calls.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import replace
 from typing import Protocol
 
 from ..plan.model import SourceBuffer
+from .mapped_file import map_file
 
 
 class Source(Protocol):
@@ -30,20 +30,19 @@ _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped
 class SourceFiles:
     """Maps each input file at most once. Private copy-on-write mappings give writable views
     (so torch.frombuffer stays quiet) while nothing is ever written: no page is copied and
-    the files are never modified."""
+    the files are never modified. No file stays open (io.mapped_file): any number of inputs."""
 
     def __init__(self, buffers: list[SourceBuffer]):
         self.buffers = buffers
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict = {}
 
     def view(self, index: int) -> memoryview:
         buffer = self.buffers[index]
         mapping = self._maps.get(buffer.path)
         if mapping is None:
-            with open(buffer.path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapping = map_file(buffer.path)
             self._maps[buffer.path] = mapping
-        return memoryview(mapping)[buffer.byte_offset: buffer.byte_offset + buffer.nbytes]
+        return mapping.view(buffer.byte_offset, buffer.byte_offset + buffer.nbytes)
 
     def release(self, index: int) -> None:
         """Drop the pages of a consumed buffer from this process (the page cache keeps them).
@@ -57,19 +56,16 @@ class SourceFiles:
         """
         buffer = self.buffers[index]
         mapping = self._maps.get(buffer.path)
-        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if mapping is None:
             return
         start = buffer.byte_offset - buffer.byte_offset % _FAULT_AROUND
         end = min(len(mapping), -(-(buffer.byte_offset + buffer.nbytes) // _FAULT_AROUND) * _FAULT_AROUND)
         if end > start:
-            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+            mapping.release(start, end - start)
 
     def close(self) -> None:
         for mapping in self._maps.values():
-            try:
-                mapping.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
+            mapping.close()  # a view still alive somewhere keeps its mapping until it goes
         self._maps.clear()
 
     def __enter__(self):

@@ -21,7 +21,7 @@ def _freeze(instance, names: tuple[str, ...]) -> None:
             object.__setattr__(instance, name, tuple(value))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a plan holds one per piece, a million at 1,024 ranks
 class SourceBuffer:
     """A run of bytes inside one input file, holding elements of one dtype."""
 
@@ -31,7 +31,7 @@ class SourceBuffer:
     dtype: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Extent:
     """`runs` runs of `count` contiguous elements copied from a source buffer into a tensor.
 

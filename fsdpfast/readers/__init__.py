@@ -3,6 +3,8 @@
 This module is the registry (READERS), detection, and the one entry point `read_plan`."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 
 from ..errors import BadInput, option
@@ -64,6 +66,20 @@ def _holds_layout(folder: str) -> bool:
     return bool(_layouts_in(folder))
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Reading a checkpoint of many ranks makes millions of small objects and no garbage cycles
+    worth collecting: the cyclic garbage collector would walk them over and over (a sixth of the
+    planning time at 1,024 ranks)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def read_plan(folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None,
               **options) -> MergePlan:
     """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
@@ -90,7 +106,8 @@ def read_plan(folder: str, layout: str | None = None, config: str | None = None,
     if READERS[layout].reads_config:
         given["config"] = config or found_config
     extra = {"lora_r": lora_r} if READERS[layout].takes_lora_r and lora_r is not None else {}
-    plan = READERS[layout].read(source, **given, **extra)
+    with collector_paused():
+        plan = READERS[layout].read(source, **given, **extra)
     if found_config and (plan.config_dir is None or READERS[layout].reads_config):
         plan = plan.but(config_dir=found_config)
     if config_note and plan.config_dir == found_config:

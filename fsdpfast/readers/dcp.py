@@ -14,6 +14,8 @@ in planner_data; the model part is picked automatically, or by `prefix`.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import os
 import re
@@ -23,6 +25,7 @@ from math import prod
 
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput, UnsafeCheckpoint, option
+from ..open_files import out_of_files
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .._parsing.boxes import box_extents
 from .discover import check_not_broken_link
@@ -77,9 +80,11 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     names = _model_names(metadata.paths, prefix, folder)
     sources: list[SourceBuffer] = []
     headers: dict[str, SafetensorsHeader | None] = {}
+    archives = _archives(folder, metadata, names, headers)  # where every chunk is, checked, before any file is read
     tensors = []
     for flat_name, name in names.items():
-        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers))
+        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers,
+                                    archives))
     skipped = [k for k in metadata.entries if k not in names]
     plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
     nested = any(len(path) > 1 for path in metadata.paths.values())
@@ -249,14 +254,28 @@ def read_chunks(folder: str) -> ChunkedFolder:
     metadata = _parse(_read_metadata(os.path.join(folder, ".metadata")), folder)
     sources: list[SourceBuffer] = []
     headers: dict[str, SafetensorsHeader | None] = {}
+    archives = _archives(folder, metadata, metadata.tensors, headers)
     tensors = {name: ChunkedTensor(name, entry.shape, entry.dtype,
-                                   tuple(_chunks(folder, name, entry, metadata.storage, sources, headers)))
+                                   tuple(_chunks(folder, name, entry, metadata.storage, sources, headers, archives)))
                for name, entry in metadata.tensors.items()}
     others = [k for k in metadata.entries if k not in metadata.tensors]
     return ChunkedFolder(tensors, others, sources, len(_ranks(metadata.referenced)) or 1)
 
 
-def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> list[Chunk]:
+def _archives(folder: str, metadata, names, headers) -> _Chunks:
+    """Where every chunk of `names` is, checked, then the torch.save archives among them read (each once)."""
+    archives = _Chunks(folder)
+    for flat_name in names:
+        for offsets, _ in metadata.tensors[flat_name].chunks:
+            info = metadata.storage.get((flat_name, offsets))
+            if info is not None:
+                archives.place(flat_name, info, headers)
+    archives.read_archives(headers)
+    return archives
+
+
+def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers,
+            archives: _Chunks) -> list[Chunk]:
     if entry.dtype not in DTYPES:
         raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {entry.dtype}, which is not supported")
     chunks = []
@@ -264,15 +283,16 @@ def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[Source
         info = storage.get((flat_name, offsets))
         if info is None:
             raise BadInput(f"{folder}/.metadata: no file holds the chunk of {flat_name} at {list(offsets)}")
-        source, element_offset = _chunk_source(folder, flat_name, info, entry.dtype, sizes, sources, headers)
+        source, element_offset = _chunk_source(folder, flat_name, info, entry.dtype, sizes, sources, headers, archives)
         chunks.append(Chunk(offsets, sizes, source, element_offset))
     return chunks
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers) -> TensorPlan:
+def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers,
+                 archives: _Chunks) -> TensorPlan:
     shape, dtype = entry.shape, entry.dtype
     extents = []
-    for chunk in _chunks(folder, flat_name, entry, storage, sources, headers):
+    for chunk in _chunks(folder, flat_name, entry, storage, sources, headers, archives):
         extents += box_extents(chunk.source, chunk.element_offset, shape, chunk.offsets, chunk.sizes)
     if sum(e.numel for e in extents) != prod(shape):
         raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
@@ -289,8 +309,8 @@ def _dtype(properties) -> str:
     return str(value[0]) if isinstance(value, tuple) and value else "None"
 
 
-def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers) -> tuple[int, int]:
-    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+def _file_range(folder, flat_name, info: Record) -> tuple[str, int, int]:
+    """(path, offset, length) of one chunk's bytes, as .metadata places them, checked."""
     relative, offset, length = (info.args[:3] if len(info.args) >= 3
                                 else (info.get("relative_path"), info.get("offset"), info.get("length")))
     if info.get("transform_descriptors"):
@@ -299,25 +319,83 @@ def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: l
     if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
         # (reprlib: a pickle can nest a value deeper than repr can walk)
         raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}")
-    if os.path.isabs(str(relative)) or os.path.normpath(str(relative)).split(os.sep)[0] == "..":
+    path = _inside(folder, relative)
+    if path is None:
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
         raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
-    path = os.path.join(folder, str(relative))
-    check_not_broken_link(path)
-    if not os.path.isfile(path):
-        raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
-    if path not in headers:
-        headers[path] = read_header(path) if looks_like_safetensors(path) else None
-    if headers[path] is not None:
+    return path, int(offset), int(length)
+
+
+@functools.lru_cache(maxsize=4096)  # every chunk of a file names it: checked once
+def _inside(folder: str, relative: str) -> str | None:
+    """folder/relative, or None if `relative` leads outside the folder."""
+    if os.path.isabs(relative) or os.path.normpath(relative).split(os.sep)[0] == "..":
+        return None
+    return os.path.join(folder, relative)
+
+
+class _Chunks:
+    """The torch.save archives of a folder's chunks, each read once: the chunks of one .distcp file
+    together, through one descriptor (one file open at a time, whatever the world size), and each
+    distinct pickle unpickled once (a chunk's pickle says only its shape, dtype and storage, so the
+    chunks of one shape share theirs)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.files: dict[str, dict[tuple[int, int], str]] = {}  # path -> {(offset, length): a tensor it holds}
+        self.read: dict[tuple[str, int, int], tuple] = {}  # (path, offset, length) -> (TensorRef, byte offset, byte length, where)
+
+    def place(self, flat_name: str, info: Record, headers) -> None:
+        path, offset, length = _file_range(self.folder, flat_name, info)
+        if path not in headers:
+            check_not_broken_link(path)
+            if not os.path.isfile(path):
+                raise BadInput(f"{path} is missing: .metadata places {flat_name} in it")
+            headers[path] = read_header(path) if looks_like_safetensors(path) else None
+        if headers[path] is None:
+            self.files.setdefault(path, {}).setdefault((offset, length), flat_name)
+
+    def read_archives(self, headers) -> None:
+        pickles: dict[bytes, object] = {}
+        for path, ranges in self.files.items():
+            with _opened(path) as fd:
+                size = os.fstat(fd).st_size
+                for (offset, length), flat_name in sorted(ranges.items()):
+                    archive = TorchZip(path, offset, length, fd=fd, file_size=size)
+                    data = archive.pickle_bytes
+                    tensor = pickles.get(data)
+                    if tensor is None:
+                        tensor = pickles[data] = safe_unpickle(data, archive.where)
+                    if not isinstance(tensor, TensorRef):
+                        raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
+                    byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+                    self.read[(path, offset, length)] = (tensor, byte_offset, byte_length, archive.where)
+
+
+@contextlib.contextmanager
+def _opened(path: str):
+    """The file's descriptor while its chunks are read (small reads: a mapping would map and fault in
+    the 64 KB around every chunk's header)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise out_of_files(exc, path) or BadInput(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers,
+                  chunks: _Chunks) -> tuple[int, int]:
+    """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
+    path, offset, length = _file_range(folder, flat_name, info)
+    if headers[path] is not None:  # every chunk was placed (and its file read) before the tensors are planned
         return _safetensors_chunk(headers[path], flat_name, dtype, sizes, sources), 0
-    with TorchZip(path, int(offset), int(length)) as archive:
-        tensor = safe_unpickle(archive.pickle_bytes, archive.where)
-        if not isinstance(tensor, TensorRef):
-            raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
-            raise BadInput(f"{archive.where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
-                           f".metadata says {dtype}{list(sizes)}")
-        byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+    tensor, byte_offset, byte_length, where = chunks.read[(path, offset, length)]
+    if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
+        raise BadInput(f"{where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
+                       f".metadata says {dtype}{list(sizes)}")
     if (tensor.offset + prod(sizes)) * itemsize(dtype) > byte_length:
         raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
     sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))

@@ -32,7 +32,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_world_size_{world}_rank_{r}.pt")
     steps_note = check_same_step(folder, world)
     hf = os.path.join(folder, "huggingface")
-    states = load_rank_states(ordered, whole_state_dict)
+    states = load_rank_states(ordered, whole_state_dict, keep_whole=False)
     plan = plan_from_ranks(states, NAME, config or (hf if os.path.isdir(hf) else None))
     others = sorted(f for f in os.listdir(folder) if f.startswith(("optim_world_size_", "extra_state_world_size_")))
     if others:

@@ -17,11 +17,18 @@ REPLICAS_DIFFER = ("the replica groups of an HSDP checkpoint hold the same shard
 
 def local_source(state, name: str, local: TensorRef, sources: StorageSources) -> tuple[int, int]:
     """(source buffer, element offset) of a rank's contiguous local piece."""
-    if not local.is_contiguous():
-        raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
+    known = _ROW_MAJOR.get(local.shape)
+    if known != local.stride:
+        if not local.is_contiguous():
+            raise BadInput(f"{state.path}: the local piece of {name} is not contiguous (strides {local.stride}); not supported yet")
+        if known is None and len(_ROW_MAJOR) < 1 << 16:
+            _ROW_MAJOR[local.shape] = local.stride  # contiguous: the next piece of this shape and stride is too
     if local.offset + prod(local.shape) > local.storage.numel:
         raise BadInput(f"{state.path}: {name} reaches past the end of its storage; the file is corrupt")
     return sources.index(state.path, local, state.archive), local.offset
+
+
+_ROW_MAJOR: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> a stride seen contiguous with it
 
 
 def local_piece(state, name: str, local: TensorRef, sources: StorageSources) -> TensorPlan:
@@ -39,12 +46,15 @@ def whole_copies(name: str, pieces, sources: StorageSources, problem: str = WHOL
             for state, value in pieces[1:]]
 
 
-def replica_copies(name: str, pieces, sources: StorageSources) -> list[Copy]:
+def replica_copies(name: str, pieces, sources: StorageSources, layouts=None) -> list[Copy]:
     """HSDP: each replica's local piece against the primary replica's piece of the same shard (the one read).
-    The pieces' layouts were checked when the DTensor was planned."""
+    The pieces' layouts were checked when the DTensor was planned (`layouts`: theirs, if at hand)."""
+    if layouts is None:
+        layouts = [read_layout(value.spec, f"{state.path}: {name}") for state, value in pieces]
+    if not any(kind == "replicate" for kind, _, _ in layouts[0].placements):
+        return []  # no replica groups (the pieces' placements agree): nothing is held twice
     primary, replicas = {}, []
-    for state, value in pieces:
-        layout = read_layout(value.spec, f"{state.path}: {name}")
+    for (state, value), layout in zip(pieces, layouts):
         shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
         if layout.is_primary_replica():
             primary[shard] = (state, value)

@@ -23,6 +23,7 @@ from itertools import product
 from math import prod
 
 from ..errors import BadInput
+from .._parsing.boxes import box_extents
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count
 
 Runs = tuple[tuple[int, int], ...]  # (global start, length) ranges, in the order the local piece holds them
@@ -62,6 +63,14 @@ class DTensorLayout:
         """True on the one replica group that is read (coordinate 0 on every Replicate mesh dim)."""
         return all(c == 0 for c, (kind, _, _) in zip(self.coordinate, self.placements) if kind == "replicate")
 
+    @property
+    def primary(self) -> bool:
+        """is_primary_replica(), worked out once."""
+        known = self.__dict__.get("_primary")
+        if known is None:
+            known = self.__dict__["_primary"] = self.is_primary_replica()
+        return known
+
     def readings(self) -> tuple[str, ...]:
         """The ways torch places this spec's pieces: one without _StridedShard, else those that apply."""
         if not any(kind == "strided" for kind, _, _ in self.placements):
@@ -69,7 +78,14 @@ class DTensorLayout:
         return (SHARD_ORDER, LEFT_TO_RIGHT) if self.shard_order is not None else (LEFT_TO_RIGHT,)
 
     def local_runs(self, reading: str = SHARD_ORDER) -> tuple[Runs, ...]:
-        """For each tensor dimension, the global ranges this rank holds, in local order."""
+        """For each tensor dimension, the global ranges this rank holds, in local order (worked out
+        once per reading: a layout is shared by every tensor of its shape in a file)."""
+        known = self.__dict__.setdefault("_runs", {})  # beside the fields: not part of eq or hash
+        if reading not in known:
+            known[reading] = self._local_runs(reading)
+        return known[reading]
+
+    def _local_runs(self, reading: str) -> tuple[Runs, ...]:
         runs: list[Runs] = [((0, size),) if size else () for size in self.global_shape]
         if reading == SHARD_ORDER:
             steps = [(dim, mesh_dim, 1) for dim, mesh_dims in self.shard_order for mesh_dim in mesh_dims]
@@ -80,10 +96,32 @@ class DTensorLayout:
         return tuple(runs)
 
     def local_shape(self, reading: str = SHARD_ORDER) -> tuple[int, ...]:
-        return tuple(sum(length for _, length in dim_runs) for dim_runs in self.local_runs(reading))
+        known = self.__dict__.setdefault("_shapes", {})
+        if reading not in known:
+            known[reading] = tuple(sum(length for _, length in dim_runs) for dim_runs in self.local_runs(reading))
+        return known[reading]
+
+    def local_extents(self, reading: str = SHARD_ORDER) -> tuple[tuple[int, ...], ...]:
+        """The extents that place this rank's local piece (of the shape this reading gives it), as
+        (source offset, count, destination offset, runs, source stride, destination stride) with
+        the source offset relative to the piece: the same for every tensor of this layout."""
+        known = self.__dict__.setdefault("_extents", {})
+        if reading not in known:
+            shape = self.local_shape(reading)
+            known[reading] = tuple(
+                (e.src_offset, e.count, e.dst_offset, e.runs, e.src_stride, e.dst_stride)
+                for box in self.local_boxes(reading)
+                for e in box_extents(0, 0, self.global_shape, box.offsets, box.sizes, shape, box.local_offsets))
+        return known[reading]
 
     def local_boxes(self, reading: str = SHARD_ORDER) -> list[Box]:
         """The boxes of the global tensor that make up this rank's local piece (none if it is empty)."""
+        known = self.__dict__.setdefault("_boxes", {})
+        if reading not in known:
+            known[reading] = self._local_boxes(reading)
+        return known[reading]
+
+    def _local_boxes(self, reading: str) -> list[Box]:
         per_dim = []
         for dim_runs in self.local_runs(reading):
             local, placed = 0, []
@@ -155,7 +193,10 @@ def _slice_runs(runs: Runs, start: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def read_layout(spec: Record, where: str) -> DTensorLayout:
+def read_layout(spec: Record | DTensorLayout, where: str) -> DTensorLayout:
+    """What a DTensor's spec says (a spec already read is its layout: rank_files reads them as it loads)."""
+    if isinstance(spec, DTensorLayout):
+        return spec
     mesh = spec.get("mesh")
     meta = spec.get("tensor_meta")
     raw_placements = spec.get("placements")

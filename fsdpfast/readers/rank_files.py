@@ -9,16 +9,16 @@ per tensor between whole copies and torch.chunk pieces.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable
 
 from ..errors import BadInput, option
 from ..plan.model import Extent, MergePlan, TensorPlan
-from .._parsing.boxes import box_extents
 from .local_pieces import local_source as _local_source
 from .local_pieces import replica_copies, whole_copies
-from .placements import choose_reading, read_layout
+from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
 from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .storage_sources import StorageSources
@@ -29,10 +29,10 @@ from .._parsing.torch_zip import TorchZip
 class RankState:
     rank: int
     path: str
-    archive: TorchZip
-    tensors: dict[str, TensorRef | DTensorRef]
+    archive: TorchZip  # read and closed: it answers where each storage record lies
+    tensors: dict[str, TensorRef | DTensorRef]  # a DTensorRef's spec is its layout, read once per spec record
     skipped: list[str]  # non-tensor entries of the state dict
-    whole: Any  # the whole unpickled object, for readers that report what else it holds
+    whole: Any  # the whole unpickled object, for readers that report what else it holds (None if not kept)
 
 
 def whole_state_dict(whole, path: str) -> dict:
@@ -43,20 +43,30 @@ def whole_state_dict(whole, path: str) -> dict:
 
 
 def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
-                     sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None) -> list[RankState]:
+                     sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None,
+                     keep_whole: bool = True) -> list[RankState]:
     """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself.
 
     `unpickled`: {path: object} of files the reader already unpickled (detection reads rank 0 once).
+    Each file is read whole and closed before the next is opened, and what planning does not need
+    is let go at once: the pickle's bytes, and (without `keep_whole`) the unpickled object, whose
+    DTensor spec records (a DeviceMesh lists every rank) give way to their layouts.
     """
     states = []
+    names: dict[str, str] = {}  # one string per tensor name, whatever the number of ranks
+    layouts = SpecLayouts()
     for rank, path in rank_paths:
-        archive = TorchZip(path)
+        archive = TorchZip(path)  # read and closed: the storage spans stay, no file stays open
         whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
+        archive.close()
         state_dict = model_part(whole, path)
         tensors, skipped = {}, []
         for name, value in state_dict.items():
             if isinstance(value, (TensorRef, DTensorRef)):
-                tensors[str(name)] = value
+                key = names.setdefault(str(name), str(name))
+                if isinstance(value, DTensorRef):
+                    value = DTensorRef(value.local, layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}"))
+                tensors[key] = value
             elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
                 archive.close()
                 hint = (f"FSDP1 flat parameters: read them with {option('layout', 'fsdp1-flat')}" if str(name).endswith("_flat_param")
@@ -64,7 +74,8 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
                 raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
             else:
                 skipped.append(str(name))
-        states.append(RankState(rank, path, archive, tensors, skipped, whole))
+        states.append(RankState(rank, path, archive, tensors, skipped, whole if keep_whole else None))
+        layouts.forget_specs()  # the next file's records are others: let this file's go
     return states
 
 
@@ -83,15 +94,29 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
     _check_same_names(states)
     any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())
     sources = StorageSources()
+    layouts = SpecLayouts()
     tensors, copies, notes = [], [], []
-    for name in states[0].tensors:
-        pieces = [(s, s.tensors[name]) for s in states]
-        kinds = {type(v) for _, v in pieces}
+    columns: dict[str, list] = {name: [] for name in states[0].tensors}
+    located: dict[str, tuple[array, array]] = {name: (array("q"), array("q")) for name in states[0].tensors}
+    # Each tensor's pieces, and where each DTensor's local piece lies (source buffer, element
+    # offset; -1 for an empty piece, which has nothing to read nor to check), gathered file by
+    # file: one file's records at a time is what stays in the processor's cache.
+    for state in states:
+        for name, value in state.tensors.items():
+            columns[name].append(value)
+            if type(value) is DTensorRef:
+                source, offset = _local_source(state, name, value.local, sources) if prod(value.local.shape) else (-1, 0)
+                located[name][0].append(source)
+                located[name][1].append(offset)
+    for name, values in columns.items():
+        pieces = list(zip(states, values))
+        kinds = {type(v) for v in values}
         if len(kinds) > 1:
             raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
         if kinds == {DTensorRef}:
-            tensors.append(_plan_dtensor(name, pieces, world, sources))
-            copies += replica_copies(name, pieces, sources)
+            tensor, piece_layouts = _plan_dtensor(name, pieces, world, sources, layouts, located[name])
+            tensors.append(tensor)
+            copies += replica_copies(name, pieces, sources, piece_layouts)
         elif world == 1 or any_dtensor:
             tensors.append(plan_replicated(name, pieces, sources))
             copies += whole_copies(name, pieces, sources)
@@ -115,46 +140,96 @@ def _check_same_names(states: list[RankState]) -> None:
             raise BadInput(f"{state.path}: its state dict differs from rank {first.rank}'s: it {what}")
 
 
-def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources) -> TensorPlan:
+class SpecLayouts:
+    """Each DTensor spec read once. A rank file's tensors of one shape share one spec record (the
+    pickle memo), so a file of hundreds of tensors holds a handful; and equal layouts (the same
+    shape and placements at the same mesh coordinate) are one object, with its runs worked out once."""
+
+    def __init__(self):
+        self._by_spec: dict[int, tuple[object, DTensorLayout]] = {}
+        self._interned: dict[DTensorLayout, DTensorLayout] = {}
+
+    def of(self, spec, where: Callable[[], str]) -> DTensorLayout:
+        """The layout of `spec` (a spec record, or a layout already read); `where()` names it in a message."""
+        if isinstance(spec, DTensorLayout):
+            return spec
+        known = self._by_spec.get(id(spec))
+        if known is not None and known[0] is spec:
+            return known[1]
+        layout = read_layout(spec, where())
+        layout = self._interned.setdefault(layout, layout)
+        self._by_spec[id(spec)] = (spec, layout)  # the spec kept alive, so its id is not reused
+        return layout
+
+    def forget_specs(self) -> None:
+        self._by_spec.clear()
+
+
+class _Wheres:
+    """ "path: name" of each piece, made only when a message needs one."""
+
+    def __init__(self, pieces, name: str):
+        self.pieces, self.name = pieces, name
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, i: int) -> str:
+        return f"{self.pieces[i][0].path}: {self.name}"
+
+
+def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts,
+                  located: tuple[array, array]) -> tuple[TensorPlan, list[DTensorLayout]]:
+    """The tensor's plan, and each piece's layout. (The loops run once per tensor per rank: a
+    million times at 1,024 ranks, so the checks are direct and messages are made only when needed.)"""
     first_state, first = pieces[0]
-    where0 = f"{first_state.path}: {name}"
-    reference = read_layout(first.spec, where0)
-    copies = _copies_per_coordinate(reference, world, where0)
-    layouts, wheres = [], []
+    wheres = _Wheres(pieces, name)
+    reference = spec_layouts.of(first.spec, lambda: wheres[0])
+    copies = _copies_per_coordinate(reference, world, wheres[0])
+    dtype = first.local.dtype
+    layouts = []
     holders: dict[tuple[int, ...], list[str]] = {}
-    for state, value in pieces:
-        where = f"{state.path}: {name}"
-        layout = read_layout(value.spec, where)
-        for field, mine, theirs in (
-            ("global shape", layout.global_shape, reference.global_shape),
-            ("dtype", value.local.dtype, first.local.dtype),
-            ("placements", layout.describe(), reference.describe()),
-            ("mesh shape", layout.mesh_shape, reference.mesh_shape),
-        ):
-            if mine != theirs:
-                raise BadInput(f"{where}: {field} {mine} disagrees with {theirs} in {first_state.path}")
+    for i, (state, value) in enumerate(pieces):
+        layout = value.spec if type(value.spec) is DTensorLayout else spec_layouts.of(value.spec, lambda i=i: wheres[i])
+        if value.local.dtype != dtype or (layout is not reference and (
+                layout.global_shape != reference.global_shape or layout.placements != reference.placements
+                or layout.mesh_shape != reference.mesh_shape)):
+            _disagreement(wheres[i], layout, value, reference, first, first_state)
         if layout.mesh_rank is not None and layout.mesh_rank != state.rank:
-            raise BadInput(f"{where}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
+            raise BadInput(f"{wheres[i]}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
                            "are two files copies of one rank?")
-        same = holders.setdefault(layout.coordinate, [])
-        same.append(state.path)
-        if len(same) > copies:
-            raise BadInput(f"{where}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?")
+        same = holders.get(layout.coordinate)
+        if same is None:
+            holders[layout.coordinate] = [state.path]
+        else:
+            same.append(state.path)
+            if len(same) > copies:
+                raise BadInput(f"{wheres[i]}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?")
         layouts.append(layout)
-        wheres.append(where)
-    reading = choose_reading(layouts, [tuple(value.local.shape) for _, value in pieces], wheres)
+    reading = choose_reading(layouts, [value.local.shape for _, value in pieces], wheres)
     extents: list[Extent] = []
-    for (state, value), layout in zip(pieces, layouts):
+    for (state, _), layout, source, offset in zip(pieces, layouts, *located):
         # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
         # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
-        if holders[layout.coordinate][0] != state.path or not layout.is_primary_replica():
+        runs = layout.local_extents(reading)
+        if not runs or not layout.primary or (copies > 1 and holders[layout.coordinate][0] != state.path):
             continue
-        source, offset = _local_source(state, name, value.local, sources)
-        shape = tuple(value.local.shape)
-        for box in layout.local_boxes(reading):
-            extents += box_extents(source, offset, layout.global_shape, box.offsets, box.sizes, shape, box.local_offsets)
+        extents += [Extent(source, offset + src, count, dst, n, src_stride, dst_stride)
+                    for src, count, dst, n, src_stride, dst_stride in runs]
     _check_coverage(name, reference.global_shape, extents, first_state.path)
-    return TensorPlan(name, reference.global_shape, first.local.dtype, first.local.dtype, extents)
+    return TensorPlan(name, reference.global_shape, dtype, dtype, extents), layouts
+
+
+def _disagreement(where: str, layout, value, reference, first, first_state) -> None:
+    """The error for a piece whose layout or dtype is not the first rank's."""
+    for field, mine, theirs in (
+        ("global shape", layout.global_shape, reference.global_shape),
+        ("dtype", value.local.dtype, first.local.dtype),
+        ("placements", layout.describe(), reference.describe()),
+        ("mesh shape", layout.mesh_shape, reference.mesh_shape),
+    ):
+        if mine != theirs:
+            raise BadInput(f"{where}: {field} {mine} disagrees with {theirs} in {first_state.path}")
 
 
 def _copies_per_coordinate(layout, world: int, where: str) -> int:

@@ -11,20 +11,24 @@ class StorageSources:
 
     def __init__(self):
         self.buffers: list[SourceBuffer] = []
-        self._index: dict[tuple[str, str], int] = {}
+        self._index: dict[str, dict[str, int]] = {}  # path -> storage key -> buffer
         self._opened: dict[str, TorchZip] = {}
 
     def index(self, path: str, tensor: TensorRef, archive: TorchZip | None = None) -> int:
         """The index of the buffer holding `tensor`'s storage in `path` (an archive already open may be given)."""
-        key = (path, tensor.storage.key)
-        if key not in self._index:
+        known = self._index.get(path)
+        if known is None:
+            known = self._index[path] = {}
+        key = tensor.storage.key
+        found = known.get(key)
+        if found is None:
             if archive is None:
                 if path not in self._opened:
                     self._opened[path] = TorchZip(path)
                 archive = self._opened[path]
-            self._index[key] = len(self.buffers)
+            found = known[key] = len(self.buffers)
             self.buffers.append(archive.storage_buffer(tensor.storage))
-        return self._index[key]
+        return found
 
     def close(self) -> None:
         for archive in self._opened.values():
