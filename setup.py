@@ -15,6 +15,7 @@ builds the CPU ops and says why in one line. FSDPFAST_CUDA=1 makes either an err
 FSDPFAST_CUDA=0 skips the CUDA ops. FSDPFAST_NATIVE=0 skips all native code (the pure-torch
 engine still works).
 """
+
 import glob
 import os
 import re
@@ -111,8 +112,13 @@ def probe_cuda(torch_cuda, nvcc, include_dirs, arch_flags=()):
             f.write("#include <ATen/cuda/CUDAContext.h>\n#include <c10/cuda/CUDAGuard.h>\n")
         with open(kernel, "w") as f:
             f.write("__global__ void probe(float* x) { x[threadIdx.x] = 1.0f; }\n")
-        steps = [("compiling a CUDA kernel", [nvcc, "-c", "-std=c++17", *arch_flags, kernel, "-o", os.path.join(tmp, "kernel.o")]),
-                 ("preprocessing torch's CUDA headers", [nvcc, "-E", "-std=c++17", *includes, headers, "-o", os.devnull])]
+        steps = [
+            (
+                "compiling a CUDA kernel",
+                [nvcc, "-c", "-std=c++17", *arch_flags, kernel, "-o", os.path.join(tmp, "kernel.o")],
+            ),
+            ("preprocessing torch's CUDA headers", [nvcc, "-E", "-std=c++17", *includes, headers, "-o", os.devnull]),
+        ]
         for what, command in steps:
             try:
                 out = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
@@ -211,18 +217,29 @@ def torch_extensions(cuda_setting_value: str):
     from pybind11.setup_helpers import Pybind11Extension
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    native = Pybind11Extension("fsdpfast._native", ["csrc/bindings.cpp", "csrc/kernels.cpp"],
-                               extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], cxx_std=17)
+    native = Pybind11Extension(
+        "fsdpfast._native",
+        ["csrc/bindings.cpp", "csrc/kernels.cpp"],
+        extra_compile_args=["-O3", "-pthread"],
+        extra_link_args=["-pthread"],
+        cxx_std=17,
+    )
 
     def cpu_ops():
-        return CppExtension("fsdpfast._C", list(CPU_SOURCES), extra_compile_args=list(CXX_FLAGS), extra_link_args=["-fopenmp"])
+        return CppExtension(
+            "fsdpfast._C", list(CPU_SOURCES), extra_compile_args=list(CXX_FLAGS), extra_link_args=["-fopenmp"]
+        )
 
     def cuda_ops():
         # -fopenmp for nvcc's host compiler too: ATen's parallel_for is a plain loop in a file compiled without it,
         # and the CUDA engine's host copies into and out of the pinned buffers would all run on one thread.
-        return CUDAExtension("fsdpfast._C", CPU_SOURCES + sorted(glob.glob("csrc/cuda/*.cu")), include_dirs=pip_cuda_includes(),
-                             extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": ["-O3", "-Xcompiler", "-fopenmp"]},
-                             extra_link_args=["-fopenmp"])
+        return CUDAExtension(
+            "fsdpfast._C",
+            CPU_SOURCES + sorted(glob.glob("csrc/cuda/*.cu")),
+            include_dirs=pip_cuda_includes(),
+            extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": ["-O3", "-Xcompiler", "-fopenmp"]},
+            extra_link_args=["-fopenmp"],
+        )
 
     def record(command, facts):
         # In the source tree (editable installs, in-place builds) and where the modules were built:

@@ -33,15 +33,16 @@ extra_info, kept by --benchmark-json) and the fastest round ("GB/s best"; on a s
 the least disturbed). Both are printed as a table at the end of the run and written to
 benchmarks/results/kernels.md.
 """
+
 from __future__ import annotations
 
 import os
 import tempfile
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable
 
 import pytest
 import torch
@@ -52,8 +53,14 @@ pytestmark = pytest.mark.skipif(not (_ops.torch_ops() and _ops.native_cpu()), re
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 TORCH_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # as _ops.code() spells them
-PAIRS = {"f32->bf16": ("f32", "bf16"), "f32->f16": ("f32", "f16"), "bf16->f32": ("bf16", "f32"),
-         "f16->f32": ("f16", "f32"), "bf16->f16": ("bf16", "f16"), "copy-f32": ("f32", "f32")}
+PAIRS = {
+    "f32->bf16": ("f32", "bf16"),
+    "f32->f16": ("f32", "f16"),
+    "bf16->f32": ("bf16", "f32"),
+    "f16->f32": ("f16", "f32"),
+    "bf16->f16": ("bf16", "f16"),
+    "copy-f32": ("f32", "f32"),
+}
 SIZES = {"4KB": 4 << 10, "256KB": 256 << 10, "16MB": 16 << 20, "256MB": 256 << 20}
 SMALL_EXTENTS, SMALL_EXTENT_BYTES = 10_000, 1 << 10
 SHARD1_SIDE, SHARD1_RANKS = 4096, 4
@@ -66,6 +73,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "k
 @dataclass
 class Case:
     """One plan: byte sources, destination sizes, kernel rows, and the same work done by torch."""
+
     sources: list[torch.Tensor]  # uint8
     destination_sizes: list[int]  # bytes
     rows: list[list[int]]  # csrc/plan_rows.h columns
@@ -93,13 +101,33 @@ def weights(dtype: str, nbytes: int) -> torch.Tensor:
     return _SOURCE_CACHE[key]
 
 
-def plan_row(source: int, destination: int, pair: tuple[str, str], src_offset: int, count: int, dst_offset: int,
-             runs: int = 1, src_stride: int = 0, dst_stride: int = 0) -> list[int]:
+def plan_row(
+    source: int,
+    destination: int,
+    pair: tuple[str, str],
+    src_offset: int,
+    count: int,
+    dst_offset: int,
+    runs: int = 1,
+    src_stride: int = 0,
+    dst_stride: int = 0,
+) -> list[int]:
     src, dst = pair
     same = src == dst
     codes = (0, 0) if same else (_ops.code(TORCH_NAMES[src]), _ops.code(TORCH_NAMES[dst]))
-    return [source, destination, *codes, DTYPES[src].itemsize, DTYPES[dst].itemsize,
-            src_offset, count, dst_offset, runs, src_stride, dst_stride]
+    return [
+        source,
+        destination,
+        *codes,
+        DTYPES[src].itemsize,
+        DTYPES[dst].itemsize,
+        src_offset,
+        count,
+        dst_offset,
+        runs,
+        src_stride,
+        dst_stride,
+    ]
 
 
 def typed(buffer: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -137,13 +165,15 @@ def shard1(pair: tuple[str, str]) -> Case:
     side, width = SHARD1_SIDE, SHARD1_SIDE // SHARD1_RANKS
     local_bytes = side * width * DTYPES[src].itemsize
     sources = [weights(src, local_bytes + r * DTYPES[src].itemsize)[:local_bytes] for r in range(SHARD1_RANKS)]
-    rows = [plan_row(r, 0, pair, 0, width, r * width, runs=side, src_stride=width, dst_stride=side)
-            for r in range(SHARD1_RANKS)]
+    rows = [
+        plan_row(r, 0, pair, 0, width, r * width, runs=side, src_stride=width, dst_stride=side)
+        for r in range(SHARD1_RANKS)
+    ]
 
     def torch_copy(destinations):
         whole = typed(destinations[0], dst).view(side, side)
         for r, local in enumerate(sources):
-            whole[:, r * width:(r + 1) * width].copy_(typed(local, src).view(side, width))
+            whole[:, r * width : (r + 1) * width].copy_(typed(local, src).view(side, width))
 
     return Case(sources, [side * side * DTYPES[dst].itemsize], rows, torch_copy)
 
@@ -158,6 +188,7 @@ for _pair_name in ("f32->bf16", "copy-f32"):
 
 
 # --- the three front ends -------------------------------------------------------------------
+
 
 def touched_destinations(case: Case) -> list[torch.Tensor]:
     return [torch.zeros(size, dtype=torch.uint8) for size in case.destination_sizes]
@@ -189,6 +220,7 @@ def file_call(case: Case, fd: int):
 
 # --- measuring ------------------------------------------------------------------------------
 
+
 def seconds_per_call(call: Callable[[], None], setup: Callable[[], None] | None) -> float:
     """One untimed-by-the-benchmark trial call, to size the rounds (it also warms the pages)."""
     if setup:
@@ -213,7 +245,9 @@ def assert_matches_torch(case: Case, destinations: list[torch.Tensor]) -> None:
 
 
 def human_bytes(n: int) -> str:
-    return next(f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1, "B")) if n >= scale)
+    return next(
+        f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1, "B")) if n >= scale
+    )
 
 
 class KernelSummary:
@@ -228,10 +262,14 @@ class KernelSummary:
         self.bytes_moved[case] = bytes_moved
 
     def table(self) -> str:
-        lines = [f"Kernel micro-benchmarks, {_ops.cpu_threads()} threads. Each cell: GB/s = (bytes read + written) / "
-                 "seconds per call, for the fastest round / the median round. file: the torch-free module into a "
-                 "temporary file (pwrite; page-cache costs included).",
-                 "", "| case | bytes moved | op | file | torch copy_ | op / torch, best |", "|---|---|---|---|---|---|"]
+        lines = [
+            f"Kernel micro-benchmarks, {_ops.cpu_threads()} threads. Each cell: GB/s = (bytes read + written) / "
+            "seconds per call, for the fastest round / the median round. file: the torch-free module into a "
+            "temporary file (pwrite; page-cache costs included).",
+            "",
+            "| case | bytes moved | op | file | torch copy_ | op / torch, best |",
+            "|---|---|---|---|---|---|",
+        ]
         for case, by_front in self.gbps.items():
             cells = [f"{by_front[f][0]:.1f} / {by_front[f][1]:.1f}" if f in by_front else "-" for f in FRONT_ENDS]
             ratio = f"{by_front['op'][0] / by_front['torch'][0]:.2f}" if {"op", "torch"} <= by_front.keys() else "-"
@@ -278,5 +316,7 @@ def test_kernel(benchmark, summary, output_fd, case_name, front_end):
     if benchmark.stats is not None:  # None under --benchmark-disable
         stats = benchmark.stats.stats
         best, median = case.bytes_moved / stats.min / 1e9, case.bytes_moved / stats.median / 1e9
-        benchmark.extra_info.update({"bytes_moved": case.bytes_moved, "GB/s": round(median, 3), "GB/s best": round(best, 3)})
+        benchmark.extra_info.update(
+            {"bytes_moved": case.bytes_moved, "GB/s": round(median, 3), "GB/s best": round(best, 3)}
+        )
         summary.add(case_name, front_end, best, median, case.bytes_moved)

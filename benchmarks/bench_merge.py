@@ -19,6 +19,7 @@ flushed (os.sync), untimed. The measuring code is in benchmarks/measure.py.
 
     python benchmarks/bench_merge.py [--workdir benchmarks/work] [--repeat 3] [--engines cpu,torch]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +51,34 @@ def commands(ckpt: str, out: str, engines: list[str]) -> dict[str, list[str]]:
     """name -> argv; names are "<dtype> <what>" so the table can pair each merge with its floor."""
     files = rank_files(ckpt, WORLD_SIZE)
     copies = [os.path.join(out, os.path.basename(f)) for f in files]
-    copy_and_sync = f"mkdir -p {shlex.quote(out)} && cp {shlex.join(files)} {shlex.quote(out)}/ && sync {shlex.join(copies)}"
+    copy_and_sync = (
+        f"mkdir -p {shlex.quote(out)} && cp {shlex.join(files)} {shlex.quote(out)}/ && sync {shlex.join(copies)}"
+    )
     cmds = {"cp": ["sh", "-c", copy_and_sync]}
     floor = [sys.executable, os.path.join(HERE, "io_floor.py"), os.path.join(out, "floor.bin")]
     for dtype in DTYPES:
         nbytes = str(output_bytes(ckpt, dtype))
         for mode in ("mmap", "pwrite"):
-            cmds[f"{dtype} floor-{mode}"] = ["sh", "-c", f"mkdir -p {shlex.quote(out)} && exec {shlex.join(floor + [nbytes, *files, '--write', mode])}"]
+            cmds[f"{dtype} floor-{mode}"] = [
+                "sh",
+                "-c",
+                f"mkdir -p {shlex.quote(out)} && exec {shlex.join(floor + [nbytes, *files, '--write', mode])}",
+            ]
         for engine in engines:
-            cmds[f"{dtype} {engine}"] = [sys.executable, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--overwrite",
-                                         "--dtype", dtype, "--engine", engine]
+            cmds[f"{dtype} {engine}"] = [
+                sys.executable,
+                "-m",
+                "fsdpfast",
+                "merge",
+                ckpt,
+                "--out",
+                out,
+                "--overwrite",
+                "--dtype",
+                dtype,
+                "--engine",
+                engine,
+            ]
     return cmds
 
 
@@ -82,8 +101,11 @@ def run_all(cmds: dict[str, list[str]], out: str, repeat: int) -> dict[str, list
             clean(out)
             run, engine = run_checked(argv)
             runs[name].append(run)
-            print(f"round {round_no + 1} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, engine {engine}, "
-                  f"others used {run.others_cpu_seconds:.1f} CPU s", flush=True)
+            print(
+                f"round {round_no + 1} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, engine {engine}, "
+                f"others used {run.others_cpu_seconds:.1f} CPU s",
+                flush=True,
+            )
     clean(out)
     return runs
 
@@ -104,7 +126,7 @@ def table(runs: dict[str, list[Run]], input_bytes: int, shown_commands: dict[str
     lines = [
         f"Merge of a {input_bytes / gb:.2f} GB fp32 4-rank FSDP2 checkpoint; inputs warm in the page cache; "
         f"{rounds} rounds; {os.cpu_count()} CPUs. Ratios are per round (runs made side by side), median first. "
-        "\"others CPU s\": CPU time the rest of the machine used during the run (other jobs, kernel writeback).",
+        '"others CPU s": CPU time the rest of the machine used during the run (other jobs, kernel writeback).',
         "",
         "| command | wall s, median (min–max) | input GB/s | CPU s | others CPU s | peak RSS | peak RssAnon "
         "| ratio to the floor | ratio to cp |",
@@ -127,8 +149,10 @@ def table(runs: dict[str, list[Run]], input_bytes: int, shown_commands: dict[str
         if "cpu" in engines and "torch" in engines:
             torch_secs = [r.seconds for r in runs[f"{dtype} torch"]]
             cpu_secs = [r.seconds for r in runs[f"{dtype} cpu"]]
-            lines.append(f"- {dtype}: torch engine / native cpu engine = {ratios(torch_secs, cpu_secs)}; "
-                         f"native cpu engine / floor = {ratios(cpu_secs, floor_seconds(runs, dtype))}")
+            lines.append(
+                f"- {dtype}: torch engine / native cpu engine = {ratios(torch_secs, cpu_secs)}; "
+                f"native cpu engine / floor = {ratios(cpu_secs, floor_seconds(runs, dtype))}"
+            )
     lines += ["", "Commands:"] + [f"- {name}: `{command}`" for name, command in shown_commands.items()]
     return "\n".join(lines) + "\n"
 
@@ -137,7 +161,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=os.path.join(HERE, "work"))
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--engines", default="cpu,torch", help="comma-separated merge engines to run (default cpu,torch)")
+    parser.add_argument(
+        "--engines", default="cpu,torch", help="comma-separated merge engines to run (default cpu,torch)"
+    )
     args = parser.parse_args()
     ckpt, out = os.path.join(args.workdir, "ckpt_3gb"), os.path.join(args.workdir, "out")
     start = time.perf_counter()

@@ -10,6 +10,7 @@ must be there. 1-D meshes only (what benchmarks/make_checkpoint.py writes).
 
     python benchmarks/check_merged.py CKPT_DIR OUT_DIR   -> "ok: N tensors" (exit 0) or "FAIL: why" (exit 1)
 """
+
 from __future__ import annotations
 
 import glob

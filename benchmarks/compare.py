@@ -38,6 +38,7 @@ replaces its rows), and compare.md and compare_*.png drawn from the whole CSV (b
     python benchmarks/compare.py [--sizes 0.25,1,3] [--world-sizes 4] [--tools ...] [--repeat 3]
     python benchmarks/compare.py --sizes 1 --world-sizes 2,4,8,16,32,64      # throughput vs ranks
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,32 +56,56 @@ import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import report  # noqa: E402
 from bench_merge import output_bytes  # noqa: E402
 from make_checkpoint import checkpoint_exists, rank_files  # noqa: E402
 from measure import Run, clean, run_measured, size, wait_for_quiet  # noqa: E402
-import report  # noqa: E402
 
 MODELS = {
     "0.25": dict(hidden=768, layers=2, intermediate=2048, vocab=32000, heads=12),
     "1": dict(hidden=1536, layers=5, intermediate=4608, vocab=32000, heads=12),
     "3": dict(hidden=2048, layers=12, intermediate=5632, vocab=32000, heads=16),
 }
-TOOLS_HELP = ("comma-separated, in run order: fsdpfast-cpu, fsdpfast-torch, fsdpfast-cuda (with a GPU), guide, "
-              "verl-style, floor (default: every fsdpfast engine available here, then guide, verl-style, floor). "
-              "DCP folders against torch's dcp_to_torch_save, and HuggingFaceStorageWriter folders against torch's "
-              "consolidate_safetensors_files: benchmarks/compare_dcp.py.")
-FIELDS = ["date", "fsdpfast", "size", "input_bytes", "world_size", "tool", "round", "seconds", "cpu_seconds",
-          "others_cpu_seconds", "peak_rss", "peak_anon", "exit", "check", "busy_cpus_before"]
+TOOLS_HELP = (
+    "comma-separated, in run order: fsdpfast-cpu, fsdpfast-torch, fsdpfast-cuda (with a GPU), guide, "
+    "verl-style, floor (default: every fsdpfast engine available here, then guide, verl-style, floor). "
+    "DCP folders against torch's dcp_to_torch_save, and HuggingFaceStorageWriter folders against torch's "
+    "consolidate_safetensors_files: benchmarks/compare_dcp.py."
+)
+FIELDS = [
+    "date",
+    "fsdpfast",
+    "size",
+    "input_bytes",
+    "world_size",
+    "tool",
+    "round",
+    "seconds",
+    "cpu_seconds",
+    "others_cpu_seconds",
+    "peak_rss",
+    "peak_anon",
+    "exit",
+    "check",
+    "busy_cpus_before",
+]
 RANK_MEMORY_GUESS = 100e6  # bytes a forked generating rank costs beyond its shard, until a generation is measured
 
 
 def fsdpfast_version() -> str:
     """The commit of the fsdpfast tree measured, with a digest of any uncommitted change to fsdpfast/ or csrc/."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", os.path.dirname(HERE), *args], capture_output=True, text=True).stdout.strip()
 
-    diff = git("diff", "HEAD", "--", "fsdpfast", "csrc") + git("ls-files", "--others", "--exclude-standard", "--", "fsdpfast", "csrc")
-    return git("rev-parse", "--short", "HEAD") + (f"+dirty-{hashlib.sha1(diff.encode()).hexdigest()[:8]}" if diff else "")
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", os.path.dirname(HERE), *args], capture_output=True, text=True
+        ).stdout.strip()
+
+    diff = git("diff", "HEAD", "--", "fsdpfast", "csrc") + git(
+        "ls-files", "--others", "--exclude-standard", "--", "fsdpfast", "csrc"
+    )
+    return git("rev-parse", "--short", "HEAD") + (
+        f"+dirty-{hashlib.sha1(diff.encode()).hexdigest()[:8]}" if diff else ""
+    )
 
 
 def available_tools() -> list[str]:
@@ -114,18 +139,44 @@ def tool_commands(tools: list[str], ckpt: str, out: str, world_size: int) -> dic
     cmds = {}
     for tool in tools:
         if tool.startswith("fsdpfast-"):
-            cmds[tool] = [python, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", "bf16",
-                          "--engine", tool.removeprefix("fsdpfast-")]
+            cmds[tool] = [
+                python,
+                "-m",
+                "fsdpfast",
+                "merge",
+                ckpt,
+                "--out",
+                out,
+                "--dtype",
+                "bf16",
+                "--engine",
+                tool.removeprefix("fsdpfast-"),
+            ]
         elif tool == "guide":
             cmds[tool] = [python, os.path.join(HERE, "baselines", "guide.py"), ckpt, out]
         elif tool == "verl-style" and verl_available():
-            cmds["verl"] = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
-                            "--local_dir", ckpt, "--target_dir", out]
+            cmds["verl"] = [
+                python,
+                "-m",
+                "verl.model_merger",
+                "merge",
+                "--backend",
+                "fsdp",
+                "--local_dir",
+                ckpt,
+                "--target_dir",
+                out,
+            ]
         elif tool == "verl-style":
             cmds[tool] = [python, os.path.join(HERE, "baselines", "verl_style.py"), ckpt, out]
         elif tool == "floor":
-            floor = [python, os.path.join(HERE, "io_floor.py"), os.path.join(out, "floor.bin"),
-                     str(output_bytes(ckpt, "bf16")), *rank_files(ckpt, world_size)]
+            floor = [
+                python,
+                os.path.join(HERE, "io_floor.py"),
+                os.path.join(out, "floor.bin"),
+                str(output_bytes(ckpt, "bf16")),
+                *rank_files(ckpt, world_size),
+            ]
             for mode in ("mmap", "pwrite"):
                 cmds[f"floor-{mode}"] = ["sh", "-c", 'mkdir -p "$0" && exec "$@"', out, *floor, "--write", mode]
     return cmds
@@ -133,8 +184,9 @@ def tool_commands(tools: list[str], ckpt: str, out: str, world_size: int) -> dic
 
 def check_output(ckpt: str, out: str) -> str:
     """The bit-for-bit verdict on a merged folder, from its own process: 'ok: ...' or 'FAIL: ...'."""
-    done = subprocess.run([sys.executable, os.path.join(HERE, "check_merged.py"), ckpt, out],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "check_merged.py"), ckpt, out], capture_output=True, text=True
+    )
     lines = done.stdout.strip().splitlines()
     return lines[-1] if lines else f"FAIL: checker exited {done.returncode}: {done.stderr.strip()[-200:]}"
 
@@ -159,19 +211,33 @@ def ensure_checkpoint(workdir: str, label: str, world_size: int, per_rank: list[
         return ckpt
     need, available = model_bytes(label) + world_size * per_rank[0], psutil.virtual_memory().available
     if need > 0.8 * available:
-        print(f"{world_size} ranks need about {size(need)} to generate (the model, and {size(per_rank[0])} per rank), "
-              f"{size(available)} available: skipped", flush=True)
+        print(
+            f"{world_size} ranks need about {size(need)} to generate (the model, and {size(per_rank[0])} per rank), "
+            f"{size(available)} available: skipped",
+            flush=True,
+        )
         return None
-    argv = [sys.executable, os.path.join(HERE, "make_checkpoint.py"), ckpt, "--world-size", str(world_size),
-            "--start-method", "fork", *[arg for key, value in MODELS[label].items() for arg in (f"--{key}", str(value))]]
+    argv = [
+        sys.executable,
+        os.path.join(HERE, "make_checkpoint.py"),
+        ckpt,
+        "--world-size",
+        str(world_size),
+        "--start-method",
+        "fork",
+        *[arg for key, value in MODELS[label].items() for arg in (f"--{key}", str(value))],
+    ]
     run = run_measured(argv)
     if run.returncode != 0:
         print(f"generating {ckpt} failed ({run.returncode}): {run.stderr.strip()[-500:]}", flush=True)
         return None
     cost = available - run.low_available
     per_rank[0] = max(per_rank[0], (cost - model_bytes(label)) / world_size)
-    print(f"generated {ckpt}: {run.stdout.strip()}; the machine's available memory fell by {size(cost)} at most "
-          f"(the ranks' RssAnon summed: {size(run.peak_anon)}, shared pages counted in each)", flush=True)
+    print(
+        f"generated {ckpt}: {run.stdout.strip()}; the machine's available memory fell by {size(cost)} at most "
+        f"(the ranks' RssAnon summed: {size(run.peak_anon)}, shared pages counted in each)",
+        flush=True,
+    )
     return ckpt
 
 
@@ -200,12 +266,25 @@ def one_round(cmds: dict[str, list[str]], ckpt: str, out: str, meta: dict) -> li
     rows = []
     for name, argv in cmds.items():
         run, verdict = one_run(name, argv, ckpt, out)
-        rows.append(dict(meta, tool=name, seconds=f"{run.seconds:.3f}", cpu_seconds=f"{run.cpu_seconds:.2f}",
-                         others_cpu_seconds=f"{run.others_cpu_seconds:.2f}", peak_rss=run.peak_rss,
-                         peak_anon=run.peak_anon, exit=run.returncode, check=verdict))
-        print(f"  round {meta['round']} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, others "
-              f"{run.others_cpu_seconds:.1f} CPU s, peak RSS {size(run.peak_rss)}, RssAnon {size(run.peak_anon)}, "
-              f"exit {run.returncode}, check {verdict}", flush=True)
+        rows.append(
+            dict(
+                meta,
+                tool=name,
+                seconds=f"{run.seconds:.3f}",
+                cpu_seconds=f"{run.cpu_seconds:.2f}",
+                others_cpu_seconds=f"{run.others_cpu_seconds:.2f}",
+                peak_rss=run.peak_rss,
+                peak_anon=run.peak_anon,
+                exit=run.returncode,
+                check=verdict,
+            )
+        )
+        print(
+            f"  round {meta['round']} {name}: {run.seconds:.2f} s, {run.cpu_seconds:.1f} CPU s, others "
+            f"{run.others_cpu_seconds:.1f} CPU s, peak RSS {size(run.peak_rss)}, RssAnon {size(run.peak_anon)}, "
+            f"exit {run.returncode}, check {verdict}",
+            flush=True,
+        )
     return rows
 
 
@@ -222,7 +301,9 @@ def run_rounds(cmds: dict[str, list[str]], ckpt: str, out: str, repeat: int, met
     rows, redone = [], 0
     while len(rows) < repeat * len(cmds):
         busy = wait_for_quiet(max_busy)
-        round_rows = one_round(cmds, ckpt, out, dict(meta, round=len(rows) // len(cmds) + 1, busy_cpus_before=f"{busy:.2f}"))
+        round_rows = one_round(
+            cmds, ckpt, out, dict(meta, round=len(rows) // len(cmds) + 1, busy_cpus_before=f"{busy:.2f}")
+        )
         noisy = disturbed(round_rows, max_busy)
         if noisy and redone < repeat:
             redone += 1
@@ -232,11 +313,14 @@ def run_rounds(cmds: dict[str, list[str]], ckpt: str, out: str, repeat: int, met
     return rows
 
 
-def measure_checkpoint(ckpt: str, label: str, world_size: int, args: argparse.Namespace, tools: list[str],
-                       date: str) -> list[dict]:
+def measure_checkpoint(
+    ckpt: str, label: str, world_size: int, args: argparse.Namespace, tools: list[str], date: str
+) -> list[dict]:
     input_bytes = sum(os.path.getsize(f) for f in rank_files(ckpt, world_size))
-    print(f"{label} GB checkpoint, {world_size} ranks, {size(input_bytes)} of fp32 shards; tools: {', '.join(tools)}",
-          flush=True)
+    print(
+        f"{label} GB checkpoint, {world_size} ranks, {size(input_bytes)} of fp32 shards; tools: {', '.join(tools)}",
+        flush=True,
+    )
     start = time.perf_counter()
     meta = dict(date=date, fsdpfast=fsdpfast_version(), size=label, input_bytes=input_bytes, world_size=world_size)
     out = os.path.join(args.workdir, "out")
@@ -253,7 +337,8 @@ def save_rows(path: str, new_rows: list[dict]) -> list[dict]:
             rows = list(csv.DictReader(f))
     replaced = {(str(r["size"]), str(r["world_size"])) for r in new_rows}
     rows = [r for r in rows if (r["size"], r["world_size"]) not in replaced] + [
-        {k: str(v) for k, v in r.items()} for r in new_rows]
+        {k: str(v) for k, v in r.items()} for r in new_rows
+    ]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
@@ -263,13 +348,19 @@ def save_rows(path: str, new_rows: list[dict]) -> list[dict]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="0.25,1,3", help=f"GB of fp32 shards, from {', '.join(MODELS)} (default all)")
+    parser.add_argument(
+        "--sizes", default="0.25,1,3", help=f"GB of fp32 shards, from {', '.join(MODELS)} (default all)"
+    )
     parser.add_argument("--world-sizes", default="4", help="ranks, comma-separated (default 4)")
     parser.add_argument("--tools", default=None, help=TOOLS_HELP)
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
-    parser.add_argument("--max-busy", type=float, default=0.5,
-                        help="CPUs other jobs may use: before each round, wait (up to 15 min) until they use fewer; "
-                             "a round during which they used more is run again (default 0.5)")
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.5,
+        help="CPUs other jobs may use: before each round, wait (up to 15 min) until they use fewer; "
+        "a round during which they used more is run again (default 0.5)",
+    )
     parser.add_argument("--workdir", default=os.path.join(HERE, "work"))
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     return parser.parse_args()
@@ -292,7 +383,9 @@ def main() -> None:
         for label in sizes:
             ckpt = ensure_checkpoint(args.workdir, label, world_size, per_rank)
             if ckpt is None:
-                notes.append(f"{label} GB at {world_size} ranks: not generated (see the log); larger world sizes skipped")
+                notes.append(
+                    f"{label} GB at {world_size} ranks: not generated (see the log); larger world sizes skipped"
+                )
                 fits = False
                 break
             rows = measure_checkpoint(ckpt, label, world_size, args, tools, date)

@@ -22,6 +22,7 @@ timed run; torch's converters do not.
 
 Tables: benchmarks/results/compare_dcp.md and compare_dcp_hf.md (--results: another folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,20 +47,28 @@ def commands(case: str, ckpt: str, out: str) -> dict[str, list[str]]:
     python = sys.executable
     if case == "dcp":
         merge = [python, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", "bf16", "--overwrite", "--engine"]
-        return {"fsdpfast-cpu": merge + ["cpu"], "fsdpfast-torch": merge + ["torch"],
-                "dcp_to_torch_save + save_file": [python, os.path.join(HERE, "baselines", "dcp_torch.py"), ckpt, out]}
+        return {
+            "fsdpfast-cpu": merge + ["cpu"],
+            "fsdpfast-torch": merge + ["torch"],
+            "dcp_to_torch_save + save_file": [python, os.path.join(HERE, "baselines", "dcp_torch.py"), ckpt, out],
+        }
     merge = [python, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", "keep", "--overwrite", "--engine"]
-    return {"fsdpfast-cpu": merge + ["cpu"], "fsdpfast-torch": merge + ["torch"],
-            "consolidate_safetensors_files": [python, os.path.join(HERE, "baselines", "hf_consolidate.py"), ckpt, out]}
+    return {
+        "fsdpfast-cpu": merge + ["cpu"],
+        "fsdpfast-torch": merge + ["torch"],
+        "consolidate_safetensors_files": [python, os.path.join(HERE, "baselines", "hf_consolidate.py"), ckpt, out],
+    }
 
 
 def load_later(path: str, name: str):
     """A function returning tensor `name` of a safetensors file, so only one tensor is held at a time."""
+
     def load():
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
+
     return load
 
 
@@ -83,8 +92,11 @@ def check(out: str, expected) -> str:
         return f"FAIL: names differ ({sorted(set(found) ^ set(names))[:3]})"
     for name in names:
         want, got = expected[name](), found[name]()
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(
-                got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)):
+        if (
+            got.dtype != want.dtype
+            or got.shape != want.shape
+            or not torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+        ):
             return f"FAIL: {name} differs"
     return f"ok ({len(names)} tensors)"
 
@@ -111,13 +123,14 @@ def hf_oracle(ckpt: str) -> dict:
         with safe_open(path, framework="pt") as f:
             offsets = json.loads(f.metadata()["DCP_SHARDING_INFO"])
             for name in f.keys():
-                chunks.setdefault(name, []).append((path, offsets[name]["saved_offsets"], f.get_slice(name).get_shape(),
-                                                    load_later(path, name)))
+                chunks.setdefault(name, []).append(
+                    (path, offsets[name]["saved_offsets"], f.get_slice(name).get_shape(), load_later(path, name))
+                )
 
     def assemble(pieces):
         shape = [max(o[d] + s[d] for _, o, s, _ in pieces) for d in range(len(pieces[0][1]))]
         whole = None
-        for path, offsets, sizes, load in pieces:
+        for _path, offsets, sizes, load in pieces:
             piece = load()
             whole = torch.empty(shape, dtype=piece.dtype) if whole is None else whole
             whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
@@ -145,8 +158,11 @@ def measure_case(case: str, model: str, args) -> str:
                 raise SystemExit(f"{name} failed: {run.stderr.strip().splitlines()[-1:]}")
             if round_no:
                 runs[name].append(run)
-                print(f"  {case} round {round_no} {name}: {run.seconds:.2f} s, peak RSS {size(run.peak_rss)}, "
-                      f"RssAnon {size(run.peak_anon)}", flush=True)
+                print(
+                    f"  {case} round {round_no} {name}: {run.seconds:.2f} s, peak RSS {size(run.peak_rss)}, "
+                    f"RssAnon {size(run.peak_anon)}",
+                    flush=True,
+                )
             checks[name] = check(out, expected)
     clean(out)
     if case == "dcp" and os.path.isfile(os.path.join(args.workdir, "oracle.pt")):
@@ -156,35 +172,51 @@ def measure_case(case: str, model: str, args) -> str:
 
 def table(case: str, input_bytes: int, runs: dict, checks: dict, repeat: int) -> str:
     if case == "dcp":
-        title = (f"DCP folder of {input_bytes / 1e9:.2f} GB (fp32, {WORLD_SIZE} ranks, torch.distributed.checkpoint.save) "
-                 "merged to bf16")
+        title = (
+            f"DCP folder of {input_bytes / 1e9:.2f} GB (fp32, {WORLD_SIZE} ranks, torch.distributed.checkpoint.save) "
+            "merged to bf16"
+        )
         oracle = "dcp_to_torch_save"
     else:
-        title = (f"HuggingFaceStorageWriter folder of {input_bytes / 1e9:.2f} GB (fp32, {WORLD_SIZE} ranks, "
-                 "save_distributed=True) merged, dtype kept")
+        title = (
+            f"HuggingFaceStorageWriter folder of {input_bytes / 1e9:.2f} GB (fp32, {WORLD_SIZE} ranks, "
+            "save_distributed=True) merged, dtype kept"
+        )
         oracle = "the shards"
     base = [r.seconds for r in runs["fsdpfast-cpu"]]
-    lines = [f"{title}; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; inputs warm in the page cache; {repeat} rounds.", "",
-             f"| tool | wall s, median (min–max) | input GB/s | peak RSS | peak RssAnon | bit-exact vs {oracle} | time ÷ fsdpfast-cpu |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{title}; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; inputs warm in the page cache; {repeat} rounds.",
+        "",
+        f"| tool | wall s, median (min–max) | input GB/s | peak RSS | peak RssAnon | bit-exact vs {oracle} | time ÷ fsdpfast-cpu |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, rs in runs.items():
         seconds = [r.seconds for r in rs]
         median = statistics.median(seconds)
-        lines.append(f"| {name} | {median:.2f} ({min(seconds):.2f}–{max(seconds):.2f}) | {input_bytes / median / 1e9:.2f} "
-                     f"| {size(max(r.peak_rss for r in rs))} | {size(max(r.peak_anon for r in rs))} | {checks[name]} "
-                     f"| {ratios(seconds, base)} |")
+        lines.append(
+            f"| {name} | {median:.2f} ({min(seconds):.2f}–{max(seconds):.2f}) | {input_bytes / median / 1e9:.2f} "
+            f"| {size(max(r.peak_rss for r in rs))} | {size(max(r.peak_anon for r in rs))} | {checks[name]} "
+            f"| {ratios(seconds, base)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="dcp,dcp-hf", help="comma-separated: dcp, dcp-hf (default both)")
-    parser.add_argument("--size", default="default", choices=list(SIZES),
-                        help="model: default (~1.3 GB of fp32) or compare.py's 0.25, 1, 3 (GB)")
+    parser.add_argument(
+        "--size",
+        default="default",
+        choices=list(SIZES),
+        help="model: default (~1.3 GB of fp32) or compare.py's 0.25, 1, 3 (GB)",
+    )
     parser.add_argument("--workdir", default=os.path.join(HERE, "work"))
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--results", default=os.path.join(HERE, "results"),
-                        help="folder for the tables: compare_dcp.md (dcp) and compare_dcp_hf.md (dcp-hf)")
+    parser.add_argument(
+        "--results",
+        default=os.path.join(HERE, "results"),
+        help="folder for the tables: compare_dcp.md (dcp) and compare_dcp_hf.md (dcp-hf)",
+    )
     args = parser.parse_args()
     cases = args.cases.split(",")
     for case in cases:

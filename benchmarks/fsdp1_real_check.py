@@ -10,6 +10,7 @@ One process per rank (spawned); with fewer GPUs than ranks the ranks share GPUs 
 
 Exit status 0 when every checkpoint merged bit-exact; the failing tensor's name otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def main() -> int:
         return 1
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     backend = "nccl" if args.device == "cuda" and gpus >= args.world_size else "gloo"
-    import fsdpfast
     from helpers import assert_bit_exact, load_reference, read_merged
+
+    import fsdpfast
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
         write_fsdp1_checkpoints(root, SPECS, args.world_size, args.device, backend)
@@ -52,8 +54,10 @@ def main() -> int:
             report = fsdpfast.merge(spec.folder(root), out, wrap=list(spec.wrap) or None)
             reference, tied = load_reference(spec.reference_path(root))
             assert_bit_exact(read_merged(out), reference, tied=tied)
-            print(f"{spec.name}: {report.tensors} tensors bit-exact ({args.device}, {backend}, {args.world_size} ranks); "
-                  f"{report.notes[1]}")
+            print(
+                f"{spec.name}: {report.tensors} tensors bit-exact ({args.device}, {backend}, {args.world_size} ranks); "
+                f"{report.notes[1]}"
+            )
     return 0
 
 

@@ -11,6 +11,7 @@ reads it on this machine (fsdpfast/execute/measurements.py), engines whose outpu
 
     python benchmarks/gpu_bench.py [--workdir /tmp/fsdpfast-gpu] [--report report.md] [--record [PATH]]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,13 @@ sys.path.insert(0, HERE)
 from make_checkpoint import make_checkpoint, rank_files  # noqa: E402
 from measure import clean, run_measured, size  # noqa: E402
 
-PAIRS = [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32"), ("float16", "float32"), ("float16", "bfloat16")]
+PAIRS = [
+    ("float32", "bfloat16"),
+    ("float32", "float16"),
+    ("bfloat16", "float32"),
+    ("float16", "float32"),
+    ("float16", "bfloat16"),
+]
 ENGINES = ("cpu", "cuda", "torch")
 DTYPES = ("keep", "bf16")
 WORLD = 4
@@ -41,8 +48,25 @@ def device_conversion(elements: int = 1 << 28) -> list[str]:
     for source, target in PAIRS:
         src = torch.randn(elements, device="cuda").to(getattr(torch, source))
         dst = torch.empty(elements, dtype=getattr(torch, target), device="cuda")
-        plan = torch.tensor([[0, 0, _ops.code(source), _ops.code(target), src.element_size(), dst.element_size(),
-                              0, elements, 0, 1, 0, 0]], dtype=torch.int64)
+        plan = torch.tensor(
+            [
+                [
+                    0,
+                    0,
+                    _ops.code(source),
+                    _ops.code(target),
+                    src.element_size(),
+                    dst.element_size(),
+                    0,
+                    elements,
+                    0,
+                    1,
+                    0,
+                    0,
+                ]
+            ],
+            dtype=torch.int64,
+        )
         args = ([src.view(torch.uint8)], [dst.view(torch.uint8)], plan)
         _ops.gather_convert(*args)
         torch.cuda.synchronize()
@@ -65,8 +89,10 @@ def pinned_transfers(nbytes: int = 1 << 30) -> list[str]:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     lines = ["| copy | GB/s, median of 10 |", "|---|---|"]
-    for name, copy in (("host -> device", lambda: device.copy_(host, non_blocking=True)),
-                       ("device -> host", lambda: host.copy_(device, non_blocking=True))):
+    for name, copy in (
+        ("host -> device", lambda: device.copy_(host, non_blocking=True)),
+        ("device -> host", lambda: host.copy_(device, non_blocking=True)),
+    ):
         copy()
         torch.cuda.synchronize()
         seconds = []
@@ -101,11 +127,31 @@ def end_to_end(ckpt: str, workdir: str, rounds: int, deadline: float) -> tuple[l
         plan = plan_merge(ckpt, dtype=dtype)
         kinds[dtype] = job_kind(plan.tensors)
         out_bytes = sum(tensor_nbytes(t) for t in plan.tensors)
-        commands[(dtype, "floor (pwrite)")] = [sys.executable, os.path.join(HERE, "io_floor.py"), floor_file, str(out_bytes),
-                                               *files, "--write", "pwrite"]
+        commands[(dtype, "floor (pwrite)")] = [
+            sys.executable,
+            os.path.join(HERE, "io_floor.py"),
+            floor_file,
+            str(out_bytes),
+            *files,
+            "--write",
+            "pwrite",
+        ]
         for engine in ENGINES:
-            commands[(dtype, engine)] = [sys.executable, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", dtype,
-                                         "--engine", engine, "--overwrite", "--quiet"]
+            commands[(dtype, engine)] = [
+                sys.executable,
+                "-m",
+                "fsdpfast",
+                "merge",
+                ckpt,
+                "--out",
+                out,
+                "--dtype",
+                dtype,
+                "--engine",
+                engine,
+                "--overwrite",
+                "--quiet",
+            ]
     runs: dict[tuple, list] = {key: [] for key in commands}
     manifests: dict[tuple, dict] = {}
     failures: list[str] = []
@@ -126,10 +172,13 @@ def end_to_end(ckpt: str, workdir: str, rounds: int, deadline: float) -> tuple[l
         done_rounds += 1
         round_seconds = time.time() - started
     mismatched = {key for key in manifests if key[1] != "cpu" and manifests[key] != manifests.get((key[0], "cpu"))}
-    lines = [f"{input_bytes / 1e9:.1f} GB fp32 checkpoint, {WORLD} ranks; inputs warm in the page cache; {os.cpu_count()} CPUs; "
-             f"median of {done_rounds} round(s), every command its own process, output removed and synced between runs.",
-             "", "| --dtype | command | wall s (min-max) | input GB/s | peak RSS | CPU s | vs cpu engine | output |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{input_bytes / 1e9:.1f} GB fp32 checkpoint, {WORLD} ranks; inputs warm in the page cache; {os.cpu_count()} CPUs; "
+        f"median of {done_rounds} round(s), every command its own process, output removed and synced between runs.",
+        "",
+        "| --dtype | command | wall s (min-max) | input GB/s | peak RSS | CPU s | vs cpu engine | output |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     seconds: dict[str, dict[str, float]] = {}
     for (dtype, name), measured in runs.items():
         if not measured:
@@ -139,13 +188,19 @@ def end_to_end(ckpt: str, workdir: str, rounds: int, deadline: float) -> tuple[l
         cpu = runs.get((dtype, "cpu"))
         versus = f"{wall / statistics.median(r.seconds for r in cpu):.2f}" if cpu else ""
         check = "" if name not in ENGINES else ("differs from cpu" if (dtype, name) in mismatched else "same bytes")
-        lines.append(f"| {dtype} | {name} | {wall:.2f} ({min(r.seconds for r in measured):.2f}-{max(r.seconds for r in measured):.2f}) "
-                     f"| {input_bytes / wall / 1e9:.2f} | {size(max(r.peak_rss for r in measured))} "
-                     f"| {statistics.median(r.cpu_seconds for r in measured):.1f} | {versus} | {check} |")
+        lines.append(
+            f"| {dtype} | {name} | {wall:.2f} ({min(r.seconds for r in measured):.2f}-{max(r.seconds for r in measured):.2f}) "
+            f"| {input_bytes / wall / 1e9:.2f} | {size(max(r.peak_rss for r in measured))} "
+            f"| {statistics.median(r.cpu_seconds for r in measured):.1f} | {versus} | {check} |"
+        )
         if name in ENGINES and (dtype, name) not in mismatched:
             seconds.setdefault(kinds[dtype], {})[name] = wall
     if failures or mismatched:
-        lines += ["", "Problems:"] + [f"- {f}" for f in failures] + [f"- {d} {e}: output differs from the cpu engine's" for d, e in sorted(mismatched)]
+        lines += (
+            ["", "Problems:"]
+            + [f"- {f}" for f in failures]
+            + [f"- {d} {e}: output differs from the cpu engine's" for d, e in sorted(mismatched)]
+        )
     return lines, seconds, kinds
 
 
@@ -154,9 +209,17 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/fsdpfast-gpu")
     parser.add_argument("--report", default=None)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=300, help="stop starting merge rounds after this long (one round always runs)")
-    parser.add_argument("--record", nargs="?", const="", default=None, metavar="PATH",
-                        help="record the fastest engine per kind of job for --engine auto (default place: measurements.path())")
+    parser.add_argument(
+        "--seconds", type=float, default=300, help="stop starting merge rounds after this long (one round always runs)"
+    )
+    parser.add_argument(
+        "--record",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="record the fastest engine per kind of job for --engine auto (default place: measurements.path())",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     deadline = time.time() + args.seconds
@@ -166,10 +229,21 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     made = f"written in {time.perf_counter() - start:.0f} s" if written else "already there"
     merges, seconds, kinds = end_to_end(ckpt, args.workdir, args.rounds, deadline)
-    sections = [f"# fsdpfast GPU benchmark, {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}",
-                "", f"## Offline merge, every engine (checkpoint {made})", "", *merges,
-                "", "## Device conversion kernel", "", *device_conversion(),
-                "", "## Pinned transfers", "", *pinned_transfers()]
+    sections = [
+        f"# fsdpfast GPU benchmark, {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}",
+        "",
+        f"## Offline merge, every engine (checkpoint {made})",
+        "",
+        *merges,
+        "",
+        "## Device conversion kernel",
+        "",
+        *device_conversion(),
+        "",
+        "## Pinned transfers",
+        "",
+        *pinned_transfers(),
+    ]
     if args.record is not None:
         from fsdpfast.execute import measurements
         from fsdpfast.execute.engines import auto_engine
@@ -179,8 +253,14 @@ def main() -> None:
         with open(where) as f:
             fastest = json.load(f)["fastest"]
         picks = ", ".join(f"--dtype {dtype} ({kind}): {auto_engine(kind)}" for dtype, kind in kinds.items())
-        sections += ["", "## Recorded for --engine auto", "", f"{where}: fastest {json.dumps(fastest)}", "",
-                     f"auto now picks: {picks}"]
+        sections += [
+            "",
+            "## Recorded for --engine auto",
+            "",
+            f"{where}: fastest {json.dumps(fastest)}",
+            "",
+            f"auto now picks: {picks}",
+        ]
     text = "\n".join(sections) + "\n"
     print(text, flush=True)
     if args.report:

@@ -10,6 +10,7 @@ chunk by chunk, as a streaming merge does.
 --write pwrite: output chunks written with pwrite from a buffer.
 --write mmap:   the output file mapped and filled through the mapping (torch copy_).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,12 +70,17 @@ def main() -> None:
         def write_chunk(view, start, end):  # copy_ releases the GIL, so threads overlap
             target[start:end].copy_(torch.frombuffer(view, dtype=torch.uint8)[: end - start])
     else:
+
         def write_chunk(view, start, end):
             os.pwrite(fd, view[: end - start], start)
 
-    writes_by_thread = [[(s, min(b, s + CHUNK)) for s in range(a, b, CHUNK)] for a, b in shares(args.out_bytes, threads)]
+    writes_by_thread = [
+        [(s, min(b, s + CHUNK)) for s in range(a, b, CHUNK)] for a, b in shares(args.out_bytes, threads)
+    ]
     reads_by_thread = [reads[i::threads] for i in range(threads)]
-    pool = [threading.Thread(target=worker, args=(r, w, write_chunk)) for r, w in zip(reads_by_thread, writes_by_thread)]
+    pool = [
+        threading.Thread(target=worker, args=(r, w, write_chunk)) for r, w in zip(reads_by_thread, writes_by_thread)
+    ]
     for t in pool:
         t.start()
     for t in pool:

@@ -27,6 +27,7 @@ minute) for the rest of the machine to be quiet.
 
     python benchmarks/larger_than_ram.py [--workdir benchmarks/work/large] [--layers 36] [--world-size 8] [--keep] [--no-wait]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ DISK_MARGIN = 3_000_000_000
 
 
 # --- 1. generating the checkpoint, one rank at a time ---------------------------------------
+
 
 def parameter_count(config) -> int:
     import torch
@@ -83,15 +85,22 @@ def _rank_main(rank: int, world_size: int, port: int, ckpt: str, config) -> None
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(psutil.cpu_count())  # one rank works at a time
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(hours=2))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(hours=2),
+    )
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         for turn in range(world_size):
             if turn == rank:
                 save_own_shards(config, mesh, rank, world_size, ckpt)
                 gc.collect()
-                print(f"rank {rank}: freed, RSS {size(psutil.Process().memory_info().rss)}", file=sys.stderr, flush=True)
+                print(
+                    f"rank {rank}: freed, RSS {size(psutil.Process().memory_info().rss)}", file=sys.stderr, flush=True
+                )
             dist.barrier()
         if rank == 0:
             config.save_pretrained(os.path.join(ckpt, "huggingface"))
@@ -118,6 +127,7 @@ def save_own_shards(config, mesh, rank: int, world_size: int, ckpt: str) -> None
 
 # --- the run -----------------------------------------------------------------------------------
 
+
 def check_disk(path: str, needed: int) -> None:
     free = shutil.disk_usage(path).free
     if free < needed:
@@ -143,8 +153,11 @@ def step(name: str, argv: list[str]) -> Step:
     run = run_measured(argv)
     after = psutil.disk_io_counters()
     done = Step(argv, run, after.read_bytes - before.read_bytes, after.write_bytes - before.write_bytes)
-    print(f"  exit {run.returncode}, {run.seconds:.1f} s, peak RSS {size(run.peak_rss)}, peak RssAnon {size(run.peak_anon)}, "
-          f"disk read {size(done.disk_read)}, written {size(done.disk_written)}\n  {outcome(run)}", flush=True)
+    print(
+        f"  exit {run.returncode}, {run.seconds:.1f} s, peak RSS {size(run.peak_rss)}, peak RssAnon {size(run.peak_anon)}, "
+        f"disk read {size(done.disk_read)}, written {size(done.disk_written)}\n  {outcome(run)}",
+        flush=True,
+    )
     return done
 
 
@@ -162,7 +175,9 @@ def shorten(text: str, labels: dict[str, str]) -> str:
     return text
 
 
-def results(steps: dict[str, Step], params: int, ckpt_bytes: int, out_bytes: int, limit: int, labels: dict[str, str]) -> str:
+def results(
+    steps: dict[str, Step], params: int, ckpt_bytes: int, out_bytes: int, limit: int, labels: dict[str, str]
+) -> str:
     memory = psutil.virtual_memory().total
     lines = [
         f"Larger-than-RAM merge, {datetime.date.today()}: {psutil.cpu_count()} CPUs, {size(memory)} ({memory / 2**30:.1f} GiB) RAM, "
@@ -177,9 +192,11 @@ def results(steps: dict[str, Step], params: int, ckpt_bytes: int, out_bytes: int
     for name, done in steps.items():
         run = done.run
         command = shorten(shlex.join(done.argv), labels)
-        lines.append(f"| {name} | `{command}` | {run.returncode} | {run.seconds:.1f} | {run.cpu_seconds:.1f} "
-                     f"| {run.others_cpu_seconds:.1f} | {size(done.disk_read)} | {size(done.disk_written)} "
-                     f"| {size(run.peak_rss)} | {size(run.peak_anon)} | {shorten(outcome(run), labels)[:200].replace('|', '/')} |")
+        lines.append(
+            f"| {name} | `{command}` | {run.returncode} | {run.seconds:.1f} | {run.cpu_seconds:.1f} "
+            f"| {run.others_cpu_seconds:.1f} | {size(done.disk_read)} | {size(done.disk_written)} "
+            f"| {size(run.peak_rss)} | {size(run.peak_anon)} | {shorten(outcome(run), labels)[:200].replace('|', '/')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -202,16 +219,38 @@ def main() -> None:
         return generate(ckpt, args.world_size, config)
 
     params = parameter_count(config)
-    print(f"{params / 1e9:.2f} B parameters: {params * 4 / 1e9:.1f} GB fp32, {params * 2 / 1e9:.1f} GB bf16", flush=True)
+    print(
+        f"{params / 1e9:.2f} B parameters: {params * 4 / 1e9:.1f} GB fp32, {params * 2 / 1e9:.1f} GB bf16", flush=True
+    )
     os.makedirs(args.workdir, exist_ok=True)
     if not args.no_wait:
         wait_for_quiet(max_busy=0.5, max_wait=1800, poll=60)
     check_disk(args.workdir, params * 6 + DISK_MARGIN)
-    me = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--layers", str(args.layers),
-          "--world-size", str(args.world_size)]
-    commands = {f"generate ({args.world_size} ranks in turn)": me + ["--generate-only"],
-                "fsdpfast merge --dtype bf16": [sys.executable, "-m", "fsdpfast", "merge", ckpt, "--out", out, "--dtype", "bf16"],
-                "check, bit for bit": [sys.executable, os.path.join(HERE, "check_merged.py"), ckpt, out]}
+    me = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--workdir",
+        args.workdir,
+        "--layers",
+        str(args.layers),
+        "--world-size",
+        str(args.world_size),
+    ]
+    commands = {
+        f"generate ({args.world_size} ranks in turn)": me + ["--generate-only"],
+        "fsdpfast merge --dtype bf16": [
+            sys.executable,
+            "-m",
+            "fsdpfast",
+            "merge",
+            ckpt,
+            "--out",
+            out,
+            "--dtype",
+            "bf16",
+        ],
+        "check, bit for bit": [sys.executable, os.path.join(HERE, "check_merged.py"), ckpt, out],
+    }
     steps = {}
     for name, argv in commands.items():
         steps[name] = step(name, argv)
@@ -220,11 +259,24 @@ def main() -> None:
     ckpt_bytes, out_bytes = sum(map(os.path.getsize, rank_files(ckpt, args.world_size))), folder_bytes(out)
     shutil.rmtree(out)
     limit = in_ram_limit()
-    argv = ["prlimit", f"--as={limit}", sys.executable, os.path.join(HERE, "baselines", "verl_style.py"), ckpt, out_in_ram]
+    argv = [
+        "prlimit",
+        f"--as={limit}",
+        sys.executable,
+        os.path.join(HERE, "baselines", "verl_style.py"),
+        ckpt,
+        out_in_ram,
+    ]
     steps["in-RAM merger (verl-style)"] = step("in-RAM merger", argv)
     shutil.rmtree(out_in_ram, ignore_errors=True)
-    labels = {ckpt: "CKPT", out_in_ram: "OUT2", out: "OUT", sys.executable: "python",
-              os.path.abspath(__file__): "benchmarks/larger_than_ram.py", HERE + "/": "benchmarks/"}
+    labels = {
+        ckpt: "CKPT",
+        out_in_ram: "OUT2",
+        out: "OUT",
+        sys.executable: "python",
+        os.path.abspath(__file__): "benchmarks/larger_than_ram.py",
+        HERE + "/": "benchmarks/",
+    }
     text = results(steps, params, ckpt_bytes, out_bytes, limit, labels)
     print("\n" + text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -12,6 +12,7 @@ from a barrier to a barrier) and rank 0's peak RSS growth during the save, with 
 
     python benchmarks/live_save.py --world 4 --hidden 1024 --layers 8 --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,15 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                      num_key_value_heads=args.hidden // 128, vocab_size=args.vocab,
-                                      architectures=["LlamaForCausalLM"])
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        vocab_size=args.vocab,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
@@ -90,8 +96,9 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
         dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(shards, save_distributed=True))
         os.makedirs(out, exist_ok=True)
         dist.barrier()
-        consolidate_safetensors_files_on_every_rank(shards, out, fqn_to_index_mapping={k: 1 for k in state},
-                                                    num_threads=1)
+        consolidate_safetensors_files_on_every_rank(
+            shards, out, fqn_to_index_mapping={k: 1 for k in state}, num_threads=1
+        )
     dist.barrier()
     seconds = time.perf_counter() - start
     if rank == 0:
@@ -131,16 +138,23 @@ def main() -> None:
     for _ in range(args.rounds):
         for way in WAYS:
             results[way].append(run_way(way, args))
-    size = sum(os.path.getsize(os.path.join(args.workdir, "fsdpfast-out", f))
-               for f in os.listdir(os.path.join(args.workdir, "fsdpfast-out")) if f.endswith(".safetensors"))
-    print(f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
-          f"{args.world} gloo ranks; {args.rounds} rounds, medians")
+    size = sum(
+        os.path.getsize(os.path.join(args.workdir, "fsdpfast-out", f))
+        for f in os.listdir(os.path.join(args.workdir, "fsdpfast-out"))
+        if f.endswith(".safetensors")
+    )
+    print(
+        f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
+        f"{args.world} gloo ranks; {args.rounds} rounds, medians"
+    )
     print(f"{'way':<14}{'seconds':>9}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}")
     base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
     for way in WAYS:
         secs = statistics.median(r["seconds"] for r in results[way])
         rss = statistics.median(r["rss_growth_mb"] for r in results[way])
-        print(f"{way:<14}{secs:>9.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}{rss / max(base['rss_growth_mb'], 1):>12.1f}")
+        print(
+            f"{way:<14}{secs:>9.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}{rss / max(base['rss_growth_mb'], 1):>12.1f}"
+        )
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ The default sizes (hidden 2048, 16 layers, MLP 5632, vocab 32000) make about 3.8
 
     python benchmarks/make_checkpoint.py OUT_DIR [--hidden 2048 --layers 16 --world-size 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,15 @@ def llama_config(hidden: int = 2048, layers: int = 16, intermediate: int = 5632,
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate, vocab_size=vocab,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
-        tie_word_embeddings=False, torch_dtype="float32",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
 
 
@@ -61,7 +68,9 @@ def checkpoint_exists(out_dir: str, world_size: int, fmt: str = "ranks") -> bool
     return written and os.path.isfile(os.path.join(out_dir, "huggingface", "config.json"))
 
 
-def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spawn", fmt: str = "ranks", **sizes) -> bool:
+def make_checkpoint(
+    out_dir: str, world_size: int = 4, start_method: str = "spawn", fmt: str = "ranks", **sizes
+) -> bool:
     """Write the checkpoint unless it is already there; True if it was written now.
 
     fmt "ranks": one torch.save file per rank (verl's layout); "dcp": one
@@ -80,10 +89,19 @@ def make_checkpoint(out_dir: str, world_size: int = 4, start_method: str = "spaw
     os.makedirs(out_dir, exist_ok=True)
     config = llama_config(**sizes)
     if start_method == "fork":  # import once, before the fork
-        for module in ("torch.distributed.fsdp", "torch.distributed.device_mesh", "transformers.models.llama.modeling_llama"):
+        for module in (
+            "torch.distributed.fsdp",
+            "torch.distributed.device_mesh",
+            "transformers.models.llama.modeling_llama",
+        ):
             importlib.import_module(module)
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), out_dir, config, fmt), nprocs=world_size, join=True,
-                       start_method=start_method)
+    mp.start_processes(
+        _rank_main,
+        args=(world_size, _free_port(), out_dir, config, fmt),
+        nprocs=world_size,
+        join=True,
+        start_method=start_method,
+    )
     return True
 
 
@@ -153,15 +171,32 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
-                        help="fork: the ranks share the parent's imports (less memory for many ranks)")
-    parser.add_argument("--format", choices=("ranks", "dcp", "dcp-hf"), default="ranks",
-                        help="ranks: a torch.save file per rank (default); dcp: torch.distributed.checkpoint.save; "
-                             "dcp-hf: the same with HuggingFaceStorageWriter")
+    parser.add_argument(
+        "--start-method",
+        choices=("spawn", "fork"),
+        default="spawn",
+        help="fork: the ranks share the parent's imports (less memory for many ranks)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("ranks", "dcp", "dcp-hf"),
+        default="ranks",
+        help="ranks: a torch.save file per rank (default); dcp: torch.distributed.checkpoint.save; "
+        "dcp-hf: the same with HuggingFaceStorageWriter",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    written = make_checkpoint(args.out_dir, args.world_size, args.start_method, fmt=args.format, hidden=args.hidden,
-                              layers=args.layers, intermediate=args.intermediate, vocab=args.vocab, heads=args.heads)
+    written = make_checkpoint(
+        args.out_dir,
+        args.world_size,
+        args.start_method,
+        fmt=args.format,
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        heads=args.heads,
+    )
     files = checkpoint_files(args.out_dir, args.world_size, args.format)
     size = sum(os.path.getsize(f) for f in files)
     verb = f"wrote in {time.perf_counter() - start:.1f} s" if written else "already there"

@@ -7,6 +7,7 @@ Every ~20 ms /proc/<pid>/status of the process and all its descendants is read; 
 peak RssAnon are the largest sums over that tree, and the machine's lowest MemAvailable is kept
 too (what the run really cost in memory, shared pages counted once, other jobs included).
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,17 @@ def run_measured(argv: list[str]) -> Run:
     sampler.join()
     used = cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_before
     others = machine_busy_seconds() - busy_before - used - (cpu_seconds(resource.RUSAGE_SELF) - self_before)
-    return Run(seconds, used, peaks[0], peaks[1], others, proc.returncode,
-               stdout.decode(errors="replace"), stderr.decode(errors="replace"), peaks[2])
+    return Run(
+        seconds,
+        used,
+        peaks[0],
+        peaks[1],
+        others,
+        proc.returncode,
+        stdout.decode(errors="replace"),
+        stderr.decode(errors="replace"),
+        peaks[2],
+    )
 
 
 def clean(out: str) -> None:
@@ -121,7 +131,10 @@ def wait_for_quiet(max_busy: float = 0.5, max_wait: float = 900.0, poll: float =
     busy = busy_cores()
     while busy >= max_busy and time.monotonic() < deadline:
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"  machine busy ({busy:.2f} CPUs, load {load}): waiting for a quiet spell; busiest: {busiest()}", flush=True)
+        print(
+            f"  machine busy ({busy:.2f} CPUs, load {load}): waiting for a quiet spell; busiest: {busiest()}",
+            flush=True,
+        )
         time.sleep(poll)
         busy = busy_cores()
     if busy >= max_busy:

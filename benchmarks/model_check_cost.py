@@ -7,6 +7,7 @@ folder; each row is a fresh process that imports torch and transformers, builds 
 meta device and checks the model's own names and shapes against it (the check a merge runs
 before writing). Prints a markdown table of medians (min-max).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,20 @@ def write_config(folder: str, size: str) -> None:
     hidden, ffn, layers, heads, kv, vocab = SHAPES[size]
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-                   "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-                   "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": False}, f)
+        json.dump(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": ffn,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "vocab_size": vocab,
+                "tie_word_embeddings": False,
+            },
+            f,
+        )
 
 
 def main() -> None:
@@ -57,8 +69,14 @@ def main() -> None:
         for size in SHAPES:
             folder = os.path.join(root, size)
             write_config(folder, size)
-            runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD, folder], check=True, capture_output=True,
-                                              text=True).stdout) for _ in range(args.repeat)]
+            runs = [
+                json.loads(
+                    subprocess.run(
+                        [sys.executable, "-c", _CHILD, folder], check=True, capture_output=True, text=True
+                    ).stdout
+                )
+                for _ in range(args.repeat)
+            ]
             cells = []
             for key in ("import", "build", "check"):
                 values = [r[key] for r in runs]

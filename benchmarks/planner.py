@@ -13,6 +13,7 @@ open files per rank file, so it runs under the machine's hard limit. --merge add
     python benchmarks/planner.py --cases 8B:8,8B:64,8B:256 [--merge 1B:1024] [--repeat 3]
     python benchmarks/planner.py --cases 8B:1024,70B:512,70B:1024,405B:1024,dcp-8B:256   # about an hour to write
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,15 +70,27 @@ def write_case(case: Case, root: str, jobs: int) -> str:
     if os.path.exists(done):
         return folder
     shutil.rmtree(folder, ignore_errors=True)
-    command = [sys.executable, "-m", "fsdpfast.testing.many_ranks", folder, "--model", case.model,
-               "--world-size", str(case.world), "--layout", case.layout]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdpfast.testing.many_ranks",
+        folder,
+        "--model",
+        case.model,
+        "--world-size",
+        str(case.world),
+        "--layout",
+        case.layout,
+    ]
     env = {**os.environ, "PYTHONPATH": REPO, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     print(f"writing {case.name} ...", flush=True)
     if case.layout == "dcp":
         subprocess.run(command, check=True, env=env)
     else:
         cuts = [case.world * i // jobs for i in range(jobs + 1)]
-        workers = [subprocess.Popen(command + ["--ranks", f"{a}:{b}"], env=env) for a, b in zip(cuts, cuts[1:]) if b > a]
+        workers = [
+            subprocess.Popen(command + ["--ranks", f"{a}:{b}"], env=env) for a, b in zip(cuts, cuts[1:]) if b > a
+        ]
         if any(worker.wait() for worker in workers):
             raise SystemExit(f"writing {case.name} failed")
     open(done, "w").close()
@@ -89,7 +102,9 @@ def old_tree(root: str, revision: str) -> str:
     where = os.path.join(root, f"old-{revision}")
     if not os.path.isdir(where):
         os.makedirs(where)
-        archive = subprocess.run(["git", "-C", REPO, "archive", revision, "fsdpfast"], check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", REPO, "archive", revision, "fsdpfast"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
         for name in os.listdir(os.path.join(REPO, "fsdpfast")):
             if name.endswith(".so") or name == "_build_config.py":
@@ -101,8 +116,19 @@ def run(code: str, argv: list[str], open_files: int | None) -> Run:
     """`python -m fsdpfast ARGV` with the package at `code`, under a soft open-file limit (None: the hard limit)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = hard if open_files is None else min(open_files, hard)
-    return run_measured(["prlimit", f"--nofile={limit}:{hard}", "--", "env", f"PYTHONPATH={code}",
-                         sys.executable, "-m", "fsdpfast", *argv])
+    return run_measured(
+        [
+            "prlimit",
+            f"--nofile={limit}:{hard}",
+            "--",
+            "env",
+            f"PYTHONPATH={code}",
+            sys.executable,
+            "-m",
+            "fsdpfast",
+            *argv,
+        ]
+    )
 
 
 def check(result: Run, what: str) -> Run:
@@ -120,7 +146,9 @@ def summary(runs: list[Run]) -> tuple[str, str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="8B:8,8B:64,8B:256", help="MODEL:W or dcp-MODEL:W, comma-separated")
-    parser.add_argument("--merge", default="", help="cases merged whole (cpu engine) against the I/O floor, e.g. 1B:1024")
+    parser.add_argument(
+        "--merge", default="", help="cases merged whole (cpu engine) against the I/O floor, e.g. 1B:1024"
+    )
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "fsdpfast-planner-bench"))
     parser.add_argument("--old", default=OLD_DEFAULT, help="the earlier commit to compare with ('' for none)")
     parser.add_argument("--repeat", type=int, default=1)
@@ -146,9 +174,13 @@ def main() -> None:
                 argv = ["merge", folders[case], "--out", out, "--dry-run"]
                 runs[who].append(check(run(code, argv, NEW_LIMIT if who == "new" else None), f"{who} {case.name}"))
         rows.append((case, {who: summary(r) for who, r in runs.items()}, runs))
-    print(f"\n`fsdpfast merge --dry-run`, median of {args.repeat} (wall min-max); new: this tree under ulimit -n "
-          f"{NEW_LIMIT}; old: {args.old or '-'}")
-    header = "| model | layout | tensors | W |" + "".join(f" {who} wall s | {who} CPU s | {who} peak RSS |" for who in codes)
+    print(
+        f"\n`fsdpfast merge --dry-run`, median of {args.repeat} (wall min-max); new: this tree under ulimit -n "
+        f"{NEW_LIMIT}; old: {args.old or '-'}"
+    )
+    header = "| model | layout | tensors | W |" + "".join(
+        f" {who} wall s | {who} CPU s | {who} peak RSS |" for who in codes
+    )
     print(header + (" CPU old/new |" if "old" in codes else ""))
     print("|" + "---|" * (header.count("|") - 1 + ("old" in codes)))
     for case, shown, runs in rows:
@@ -166,13 +198,32 @@ def main() -> None:
             for who, code in codes.items():
                 shutil.rmtree(out, ignore_errors=True)
                 argv = ["merge", folders[case], "--out", out, "--engine", "cpu", "--quiet"]
-                results[who].append(check(run(code, argv, NEW_LIMIT if who == "new" else None), f"{who} merge {case.name}"))
+                results[who].append(
+                    check(run(code, argv, NEW_LIMIT if who == "new" else None), f"{who} merge {case.name}")
+                )
             written = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".safetensors"))
             shutil.rmtree(out, ignore_errors=True)
-            inputs = sorted(os.path.join(folders[case], n) for n in os.listdir(folders[case]) if n.endswith((".pt", ".distcp")))
+            inputs = sorted(
+                os.path.join(folders[case], n) for n in os.listdir(folders[case]) if n.endswith((".pt", ".distcp"))
+            )
             floor_file = os.path.join(args.root, "floor.bin")
-            floors = [check(run_measured([sys.executable, os.path.join(HERE, "io_floor.py"), floor_file, str(written), *inputs,
-                                          "--write", how]), "io floor") for how in ("pwrite", "mmap")]
+            floors = [
+                check(
+                    run_measured(
+                        [
+                            sys.executable,
+                            os.path.join(HERE, "io_floor.py"),
+                            floor_file,
+                            str(written),
+                            *inputs,
+                            "--write",
+                            how,
+                        ]
+                    ),
+                    "io floor",
+                )
+                for how in ("pwrite", "mmap")
+            ]
             os.remove(floor_file)
             results["floor"].append(min(floors, key=lambda r: r.seconds))
         floor = statistics.median(r.seconds for r in results["floor"])
@@ -181,7 +232,10 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for who, runs in results.items():
             wall, cpu, rss = summary(runs)
-            print(f"| {who} | {wall} | {cpu} | {rss} | {statistics.median(r.seconds for r in runs) / floor:.2f} |", flush=True)
+            print(
+                f"| {who} | {wall} | {cpu} | {rss} | {statistics.median(r.seconds for r in runs) / floor:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

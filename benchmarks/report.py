@@ -4,6 +4,7 @@ Runs of one (size, world size) pair were made side by side in rounds, so every r
 taken per round (between runs of the same round) and shown as the median, then each round's.
 The floor of a round is the faster of floor-mmap and floor-pwrite.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ import statistics
 from collections import defaultdict
 
 import psutil
-
 from measure import ratios, size
 
 BASE = "fsdpfast-cpu"
@@ -26,8 +26,10 @@ def grouped(rows: list[dict]) -> dict[tuple[int, float], dict[str, list[dict]]]:
     groups: dict = defaultdict(lambda: defaultdict(list))
     for row in rows:
         groups[(int(row["world_size"]), float(row["size"]))][row["tool"]].append(row)
-    return {key: {tool: sorted(runs, key=lambda r: int(r["round"])) for tool, runs in tools.items()}
-            for key, tools in sorted(groups.items())}
+    return {
+        key: {tool: sorted(runs, key=lambda r: int(r["round"])) for tool, runs in tools.items()}
+        for key, tools in sorted(groups.items())
+    }
 
 
 def seconds(runs: list[dict]) -> list[float]:
@@ -79,7 +81,8 @@ def table(groups: dict) -> list[str]:
                 f"| {statistics.median(float(r['cpu_seconds']) for r in runs):.1f} "
                 f"| {statistics.median(float(r['others_cpu_seconds']) for r in runs):.1f} "
                 f"| {size(peak(runs, 'peak_rss'))} | {size(peak(runs, 'peak_anon'))} | {exits(runs)} | {verdict(runs)} "
-                f"| {ratios(secs, floor) if floor and ok else '-'} | {ratios(secs, base) if base and ok else '-'} |")
+                f"| {ratios(secs, floor) if floor and ok else '-'} | {ratios(secs, base) if base and ok else '-'} |"
+            )
     return lines
 
 
@@ -88,10 +91,14 @@ def pivot(groups: dict) -> list[str]:
     tools = list(dict.fromkeys(t for g in groups.values() for t in g if t not in FLOORS))
     lines = ["| ranks | " + " | ".join(tools) + " | floor |", "|---" * (len(tools) + 2) + "|"]
     for (world_size, _), group in groups.items():
-        cells = [f"{statistics.median(seconds(group[t])):.2f} ({size(peak(group[t], 'peak_rss'))})" if t in group else "-"
-                 for t in tools]
+        cells = [
+            f"{statistics.median(seconds(group[t])):.2f} ({size(peak(group[t], 'peak_rss'))})" if t in group else "-"
+            for t in tools
+        ]
         floor = floor_seconds(group)
-        lines.append(f"| {world_size} | " + " | ".join(cells) + (f" | {statistics.median(floor):.2f} |" if floor else " | - |"))
+        lines.append(
+            f"| {world_size} | " + " | ".join(cells) + (f" | {statistics.median(floor):.2f} |" if floor else " | - |")
+        )
     return lines
 
 
@@ -116,28 +123,39 @@ def targets(groups: dict) -> list[str]:
     base = tools[BASE]
     if not succeeded(base):
         return [f"Targets: not computed, fsdpfast-cpu failed at the largest size ({verdict(base)})."]
-    lines = [f"Targets, at the largest size ({size(int(base[0]['input_bytes']))} fp32 -> bf16, "
-             f"{TARGET_WORLD_SIZE} ranks), per round, median first:", ""]
+    lines = [
+        f"Targets, at the largest size ({size(int(base[0]['input_bytes']))} fp32 -> bf16, "
+        f"{TARGET_WORLD_SIZE} ranks), per round, median first:",
+        "",
+    ]
     verl = verl_name(tools)
     if verl and succeeded(tools[verl]):
         time_ratio = per_round_median(seconds(tools[verl]), seconds(base))
-        lines.append(f"- {verl} time ÷ fsdpfast-cpu time = {ratios(seconds(tools[verl]), seconds(base))}; "
-                     f"target ≥ 3: {met(time_ratio >= 3)}")
+        lines.append(
+            f"- {verl} time ÷ fsdpfast-cpu time = {ratios(seconds(tools[verl]), seconds(base))}; "
+            f"target ≥ 3: {met(time_ratio >= 3)}"
+        )
         for field, label in (("peak_rss", "peak RSS"), ("peak_anon", "peak RssAnon")):
             theirs, ours = [float(r[field]) for r in tools[verl]], [float(r[field]) for r in base]
-            lines.append(f"- {verl} {label} ÷ fsdpfast-cpu {label} = {ratios(theirs, ours)}; "
-                         f"target ≥ 4: {met(per_round_median(theirs, ours) >= 4)}")
+            lines.append(
+                f"- {verl} {label} ÷ fsdpfast-cpu {label} = {ratios(theirs, ours)}; "
+                f"target ≥ 4: {met(per_round_median(theirs, ours) >= 4)}"
+            )
     floor = floor_seconds(tools)
     if floor:
-        lines.append(f"- fsdpfast-cpu time ÷ floor = {ratios(seconds(base), floor)}; "
-                     f"target ≤ 1.3: {met(per_round_median(seconds(base), floor) <= 1.3)}")
+        lines.append(
+            f"- fsdpfast-cpu time ÷ floor = {ratios(seconds(base), floor)}; "
+            f"target ≤ 1.3: {met(per_round_median(seconds(base), floor) <= 1.3)}"
+        )
     if largest != smallest:
         small = sweep[smallest][BASE]
         for field, label in (("peak_rss", "peak RSS"), ("peak_anon", "peak RssAnon")):
             grow = peak(base, field) / peak(small, field)
-            lines.append(f"- fsdpfast-cpu {label}, {size(int(base[0]['input_bytes']))} ÷ "
-                         f"{size(int(small[0]['input_bytes']))}: {size(peak(base, field))} ÷ {size(peak(small, field))} "
-                         f"= {grow:.2f}; flat within 20%: {met(grow <= 1.2)}")
+            lines.append(
+                f"- fsdpfast-cpu {label}, {size(int(base[0]['input_bytes']))} ÷ "
+                f"{size(int(small[0]['input_bytes']))}: {size(peak(base, field))} ÷ {size(peak(small, field))} "
+                f"= {grow:.2f}; flat within 20%: {met(grow <= 1.2)}"
+            )
     return lines
 
 
@@ -162,7 +180,7 @@ def header(rows: list[dict]) -> list[str]:
         f"(fsdpfast {', '.join(versions)}) on {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM ({platform.machine()}), "
         f"by `python benchmarks/compare.py`. Inputs warm in the page cache; up to {rounds} rounds, every tool in turn "
         "in each round; every run its own process. Ratios are per round (runs made side by side), median first. "
-        "\"others CPU s\": CPU time the rest of the machine used during the run. Peaks are over the whole process "
+        '"others CPU s": CPU time the rest of the machine used during the run. Peaks are over the whole process '
         "tree. guide and verl-style are baselines written in this repository from those tools' published "
         "algorithms (benchmarks/baselines/).",
         "",
@@ -190,6 +208,7 @@ def render(rows: list[dict], results: str, notes: list[str]) -> str:
 
 
 # --- plots -------------------------------------------------------------------------------------
+
 
 def series(groups: dict, keep, x_of) -> dict[str, list[tuple[float, list[dict] | list[float]]]]:
     """tool -> [(x, runs)] over the groups `keep` accepts; the floor as one series of per-round seconds."""
@@ -262,8 +281,13 @@ def plot_time(data: dict, results: str) -> str:
         lows = [m - min(seconds(runs)) for m, (_, runs) in zip(meds, points)]
         highs = [max(seconds(runs)) - m for m, (_, runs) in zip(meds, points)]
         ax.errorbar(xs, meds, yerr=[lows, highs], label=tool, capsize=3, **style(tool))
-    ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint, GB (4 ranks)", ylabel="wall seconds (median, min–max)",
-           title="Merge fp32 -> bf16: time vs checkpoint size")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="fp32 checkpoint, GB (4 ranks)",
+        ylabel="wall seconds (median, min–max)",
+        title="Merge fp32 -> bf16: time vs checkpoint size",
+    )
     return finish(fig, [ax], results, "compare_time.png", xs_of(data), lambda v: f"{v:g} s")
 
 
@@ -275,8 +299,13 @@ def plot_memory(data: dict, results: str) -> str:
         for tool, points in data.items():
             if tool != "floor":
                 ax.plot([x for x, _ in points], [peak(runs, field) for _, runs in points], label=tool, **style(tool))
-        ax.set(xscale="log", yscale="log", xlabel="fp32 checkpoint, GB (4 ranks)", ylabel=f"{label} of the process tree",
-               title=f"{label} vs checkpoint size")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="fp32 checkpoint, GB (4 ranks)",
+            ylabel=f"{label} of the process tree",
+            title=f"{label} vs checkpoint size",
+        )
     return finish(fig, list(axes), results, "compare_memory.png", xs_of(data), size)
 
 
@@ -289,6 +318,9 @@ def plot_world_size(data: dict, results: str) -> str:
         ys = [int(runs[0]["input_bytes"]) / statistics.median(seconds(runs)) / 1e9 for _, runs in points]
         ax.plot(xs, ys, label=tool, **style(tool))
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="ranks (rank files)", ylabel="input GB/s (median)",
-           title="~1 GB fp32 checkpoint to bf16: throughput vs ranks")
+    ax.set(
+        xlabel="ranks (rank files)",
+        ylabel="input GB/s (median)",
+        title="~1 GB fp32 checkpoint to bf16: throughput vs ranks",
+    )
     return finish(fig, [ax], results, "compare_world_size.png", xs_of(data), lambda v: f"{v:g}")

@@ -45,5 +45,18 @@ from .live.save import SaveReport, save_pretrained  # noqa: E402
 from .manifest import SourceChanged  # noqa: E402
 from .verify import VerifyReport, verify  # noqa: E402
 
-__all__ = ["merge", "inspect", "plan_merge", "verify", "save_pretrained", "MergeReport", "VerifyReport", "SaveReport",
-           "FsdpfastError", "BadInput", "UnsafeCheckpoint", "SourceChanged", "__version__"]
+__all__ = [
+    "merge",
+    "inspect",
+    "plan_merge",
+    "verify",
+    "save_pretrained",
+    "MergeReport",
+    "VerifyReport",
+    "SaveReport",
+    "FsdpfastError",
+    "BadInput",
+    "UnsafeCheckpoint",
+    "SourceChanged",
+    "__version__",
+]

@@ -7,6 +7,7 @@
   tied to the torch it was built against (torch has no stable C++ ABI): under another torch
   version it is not loaded, and torch_ops_error() says why; only the cuda engine needs it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -64,7 +65,9 @@ def torch_ops() -> bool:
 
                 _torch_ops_loaded = True
             except Exception as exc:  # ImportError, OSError: missing libraries, undefined symbols
-                _torch_ops_error = f"fsdpfast._C did not load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                _torch_ops_error = (
+                    f"fsdpfast._C did not load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                )
     return _torch_ops_loaded
 
 
@@ -77,9 +80,11 @@ def torch_mismatch(installed: str, built: str | None = None) -> str | None:
     built = built or TORCH_BUILT
     if built is None or _release(built) == _release(installed):
         return None
-    return (f"fsdpfast's torch ops (_C) were built against torch {built}, this is torch {installed}; the cpu "
-            "engine does not use them; for the cuda engine, reinstall fsdpfast from source against this torch "
-            "(pip install --no-build-isolation --no-deps --force-reinstall SOURCE)")
+    return (
+        f"fsdpfast's torch ops (_C) were built against torch {built}, this is torch {installed}; the cpu "
+        "engine does not use them; for the cuda engine, reinstall fsdpfast from source against this torch "
+        "(pip install --no-build-isolation --no-deps --force-reinstall SOURCE)"
+    )
 
 
 def torch_ops_error() -> str | None:

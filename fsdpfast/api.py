@@ -1,4 +1,5 @@
 """The public functions: plan a merge, run it, report what was done."""
+
 from __future__ import annotations
 
 import logging
@@ -7,21 +8,22 @@ import time
 from dataclasses import dataclass, field, replace
 
 from . import readers
-from .lora import output as lora_output, plan as lora_plan
-from .plan.copies import check_copies
+from .errors import BadInput, InterruptedAfterPublishing, option
 from .execute.engines import check_engine_name, select_engine
 from .execute.measurements import job_kind
 from .execute.parts import share_out, tensor_bytes, tensor_checksums
 from .execute.writer import execute
 from .group import MergeGroup, local_processes
 from .io.sources import rebased
-from .errors import BadInput, InterruptedAfterPublishing, option
 from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
-from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
+from .lora import output as lora_output
+from .lora import plan as lora_plan
 from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
-from .plan.model_check import check_against_model, load_expected_model
-from .plan.model import MergePlan
 from .plan.checks import check_plan
+from .plan.copies import check_copies
+from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
+from .plan.model import MergePlan
+from .plan.model_check import check_against_model, load_expected_model
 from .plan.normalise import clean_name, parse_dtype, prepare
 from .progress import Progress
 from .wording import count, size
@@ -59,17 +61,29 @@ class MergeReport:
             f"files: {', '.join(self.files)}",
         ]
         lines += [f"tied: {', '.join(names)} written once as {kept}" for kept, names in self.tied.items()]
-        lines += [f"adapter: {os.path.join(self.out_dir, folder)} (PeftModel.from_pretrained(base, that folder))"
-                  for folder in self.adapters]
+        lines += [
+            f"adapter: {os.path.join(self.out_dir, folder)} (PeftModel.from_pretrained(base, that folder))"
+            for folder in self.adapters
+        ]
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
-def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = None, config: str | None = None,
-               allow_extra_tensors: bool = False, full_copy_check: bool = False, merge_lora=None,
-               lora_alpha: float | None = None, lora_r: int | None = None, base: str | None = None,
-               **options) -> MergePlan:
+def plan_merge(
+    src: str,
+    *,
+    dtype: str | None = "keep",
+    layout: str | None = None,
+    config: str | None = None,
+    allow_extra_tensors: bool = False,
+    full_copy_check: bool = False,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
+    **options,
+) -> MergePlan:
     """Read a checkpoint folder's metadata and return the MergePlan, moving no tensor bytes.
 
     When config.json is known (CKPT_DIR/huggingface/, the folder's own, or `config`) and
@@ -103,31 +117,61 @@ def plan_merge(src: str, *, dtype: str | None = "keep", layout: str | None = Non
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
-    expected, why_not = (load_expected_model(plan.config_dir, plan.built_config) if not lora_only
-                         else (None, "a LoRA-only checkpoint"))
+    expected, why_not = (
+        load_expected_model(plan.config_dir, plan.built_config) if not lora_only else (None, "a LoRA-only checkpoint")
+    )
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
     if expected is not None:
         shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
-        plan = plan.noted(*check_against_model(shapes, expected, allow_extra_tensors, tuple(map(clean_name, plan.left_out))))
+        plan = plan.noted(
+            *check_against_model(shapes, expected, allow_extra_tensors, tuple(map(clean_name, plan.left_out)))
+        )
     elif why_not == "no config.json":
-        plan = plan.noted(warnings=("the output has no config.json, so from_pretrained cannot load it until one is added: "
-                                    f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in",))
+        plan = plan.noted(
+            warnings=(
+                "the output has no config.json, so from_pretrained cannot load it until one is added: "
+                f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in",
+            )
+        )
     elif not lora_only:
         plan = plan.noted(f"the names and shapes were not checked against the model: {why_not}")
     return plan
 
 
-def inspect(src: str, *, layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False,
-            lora_alpha: float | None = None, lora_r: int | None = None, **options) -> dict:
+def inspect(
+    src: str,
+    *,
+    layout: str | None = None,
+    config: str | None = None,
+    allow_extra_tensors: bool = False,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    **options,
+) -> dict:
     """What a merge would write, from metadata alone: layout, world size, every tensor, totals, notes,
     what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order), and
     PEFT LoRA adapters (rank, alpha, target modules)."""
-    plan = plan_merge(src, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors, lora_alpha=lora_alpha,
-                      lora_r=lora_r, **options)
-    tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.source_dtype, "bytes": tensor_nbytes(t),
-                "tied": list(t.aliases)} for t in plan.tensors]
+    plan = plan_merge(
+        src,
+        layout=layout,
+        config=config,
+        allow_extra_tensors=allow_extra_tensors,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        **options,
+    )
+    tensors = [
+        {
+            "name": t.name,
+            "shape": list(t.shape),
+            "dtype": t.source_dtype,
+            "bytes": tensor_nbytes(t),
+            "tied": list(t.aliases),
+        }
+        for t in plan.tensors
+    ]
     return {
         "checkpoint": os.fspath(src),
         "layout": plan.layout,
@@ -199,11 +243,25 @@ def merge(
     src, dst = os.fspath(src), os.fspath(dst)
     processes = MergeGroup(group)
     # plan -> layout -> target: on rank 0; every rank gets the same job
-    job = processes.lead(lambda: _prepare(src, dst, dtype=dtype, max_shard_size=max_shard_size, layout=layout,
-                                          config=config, overwrite=overwrite, engine=engine,
-                                          allow_extra_tensors=allow_extra_tensors, merge_lora=merge_lora,
-                                          lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options),
-                         abandon=lambda job: job.target.discard())
+    job = processes.lead(
+        lambda: _prepare(
+            src,
+            dst,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            layout=layout,
+            config=config,
+            overwrite=overwrite,
+            engine=engine,
+            allow_extra_tensors=allow_extra_tensors,
+            merge_lora=merge_lora,
+            lora_alpha=lora_alpha,
+            lora_r=lora_r,
+            base=base,
+            **options,
+        ),
+        abandon=lambda job: job.target.discard(),
+    )
     log.info("planned in %.2f s", time.perf_counter() - start)
     try:
         # execute: each process its share of the bytes; rank 0 gets every piece's checksum
@@ -211,7 +269,9 @@ def merge(
         # finish (index, config, manifest) and publish, on rank 0
         return processes.lead(lambda: _finish(job, [p for share in pieces for p in share], start, processes.size))
     except KeyboardInterrupt:
-        if job.target is not None and job.target.published:  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
+        if (
+            job.target is not None and job.target.published
+        ):  # Ctrl-C or SIGTERM came after the rename: OUT_DIR is complete
             raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
         raise
     finally:
@@ -253,23 +313,59 @@ class MergeJob:
         check_unchanged(self.src, self.identity)
 
 
-def _prepare(src: str, dst: str, *, dtype, max_shard_size, layout, config, overwrite, engine, allow_extra_tensors,
-             merge_lora, lora_alpha, lora_r, base, **options) -> MergeJob:
+def _prepare(
+    src: str,
+    dst: str,
+    *,
+    dtype,
+    max_shard_size,
+    layout,
+    config,
+    overwrite,
+    engine,
+    allow_extra_tensors,
+    merge_lora,
+    lora_alpha,
+    lora_r,
+    base,
+    **options,
+) -> MergeJob:
     """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
     parse_dtype(dtype)
     check_engine_name(engine)
     check_output_place(dst, src, config)
     if base:
         check_output_place(dst, os.fspath(base), None)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
-                      merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
+    plan = plan_merge(
+        src,
+        dtype=dtype,
+        layout=layout,
+        config=config,
+        allow_extra_tensors=allow_extra_tensors,
+        merge_lora=merge_lora,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        base=base,
+        **options,
+    )
     lora_output.check_writable(plan)
-    files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []  # LoRA-only: the adapter alone
+    files = (
+        plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
+    )  # LoRA-only: the adapter alone
     runner = select_engine(engine, job_kind(plan.tensors), threads_share=local_processes())
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
-    return MergeJob(src, dst, parse_dtype(dtype), plan, files, lora_output.adapter_outputs(plan), identity, runner,
-                    LocalTarget(dst, overwrite))
+    return MergeJob(
+        src,
+        dst,
+        parse_dtype(dtype),
+        plan,
+        files,
+        lora_output.adapter_outputs(plan),
+        identity,
+        runner,
+        LocalTarget(dst, overwrite),
+    )
 
 
 def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool) -> list:
@@ -280,11 +376,22 @@ def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progr
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
     try:
-        written = execute(job.plan, share, job.target, engine=job.engine, progress=bar.advance,
-                          after_file=lambda _: job.check_sources())
+        written = execute(
+            job.plan,
+            share,
+            job.target,
+            engine=job.engine,
+            progress=bar.advance,
+            after_file=lambda _: job.check_sources(),
+        )
     finally:
         bar.close()
-    log.info("rank %d wrote %d bytes in %.2f s", processes.rank, sum(part.nbytes for part in share), time.perf_counter() - start)
+    log.info(
+        "rank %d wrote %d bytes in %.2f s",
+        processes.rank,
+        sum(part.nbytes for part in share),
+        time.perf_counter() - start,
+    )
     return written
 
 
@@ -297,8 +404,9 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
     copied = copy_config_files(plan.config_dir, target, job.dtype) if plan.config_dir and files else []
     if plan.built_config is not None and not plan.config_dir and files:
         copied = write_built_config(plan.built_config, target, job.dtype)
-    adapters, adapter_notes = lora_output.write_adapter_files(plan, target, checksums, job.src, job.identity,
-                                                              job.engine.name, job.dtype, job.dst)
+    adapters, adapter_notes = lora_output.write_adapter_files(
+        plan, target, checksums, job.src, job.identity, job.engine.name, job.dtype, job.dst
+    )
     model_checksums = {name: crc for f in files for name, crc in checksums[f.name].items()}
     manifest = build_manifest(job.src, plan, files, model_checksums, job.identity, job.engine.name, job.dtype)
     if adapters:
@@ -313,7 +421,8 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
         engine=job.engine.name,
         tensors=len(plan.tensors) + sum(len(a.plan.tensors) for a in plan.adapters),
         bytes_written=sum(p.nbytes for f in files + job.adapter_files for p in f.tensors),
-        files=[f.name for f in files] + (["model.safetensors.index.json"] if len(files) > 1 else [])
+        files=[f.name for f in files]
+        + (["model.safetensors.index.json"] if len(files) > 1 else [])
         + lora_output.written_files(adapters),
         seconds=time.perf_counter() - start,
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
@@ -325,14 +434,36 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
     )
 
 
-def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            layout: str | None = None, config: str | None = None, allow_extra_tensors: bool = False, merge_lora=None,
-            lora_alpha: float | None = None, lora_r: int | None = None, base: str | None = None, **options) -> dict:
+def dry_run(
+    src: str,
+    dst: str,
+    *,
+    dtype: str | None = "keep",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    layout: str | None = None,
+    config: str | None = None,
+    allow_extra_tensors: bool = False,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
+    **options,
+) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
     parse_dtype(dtype)
     check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
-    plan = plan_merge(src, dtype=dtype, layout=layout, config=config, allow_extra_tensors=allow_extra_tensors,
-                      merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base, **options)
+    plan = plan_merge(
+        src,
+        dtype=dtype,
+        layout=layout,
+        config=config,
+        allow_extra_tensors=allow_extra_tensors,
+        merge_lora=merge_lora,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        base=base,
+        **options,
+    )
     lora_output.check_writable(plan)
     files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
     files += [replace(f, name=name) for name, f in lora_output.dry_run_files(plan)]
@@ -341,9 +472,24 @@ def dry_run(src: str, dst: str, *, dtype: str | None = "keep", max_shard_size: s
         "out_dir": os.fspath(dst),
         "layout": plan.layout,
         "world_size": plan.world_size,
-        "files": [{"name": f.name, "bytes": f.size, "header_bytes": len(f.header),
-                   "tensors": [{"name": p.tensor.name, "dtype": p.tensor.target_dtype, "shape": list(p.tensor.shape),
-                                "offset": p.offset, "bytes": p.nbytes} for p in f.tensors]} for f in files],
+        "files": [
+            {
+                "name": f.name,
+                "bytes": f.size,
+                "header_bytes": len(f.header),
+                "tensors": [
+                    {
+                        "name": p.tensor.name,
+                        "dtype": p.tensor.target_dtype,
+                        "shape": list(p.tensor.shape),
+                        "offset": p.offset,
+                        "bytes": p.nbytes,
+                    }
+                    for p in f.tensors
+                ],
+            }
+            for f in files
+        ],
         "total_bytes": sum(p.nbytes for f in files for p in f.tensors),
         "notes": list(plan.notes) + _existing_output_notes(os.fspath(dst)),
         "warnings": list(plan.warnings),
@@ -358,16 +504,30 @@ def _existing_output_notes(dst: str) -> list[str]:
         return [f"{dst} is an empty folder: the merge will replace it"]
     if os.path.isdir(dst) and replaceable(dst):
         return [f"{dst} exists: the merge needs {option('overwrite', True)}"]
-    return [f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, "
-            f"even with {option('overwrite', True)}"]
+    return [
+        f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, "
+        f"even with {option('overwrite', True)}"
+    ]
 
 
 def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:
-    log.info("layout %s, world size %d, %d tensors from %d source files", plan.layout, plan.world_size,
-             len(plan.tensors), len({s.path for s in plan.sources}))
+    log.info(
+        "layout %s, world size %d, %d tensors from %d source files",
+        plan.layout,
+        plan.world_size,
+        len(plan.tensors),
+        len({s.path for s in plan.sources}),
+    )
     log.info("engine %s", engine)
     for f in files:
         log.info("file %s: %d tensors, %d bytes", f.name, len(f.tensors), f.size)
         for p in f.tensors:
-            log.info("  %s -> %s at byte %d (%d bytes, %s -> %s)", p.tensor.name, f.name, p.offset, p.nbytes,
-                     p.tensor.source_dtype, p.tensor.target_dtype)
+            log.info(
+                "  %s -> %s at byte %d (%d bytes, %s -> %s)",
+                p.tensor.name,
+                f.name,
+                p.offset,
+                p.nbytes,
+                p.tensor.source_dtype,
+                p.tensor.target_dtype,
+            )

@@ -2,6 +2,7 @@
 
 Exit status: 0 ok, 2 bad input, 3 verify found a mismatch, 1 anything else (fsdpfast.errors).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,18 @@ class _VersionAction(argparse.Action):
         from . import _ops
 
         native = "built" if _ops.native_cpu() else f"missing ({_ops.NATIVE_ERROR})"
-        cuda = f"built against torch {_ops.TORCH_BUILT}" if _ops.CUDA_OPS else f"not built ({_ops.CUDA_SKIPPED or 'unknown'})"
+        cuda = (
+            f"built against torch {_ops.TORCH_BUILT}"
+            if _ops.CUDA_OPS
+            else f"not built ({_ops.CUDA_SKIPPED or 'unknown'})"
+        )
         _emit(f"fsdpfast {__version__}: native cpu engine {native}; CUDA ops {cuda}")
         parser.exit(0)
 
 
-_DTYPES = "keep (default), bf16, fp16 or fp32 (or torch's names bfloat16, float16, float32); only floating tensors are cast"
+_DTYPES = (
+    "keep (default), bf16, fp16 or fp32 (or torch's names bfloat16, float16, float32); only floating tensors are cast"
+)
 _MERGE_EXAMPLES = """examples:
   fsdpfast merge checkpoints/global_step_100/actor --out merged
   fsdpfast merge ckpt --out merged --dtype bf16 --max-shard-size 2GB
@@ -74,71 +81,159 @@ _DEMO_EXAMPLES = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="fsdpfast", description="Merge sharded training checkpoints into a Hugging Face safetensors folder.",
-                            epilog="exit status: 0 done, 2 bad input, 3 verify found a mismatch, 1 anything else; "
-                                   "'fsdpfast COMMAND --help' shows examples")
+    parser = _OneLineParser(
+        prog="fsdpfast",
+        description="Merge sharded training checkpoints into a Hugging Face safetensors folder.",
+        epilog="exit status: 0 done, 2 bad input, 3 verify found a mismatch, 1 anything else; "
+        "'fsdpfast COMMAND --help' shows examples",
+    )
     parser.add_argument("--version", action=_VersionAction, help="show the version and which engines this install has")
     verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_OneLineParser)
     examples = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
     layouts = ", ".join(readers.READERS)
 
-    merge = verbs.add_parser("merge", help="merge a checkpoint folder into a Hugging Face model folder", epilog=_MERGE_EXAMPLES,
-                             description="Merge a sharded checkpoint folder into a Hugging Face safetensors folder, bit for bit.",
-                             **examples)
+    merge = verbs.add_parser(
+        "merge",
+        help="merge a checkpoint folder into a Hugging Face model folder",
+        epilog=_MERGE_EXAMPLES,
+        description="Merge a sharded checkpoint folder into a Hugging Face safetensors folder, bit for bit.",
+        **examples,
+    )
     merge.add_argument("checkpoint", help="folder holding the rank files")
-    merge.add_argument("--out", required=True, help="output folder; created with its parents, or an empty folder replaced "
-                       "(an earlier merge only with --overwrite)")
+    merge.add_argument(
+        "--out",
+        required=True,
+        help="output folder; created with its parents, or an empty folder replaced "
+        "(an earlier merge only with --overwrite)",
+    )
     merge.add_argument("--dtype", default="keep", metavar="DTYPE", help=_DTYPES)
-    merge.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)")
-    merge.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
-    merge.add_argument("--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)")
-    merge.add_argument("--engine", default="auto", help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
-                       "measured another faster on this machine for this kind of cast), cpu, cuda or torch")
+    merge.add_argument(
+        "--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)"
+    )
+    merge.add_argument(
+        "--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}"
+    )
+    merge.add_argument(
+        "--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)"
+    )
+    merge.add_argument(
+        "--engine",
+        default="auto",
+        help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
+        "measured another faster on this machine for this kind of cast), cpu, cuda or torch",
+    )
     _add_layout_options(merge)
-    merge.add_argument("--allow-extra-tensors", action="store_true",
-                       help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing")
+    merge.add_argument(
+        "--allow-extra-tensors",
+        action="store_true",
+        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing",
+    )
     _add_lora_options(merge)
-    merge.add_argument("--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete")
-    merge.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                       help="under torchrun: how long a process waits for the others at each step before all give up "
-                            "(default 600)")
+    merge.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
+    )
+    merge.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="under torchrun: how long a process waits for the others at each step before all give up (default 600)",
+    )
     merge.add_argument("--json", action="store_true", help="print the report as JSON")
-    merge.add_argument("--dry-run", action="store_true", help="print the plan (files, each tensor's file, offset, bytes) and write nothing")
+    merge.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (files, each tensor's file, offset, bytes) and write nothing",
+    )
     merge.add_argument("--quiet", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
-    merge.add_argument("-v", "--verbose", action="store_true", help="log each decision (layout, engine, tensor -> file) on stderr")
+    merge.add_argument(
+        "-v", "--verbose", action="store_true", help="log each decision (layout, engine, tensor -> file) on stderr"
+    )
 
-    inspect = verbs.add_parser("inspect", help="show what a checkpoint folder holds and what a merge would write",
-                               description="Show a checkpoint's layout, ranks, every tensor and the totals, from metadata alone.",
-                               epilog=_INSPECT_EXAMPLES, **examples)
+    inspect = verbs.add_parser(
+        "inspect",
+        help="show what a checkpoint folder holds and what a merge would write",
+        description="Show a checkpoint's layout, ranks, every tensor and the totals, from metadata alone.",
+        epilog=_INSPECT_EXAMPLES,
+        **examples,
+    )
     inspect.add_argument("checkpoint", help="folder holding the rank files")
-    inspect.add_argument("--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}")
+    inspect.add_argument(
+        "--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}"
+    )
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
     inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
-    inspect.add_argument("--lora-alpha", type=float, default=None, help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it")
-    inspect.add_argument("--lora-r", type=int, default=None, help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)")
+    inspect.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+    )
+    inspect.add_argument(
+        "--lora-r",
+        type=int,
+        default=None,
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+    )
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
-    verify = verbs.add_parser("verify", help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch",
-                              description="Check a merged folder against its manifest (default), the shards, a reference "
-                                          "folder or another merge's manifest.", epilog=_VERIFY_EXAMPLES, **examples)
+    verify = verbs.add_parser(
+        "verify",
+        help="check a merged folder (manifest, shards or a reference); exit 3 on a mismatch",
+        description="Check a merged folder against its manifest (default), the shards, a reference "
+        "folder or another merge's manifest.",
+        epilog=_VERIFY_EXAMPLES,
+        **examples,
+    )
     verify.add_argument("out_dir", help="the merged folder")
-    verify.add_argument("--against", metavar="CKPT_DIR", default=None, help="recompute every tensor from the shards and compare bit for bit")
-    verify.add_argument("--reference", metavar="HF_DIR", default=None, help="compare with another safetensors folder, exact unless --rtol/--atol")
-    verify.add_argument("--rtol", type=float, default=None, help="relative tolerance for --reference (compared in float64)")
+    verify.add_argument(
+        "--against",
+        metavar="CKPT_DIR",
+        default=None,
+        help="recompute every tensor from the shards and compare bit for bit",
+    )
+    verify.add_argument(
+        "--reference",
+        metavar="HF_DIR",
+        default=None,
+        help="compare with another safetensors folder, exact unless --rtol/--atol",
+    )
+    verify.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance for --reference (compared in float64)"
+    )
     verify.add_argument("--atol", type=float, default=None, help="absolute tolerance for --reference")
-    verify.add_argument("--manifest", metavar="FILE_OR_DIR", default=None, help="another merge's manifest (e.g. an earlier merge of the same checkpoint): the checksums must match")
-    verify.add_argument("--smoke", action="store_true", help="load with transformers and run one forward pass (finite outputs, right shapes)")
-    verify.add_argument("--layout", default=None, metavar="NAME", help=f"--against: force the checkpoint layout: {layouts}")
+    verify.add_argument(
+        "--manifest",
+        metavar="FILE_OR_DIR",
+        default=None,
+        help="another merge's manifest (e.g. an earlier merge of the same checkpoint): the checksums must match",
+    )
+    verify.add_argument(
+        "--smoke",
+        action="store_true",
+        help="load with transformers and run one forward pass (finite outputs, right shapes)",
+    )
+    verify.add_argument(
+        "--layout", default=None, metavar="NAME", help=f"--against: force the checkpoint layout: {layouts}"
+    )
     _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
-    demo = verbs.add_parser("demo", help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit",
-                            description="Write a tiny Llama's FSDP2 checkpoint with real gloo ranks, merge it (as it is and "
-                                        "to bf16) and check every tensor and transformers' logits. Needs transformers.",
-                            epilog=_DEMO_EXAMPLES, **examples)
-    demo.add_argument("--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
-    demo.add_argument("--world-size", type=int, default=4, metavar="N", help="how many ranks write the checkpoint (default 4)")
+    demo = verbs.add_parser(
+        "demo",
+        help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit",
+        description="Write a tiny Llama's FSDP2 checkpoint with real gloo ranks, merge it (as it is and "
+        "to bf16) and check every tensor and transformers' logits. Needs transformers.",
+        epilog=_DEMO_EXAMPLES,
+        **examples,
+    )
+    demo.add_argument(
+        "--workdir", default=None, help="where to write (default: a temporary folder, removed afterwards)"
+    )
+    demo.add_argument(
+        "--world-size", type=int, default=4, metavar="N", help="how many ranks write the checkpoint (default 4)"
+    )
     return parser
 
 
@@ -150,13 +245,34 @@ def _add_layout_options(verb, purpose: str = "") -> None:
 
 
 def _add_lora_options(verb) -> None:
-    verb.add_argument("--merge-lora", nargs="?", const=True, default=None, metavar="ADAPTERS",
-                      help="PEFT LoRA: write one model with the adapter fused in (W + alpha/r * B @ A, as peft's merge_and_unload) "
-                      "instead of the base model and OUT/lora_adapter; several adapters: name them in order, e.g. default,second")
-    verb.add_argument("--lora-alpha", type=float, default=None, help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it")
-    verb.add_argument("--lora-r", type=int, default=None, help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)")
-    verb.add_argument("--base", metavar="HF_DIR", default=None, help="PEFT LoRA-only checkpoint (save_lora_only): the base model folder; "
-                      "writes the fused model and OUT/lora_adapter")
+    verb.add_argument(
+        "--merge-lora",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="ADAPTERS",
+        help="PEFT LoRA: write one model with the adapter fused in (W + alpha/r * B @ A, as peft's merge_and_unload) "
+        "instead of the base model and OUT/lora_adapter; several adapters: name them in order, e.g. default,second",
+    )
+    verb.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+    )
+    verb.add_argument(
+        "--lora-r",
+        type=int,
+        default=None,
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+    )
+    verb.add_argument(
+        "--base",
+        metavar="HF_DIR",
+        default=None,
+        help="PEFT LoRA-only checkpoint (save_lora_only): the base model folder; "
+        "writes the fused model and OUT/lora_adapter",
+    )
 
 
 def _lora_options(args) -> dict:
@@ -252,9 +368,17 @@ def _merge(args) -> int:
     if args.dry_run:
         if group.launched_by_torchrun() and group.this_rank() != 0:
             return 0  # the plan is rank 0's to print; nothing is written anyway
-        plan = dry_run(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       layout=args.layout, config=args.config, allow_extra_tensors=args.allow_extra_tensors,
-                       **_layout_options(args), **_lora_options(args))
+        plan = dry_run(
+            args.checkpoint,
+            args.out,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            layout=args.layout,
+            config=args.config,
+            allow_extra_tensors=args.allow_extra_tensors,
+            **_layout_options(args),
+            **_lora_options(args),
+        )
         _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
@@ -264,9 +388,18 @@ def _merge(args) -> int:
     pg = group.start_process_group(args.timeout or group.DEFAULT_TIMEOUT_S) if several else None
     try:
         report = merge(
-            args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-            layout=args.layout, config=args.config, overwrite=args.overwrite, engine=args.engine,
-            progress=not args.quiet, allow_extra_tensors=args.allow_extra_tensors, group=pg, **_layout_options(args),
+            args.checkpoint,
+            args.out,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            layout=args.layout,
+            config=args.config,
+            overwrite=args.overwrite,
+            engine=args.engine,
+            progress=not args.quiet,
+            allow_extra_tensors=args.allow_extra_tensors,
+            group=pg,
+            **_layout_options(args),
             **_lora_options(args),
         )
     except FsdpfastError as exc:
@@ -291,13 +424,18 @@ def _warn(warnings: list[str]) -> None:
 
 def _plan_text(plan: dict) -> str:
     tensors = sum(len(f["tensors"]) for f in plan["files"])
-    lines = [f"dry run: {plan['checkpoint']} [{plan['layout']}, {count(plan['world_size'], 'rank')}] -> {plan['out_dir']}: "
-             f"{count(tensors, 'tensor')}, {size(plan['total_bytes'])} in {count(len(plan['files']), 'file')}; nothing written"]
+    lines = [
+        f"dry run: {plan['checkpoint']} [{plan['layout']}, {count(plan['world_size'], 'rank')}] -> {plan['out_dir']}: "
+        f"{count(tensors, 'tensor')}, {size(plan['total_bytes'])} in {count(len(plan['files']), 'file')}; nothing written"
+    ]
     for f in plan["files"]:
         lines.append(f"{f['name']}  {f['bytes']:,d} B (header {f['header_bytes']:,d} B)")
         width = max((len(t["name"]) for t in f["tensors"]), default=0)
-        lines += [f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} at {t['offset']:>12,d}  "
-                  f"{t['bytes']:>14,d} B" for t in f["tensors"]]
+        lines += [
+            f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} at {t['offset']:>12,d}  "
+            f"{t['bytes']:>14,d} B"
+            for t in f["tensors"]
+        ]
     lines += [f"note: {note}" for note in plan["notes"]]
     return "\n".join(lines)
 
@@ -305,8 +443,17 @@ def _plan_text(plan: dict) -> str:
 def _verify(args) -> int:
     from .verify import verify
 
-    report = verify(args.out_dir, against=args.against, reference=args.reference, rtol=args.rtol, atol=args.atol,
-                    smoke=args.smoke, layout=args.layout, manifest_of=args.manifest, **_layout_options(args))
+    report = verify(
+        args.out_dir,
+        against=args.against,
+        reference=args.reference,
+        rtol=args.rtol,
+        atol=args.atol,
+        smoke=args.smoke,
+        layout=args.layout,
+        manifest_of=args.manifest,
+        **_layout_options(args),
+    )
     status = 0 if report.ok else EXIT_MISMATCH  # decided before printing: a closed stdout cannot change it
     _emit(json.dumps({**asdict(report), "ok": report.ok}, indent=2) if args.json else report.summary())
     return status
@@ -315,15 +462,28 @@ def _verify(args) -> int:
 def _inspect(args) -> int:
     from .api import inspect
 
-    alpha = int(args.lora_alpha) if args.lora_alpha is not None and args.lora_alpha == int(args.lora_alpha) else args.lora_alpha
-    found = inspect(args.checkpoint, layout=args.layout, config=args.config, lora_alpha=alpha, lora_r=args.lora_r,
-                    allow_extra_tensors=args.allow_extra_tensors, **_layout_options(args))
+    alpha = (
+        int(args.lora_alpha)
+        if args.lora_alpha is not None and args.lora_alpha == int(args.lora_alpha)
+        else args.lora_alpha
+    )
+    found = inspect(
+        args.checkpoint,
+        layout=args.layout,
+        config=args.config,
+        lora_alpha=alpha,
+        lora_r=args.lora_r,
+        allow_extra_tensors=args.allow_extra_tensors,
+        **_layout_options(args),
+    )
     if args.json:
         _emit(json.dumps(found, indent=2))
         return 0
     inside = f" (the model in {found['model_folder']}/)" if found["model_folder"] else ""
-    lines = [f"{found['checkpoint']}{inside}: layout {found['layout']}, {count(found['world_size'], 'rank')}, "
-             f"{count(found['total_tensors'], 'tensor')}, {size(found['total_bytes'])}, {count(len(found['source_files']), 'file')}"]
+    lines = [
+        f"{found['checkpoint']}{inside}: layout {found['layout']}, {count(found['world_size'], 'rank')}, "
+        f"{count(found['total_tensors'], 'tensor')}, {size(found['total_bytes'])}, {count(len(found['source_files']), 'file')}"
+    ]
     width = max((len(t["name"]) for t in found["tensors"]), default=0)
     for t in found["tensors"]:
         tied = f"  (also {', '.join(t['tied'])})" if t["tied"] else ""
@@ -331,9 +491,11 @@ def _inspect(args) -> int:
     for adapter in found["adapters"]:
         alpha = adapter["lora_alpha"] if adapter["lora_alpha"] is not None else "missing (give --lora-alpha)"
         targets = adapter["target_modules"]
-        lines.append(f"adapter {adapter['adapter']} -> {adapter['folder']}: r {adapter['r']}, lora_alpha {alpha}, "
-                     f"{adapter['modules']} modules ({', '.join(targets) if isinstance(targets, list) else targets}), "
-                     f"{adapter['tensors']} tensors, {adapter['bytes']:,d} B{', DoRA' if adapter['use_dora'] else ''}")
+        lines.append(
+            f"adapter {adapter['adapter']} -> {adapter['folder']}: r {adapter['r']}, lora_alpha {alpha}, "
+            f"{adapter['modules']} modules ({', '.join(targets) if isinstance(targets, list) else targets}), "
+            f"{adapter['tensors']} tensors, {adapter['bytes']:,d} B{', DoRA' if adapter['use_dora'] else ''}"
+        )
     lines += [f"note: {note}" for note in found["notes"]]
     lines += [f"warning: {warning}" for warning in found["warnings"]]
     lines += _assumed_lines(found["assumed"])
@@ -345,16 +507,23 @@ def _assumed_lines(assumed: dict) -> list[str]:
     """fsdp1-flat: the model, wrap classes, units and each unit's parameter order that were assumed."""
     if not assumed.get("units"):
         return []
-    lines = [f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
-             f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"]
+    lines = [
+        f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
+        f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"
+    ]
     for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (readers.fsdp1_peft)
         targets, others = adapter["target_modules"], len(adapter["rank_pattern"] or {})
-        lines.append(f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}" + (f" ({others} modules otherwise)" if others else "")
-                     + (f", {len(targets)} modules" if isinstance(targets, list) else f", target_modules {targets!r}")
-                     + f"{', DoRA' if adapter['use_dora'] else ''} ({adapter['source']})")
+        lines.append(
+            f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}"
+            + (f" ({others} modules otherwise)" if others else "")
+            + (f", {len(targets)} modules" if isinstance(targets, list) else f", target_modules {targets!r}")
+            + f"{', DoRA' if adapter['use_dora'] else ''} ({adapter['source']})"
+        )
     for unit in assumed["units"]:
-        lines.append(f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
-                     f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:")
+        lines.append(
+            f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
+            f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:"
+        )
         for param in unit["params"]:
             tied = f"  (also {', '.join(param['tied'])})" if param["tied"] else ""
             lines.append(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")

@@ -1,4 +1,5 @@
 """`fsdpfast demo`: write a small real FSDP2 checkpoint with gloo, merge it, check it bit for bit."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,13 @@ def run_demo(workdir: str | None = None, world_size: int = 4) -> int:
     except ImportError:
         raise BadInput("the demo needs transformers: pip install 'fsdpfast[demo]'") from None
     from .api import merge
-    from .testing.examples import CheckpointSpec, PROBE_INPUT, write_checkpoints
+    from .testing.examples import PROBE_INPUT, CheckpointSpec, write_checkpoints
 
     root = workdir or tempfile.mkdtemp(prefix="fsdpfast-demo-")
     try:
-        spec = CheckpointSpec("llama-fsdp2", model="llama-tied", sizes=dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4))
+        spec = CheckpointSpec(
+            "llama-fsdp2", model="llama-tied", sizes=dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4)
+        )
         print(f"writing a {world_size}-rank FSDP2 checkpoint of a tiny Llama with gloo in {root} ...")
         write_checkpoints(root, [spec], world_size)
         saved = torch.load(spec.reference_path(root), weights_only=True)
@@ -34,7 +37,10 @@ def run_demo(workdir: str | None = None, world_size: int = 4) -> int:
             if mismatched:
                 print(f"FAILED: {len(mismatched)} tensors differ from the unsharded model: {mismatched[:5]}")
                 return 1
-            print(f"ok: all {report.tensors} tensors equal the unsharded model bit for bit" + (f" after .to({dtype})" if torch_dtype else ""))
+            print(
+                f"ok: all {report.tensors} tensors equal the unsharded model bit for bit"
+                + (f" after .to({dtype})" if torch_dtype else "")
+            )
 
         model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(root, "merged-keep"))
         model.eval()

@@ -1,4 +1,5 @@
 """Dtype facts by torch name: element size, safetensors code, and which dtypes --dtype casts."""
+
 from __future__ import annotations
 
 # name -> (bytes per element, safetensors dtype code)

@@ -1,5 +1,6 @@
 """The errors fsdpfast raises, the exit status each gives on the command line, and how messages
 name options: `--max-shard-size` on the command line, `max_shard_size=` from Python."""
+
 from __future__ import annotations
 
 import contextlib

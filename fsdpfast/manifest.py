@@ -5,6 +5,7 @@ CRC-32C, taken while the engine wrote it (no second read), plus the identity of 
 (path, size, modification time). `verify` checks the output against it without the sources, and
 tells whether the sources changed since the merge.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ import os
 import re
 
 from . import __version__
+from ._parsing.safe_load import is_count
 from .dtypes import TARGET_ALIASES
 from .errors import BadInput, FsdpfastError
-from ._parsing.safe_load import is_count
 from .plan.layout import OutputFile
 from .plan.model import MergePlan
 
@@ -61,25 +62,38 @@ def check_unchanged(checkpoint: str, identity: list[dict]) -> None:
     """Abort the merge if a source changed under it: its bytes may be half old, half new."""
     changes = changed_sources(checkpoint, identity)
     if changes:
-        raise SourceChanged(f"{checkpoint}: source files changed during the merge ({changes[0]}"
-                            f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); nothing was published; "
-                            "merge again once the checkpoint is complete")
+        raise SourceChanged(
+            f"{checkpoint}: source files changed during the merge ({changes[0]}"
+            f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); nothing was published; "
+            "merge again once the checkpoint is complete"
+        )
 
 
 def check_same_sources(checkpoint: str, identity: list[dict]) -> None:
     """Another process of the merge sees the source files rank 0 planned from (a shared filesystem)."""
     if not os.path.isdir(checkpoint):
-        raise BadInput(f"{checkpoint}: no such folder on this rank; every rank of a merge must see the checkpoint "
-                       "(the same folder on a filesystem they share)")
+        raise BadInput(
+            f"{checkpoint}: no such folder on this rank; every rank of a merge must see the checkpoint "
+            "(the same folder on a filesystem they share)"
+        )
     changes = changed_sources(checkpoint, identity)
     if changes:
-        raise BadInput(f"{checkpoint}: this rank does not see the source files rank 0 planned from ({changes[0]}"
-                       f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); every rank of a merge must "
-                       "see the same checkpoint folder")
+        raise BadInput(
+            f"{checkpoint}: this rank does not see the source files rank 0 planned from ({changes[0]}"
+            f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); every rank of a merge must "
+            "see the same checkpoint folder"
+        )
 
 
-def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], checksums: dict,
-                   identity: list[dict], engine: str, dtype: str | None) -> dict:
+def build_manifest(
+    checkpoint: str,
+    plan: MergePlan,
+    files: list[OutputFile],
+    checksums: dict,
+    identity: list[dict],
+    engine: str,
+    dtype: str | None,
+) -> dict:
     have_checksums = all(checksums.get(p.tensor.name) is not None for f in files for p in f.tensors)
     return {
         "fsdpfast_version": __version__,
@@ -94,11 +108,15 @@ def build_manifest(checkpoint: str, plan: MergePlan, files: list[OutputFile], ch
         "files": {f.name: {"size": f.size} for f in files},
         "tensors": {
             p.tensor.name: {
-                "file": f.name, "offset": p.offset, "nbytes": p.nbytes, "dtype": p.tensor.target_dtype,
+                "file": f.name,
+                "offset": p.offset,
+                "nbytes": p.nbytes,
+                "dtype": p.tensor.target_dtype,
                 "shape": list(p.tensor.shape),
                 CHECKSUM: f"{checksums[p.tensor.name]:08x}" if have_checksums else None,
             }
-            for f in files for p in f.tensors
+            for f in files
+            for p in f.tensors
         },
     }
 
@@ -127,9 +145,15 @@ def load_manifest(path: str) -> dict:
 _HEX32 = re.compile(r"[0-9a-f]{8}")
 _OPTIONAL = (str, type(None))
 # top-level field -> (required, accepted types); older manifests may lack the optional ones
-_FIELDS = {"checksum": (True, _OPTIONAL), "tensors": (True, dict), "sources": (False, list),
-           "checkpoint": (False, _OPTIONAL), "layout": (False, _OPTIONAL), "layout_options": (False, (dict, type(None))),
-           "dtype": (False, _OPTIONAL)}
+_FIELDS = {
+    "checksum": (True, _OPTIONAL),
+    "tensors": (True, dict),
+    "sources": (False, list),
+    "checkpoint": (False, _OPTIONAL),
+    "layout": (False, _OPTIONAL),
+    "layout_options": (False, (dict, type(None))),
+    "dtype": (False, _OPTIONAL),
+}
 
 
 def _check_fields(path: str, manifest) -> None:
@@ -143,16 +167,24 @@ def _check_fields(path: str, manifest) -> None:
     if manifest.get("dtype") not in _MERGE_DTYPES:
         _damaged(path, f"'dtype' is {str(manifest['dtype'])[:20]!r}, not one a merge writes")
     for key, value in (manifest.get("layout_options") or {}).items():
-        if not (isinstance(value, (str, bool, int, float, type(None)))  # numbers: --lora-alpha, --lora-r
-                or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+        if not (
+            isinstance(value, (str, bool, int, float, type(None)))  # numbers: --lora-alpha, --lora-r
+            or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        ):
             _damaged(path, f"layout option {key[:40]!r} is a {type(value).__name__}")
     if manifest["checksum"] not in (CHECKSUM, None):
         _damaged(path, f"'checksum' is {manifest['checksum'][:20]!r}, not {CHECKSUM!r} or null")
     with_checksums = manifest["checksum"] == CHECKSUM
     for name, entry in manifest["tensors"].items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("dtype"), str)
-                and is_count(entry.get("offset")) and is_count(entry.get("nbytes"))
-                and isinstance(entry.get("shape"), list) and all(is_count(d) for d in entry["shape"])):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("file"), str)
+            and isinstance(entry.get("dtype"), str)
+            and is_count(entry.get("offset"))
+            and is_count(entry.get("nbytes"))
+            and isinstance(entry.get("shape"), list)
+            and all(is_count(d) for d in entry["shape"])
+        ):
             _damaged(path, f"the entry of {name} has no valid file, offset, nbytes, dtype and shape")
         crc = entry.get(CHECKSUM)
         if with_checksums and not (isinstance(crc, str) and _HEX32.fullmatch(crc)):
@@ -160,8 +192,12 @@ def _check_fields(path: str, manifest) -> None:
         if not with_checksums and crc is not None:
             _damaged(path, f"{name} has a {CHECKSUM} but the manifest says it has no checksums")
     for source in manifest.get("sources", []):
-        if not (isinstance(source, dict) and isinstance(source.get("path"), str)
-                and is_count(source.get("size")) and is_count(source.get("mtime_ns"))):
+        if not (
+            isinstance(source, dict)
+            and isinstance(source.get("path"), str)
+            and is_count(source.get("size"))
+            and is_count(source.get("mtime_ns"))
+        ):
             _damaged(path, f"a source entry is {str(source)[:80]!r}, not a path, size and mtime_ns")
 
 

@@ -1,4 +1,5 @@
 """A one-line progress bar on stderr (bytes, GB/s, ETA) for merges that take more than a moment."""
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,9 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self.start >= self.delay and (now - self._drawn_at >= REDRAW or self.done >= self.total or not self.shown):
+        if now - self.start >= self.delay and (
+            now - self._drawn_at >= REDRAW or self.done >= self.total or not self.shown
+        ):
             self._draw(now)
 
     def close(self) -> None:
@@ -44,8 +47,10 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         width = 30
         filled = int(width * self.done / self.total)
-        line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                f"{rate / 1e9:.2f} GB/s ETA {eta:4.0f} s")
+        line = (
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+            f"{rate / 1e9:.2f} GB/s ETA {eta:4.0f} s"
+        )
         self.stream.write(line)
         self.stream.flush()
         self.shown, self._drawn_at = True, now

@@ -2,6 +2,7 @@
 
 transformers and torch are imported only here, only when asked for.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ SMOKE_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79]  # a fixed input; ids past the vo
 def smoke_test(out_dir: str) -> list[str]:
     """Problems found (empty if the model loads every weight and gives finite outputs of the right shape)."""
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise BadInput(f"{out_dir}: {option('smoke', True)} needs config.json in the folder (merge with {option('config', meta='DIR')})")
+        raise BadInput(
+            f"{out_dir}: {option('smoke', True)} needs config.json in the folder (merge with {option('config', meta='DIR')})"
+        )
     try:
         import torch
         import transformers
@@ -24,12 +27,18 @@ def smoke_test(out_dir: str) -> list[str]:
     from .configs import load_config
 
     if not isinstance(load_config(os.path.join(out_dir, "config.json")).get("model_type"), str):
-        raise BadInput(f"{out_dir}/config.json: has no \"model_type\" field, so transformers cannot tell which model to "
-                       f"build; add it (e.g. \"model_type\": \"llama\") or merge with {option('config', meta='DIR')}")
+        raise BadInput(
+            f'{out_dir}/config.json: has no "model_type" field, so transformers cannot tell which model to '
+            f'build; add it (e.g. "model_type": "llama") or merge with {option("config", meta="DIR")}'
+        )
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model, info = load_model(transformers, torch, config, out_dir)
-    problems = [f"{key}: not in the folder (the model would start from random values)" for key in info.get("missing_keys", [])]
-    problems += [f"{key}: shape differs from the model's ({detail})" for key, *detail in info.get("mismatched_keys", [])]
+    problems = [
+        f"{key}: not in the folder (the model would start from random values)" for key in info.get("missing_keys", [])
+    ]
+    problems += [
+        f"{key}: shape differs from the model's ({detail})" for key, *detail in info.get("mismatched_keys", [])
+    ]
     vocab = getattr(config, "vocab_size", None) or 1
     ids = torch.tensor([[t % vocab for t in SMOKE_TOKENS]])
     model.eval()
@@ -39,12 +48,16 @@ def smoke_test(out_dir: str) -> list[str]:
         if not isinstance(value, torch.Tensor):
             continue
         if value.shape[:2] != ids.shape:
-            problems.append(f"output {name}: shape {tuple(value.shape)} does not start with the input's {tuple(ids.shape)}")
+            problems.append(
+                f"output {name}: shape {tuple(value.shape)} does not start with the input's {tuple(ids.shape)}"
+            )
         if name == "logits" and value.shape[-1] != vocab:
             problems.append(f"output logits: last dimension {value.shape[-1]} is not vocab_size {vocab}")
         if value.is_floating_point() and not torch.isfinite(value).all():
             bad = int((~torch.isfinite(value)).sum())
-            problems.append(f"output {name}: {bad} of {value.numel()} values are not finite (NaN or inf in the weights?)")
+            problems.append(
+                f"output {name}: {bad} of {value.numel()} values are not finite (NaN or inf in the weights?)"
+            )
     return problems
 
 
@@ -52,7 +65,10 @@ def load_model(transformers, torch, config, out_dir: str):
     """The class config.json names, else the first auto class that knows the model type."""
     names = [a for a in (getattr(config, "architectures", None) or []) if hasattr(transformers, a)]
     classes = [getattr(transformers, n) for n in names[:1]] or [
-        transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel]
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForMaskedLM,
+        transformers.AutoModel,
+    ]
     for cls in classes:
         try:
             return cls.from_pretrained(out_dir, dtype=torch.float32, output_loading_info=True)

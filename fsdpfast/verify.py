@@ -7,21 +7,22 @@
 - against a reference folder: tensor by tensor, exact, or within rtol/atol in float64.
 Each mismatch names the tensor and, where known, the first differing element and byte.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
 
 from . import _ops
-from .lora import verify as lora_verify
 from .dtypes import CASTABLE, itemsize, target_dtype
+from .errors import BadInput, ModelMismatch, on_command_line, option
 from .execute.compare import SLICE_BYTES, CompareSink, first_difference
 from .execute.runner import run
 from .io.sources import SourceFiles
-from .plan.layout import PlacedTensor
-from .errors import BadInput, ModelMismatch, on_command_line, option
-from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
 from .io.stored import DamagedFile, MappedFiles, StoredTensor, read_folder
+from .lora import verify as lora_verify
+from .manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
+from .plan.layout import PlacedTensor
 from .wording import count, size
 
 MAX_LISTED = 20  # mismatches printed one per line; the JSON report holds them all
@@ -66,18 +67,31 @@ class VerifyReport:
     def summary(self) -> str:
         lines = [f"mismatch: {m.line()}" for m in self.mismatches[:MAX_LISTED]]
         if len(self.mismatches) > MAX_LISTED:
-            lines.append(f"... and {count(len(self.mismatches) - MAX_LISTED, 'more mismatch', 'more mismatches')} "
-                         f"({'--json lists' if on_command_line() else 'the report lists'} them all)")
+            lines.append(
+                f"... and {count(len(self.mismatches) - MAX_LISTED, 'more mismatch', 'more mismatches')} "
+                f"({'--json lists' if on_command_line() else 'the report lists'} them all)"
+            )
         lines += [f"note: {note}" for note in self.notes]
         verdict = "OK" if self.ok else f"FAILED, {count(len(self.mismatches), 'mismatch', 'mismatches')}"
-        lines.append(f"verify {self.out_dir}: {verdict}: {count(self.tensors, 'tensor')}, {size(self.bytes_checked)} "
-                     f"checked ({'; '.join(self.checks)})")
+        lines.append(
+            f"verify {self.out_dir}: {verdict}: {count(self.tensors, 'tensor')}, {size(self.bytes_checked)} "
+            f"checked ({'; '.join(self.checks)})"
+        )
         return "\n".join(lines)
 
 
-def verify(out_dir: str, *, against: str | None = None, reference: str | None = None, rtol: float | None = None,
-           atol: float | None = None, smoke: bool = False, layout: str | None = None,
-           manifest_of: str | None = None, **options) -> VerifyReport:
+def verify(
+    out_dir: str,
+    *,
+    against: str | None = None,
+    reference: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    smoke: bool = False,
+    layout: str | None = None,
+    manifest_of: str | None = None,
+    **options,
+) -> VerifyReport:
     """Check the merged folder `out_dir`; a VerifyReport (`.ok`, `.mismatches`, `.summary()`).
 
     With no other argument, every tensor's place and CRC-32C against the folder's own manifest.
@@ -103,7 +117,9 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         manifest = read_manifest(out_dir)
     except DamagedManifest as exc:
         report.checks.append("manifest")
-        report.mismatches.append(Mismatch("(manifest)", f"{exc}; check the output with {option('against', meta='CKPT_DIR')}"))
+        report.mismatches.append(
+            Mismatch("(manifest)", f"{exc}; check the output with {option('against', meta='CKPT_DIR')}")
+        )
         manifest = None
     if (rtol is not None or atol is not None) and reference is None:
         raise BadInput(f"{option('rtol')} and {option('atol')} apply to {option('reference', meta='HF_DIR')}")
@@ -111,8 +127,10 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
     if against is None and reference is None and manifest is None and manifest_of is None and not smoke:
         if report.mismatches:  # the damaged manifest was all there was to check against
             return report
-        raise BadInput(f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
-                       f"check it with {option('against', meta='CKPT_DIR')} or {option('reference', meta='HF_DIR')}")
+        raise BadInput(
+            f"{out_dir}: no fsdpfast-manifest.json (not merged by fsdpfast, or by an older one); "
+            f"check it with {option('against', meta='CKPT_DIR')} or {option('reference', meta='HF_DIR')}"
+        )
     with MappedFiles(stored) as files:
         if manifest is not None:
             _note_source_changes(report, manifest, against)
@@ -125,8 +143,17 @@ def verify(out_dir: str, *, against: str | None = None, reference: str | None = 
         if reference is not None:
             _check_reference(report, stored, files, os.fspath(reference), rtol, atol)
     folders = lora_verify.adapter_folders(manifest)  # PEFT adapter folders written beside the model
-    lora_verify.check_adapters(report, out_dir, folders, against=against, reference=reference, rtol=rtol, atol=atol,
-                                   layout=layout, options=options)
+    lora_verify.check_adapters(
+        report,
+        out_dir,
+        folders,
+        against=against,
+        reference=reference,
+        rtol=rtol,
+        atol=atol,
+        layout=layout,
+        options=options,
+    )
     if smoke:
         from .smoke import smoke_test
 
@@ -151,6 +178,7 @@ def _note_source_changes(report: VerifyReport, manifest: dict, against: str | No
 
 # --- against the manifest ---------------------------------------------------------------------
 
+
 def _other_manifest(path: str) -> dict:
     """Another merge's manifest (the file or its folder); a damaged one is bad input, not a failed check."""
     file = os.path.join(path, MANIFEST_NAME) if os.path.isdir(path) else path
@@ -159,10 +187,13 @@ def _other_manifest(path: str) -> dict:
     return load_manifest(file)
 
 
-def _check_other_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str,
-                          other: dict, own: dict | None) -> None:
+def _check_other_manifest(
+    report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, path: str, other: dict, own: dict | None
+) -> None:
     if own is not None and _identity(own) != _identity(other):
-        report.notes.append(f"the two merges read different source files (or the files changed between them); see {path}")
+        report.notes.append(
+            f"the two merges read different source files (or the files changed between them); see {path}"
+        )
     _check_manifest(report, stored, files, other, where=path)
 
 
@@ -170,8 +201,9 @@ def _identity(manifest: dict) -> list:
     return [(s["path"], s["size"], s["mtime_ns"]) for s in manifest.get("sources", [])]
 
 
-def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict,
-                    where: str | None = None) -> None:
+def _check_manifest(
+    report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, manifest: dict, where: str | None = None
+) -> None:
     """Against the folder's own manifest (where=None: places must match too) or another merge's (checksums only)."""
     report.checks.append(f"manifest {where}" if where else "manifest")
     recorded = manifest.get("tensors", {})
@@ -182,9 +214,14 @@ def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files
         if where is not None:  # another merge may have split the files differently
             place = (have.file, have.byte_offset) + place[2:]
         if place != (have.file, have.byte_offset, have.nbytes, have.dtype, have.shape):
-            report.mismatches.append(Mismatch(name, f"stored as {have.file} byte {have.byte_offset}, {have.dtype} "
-                                              f"{list(have.shape)}; the manifest says {want['file']} byte {want['offset']}, "
-                                              f"{want['dtype']} {want['shape']}"))
+            report.mismatches.append(
+                Mismatch(
+                    name,
+                    f"stored as {have.file} byte {have.byte_offset}, {have.dtype} "
+                    f"{list(have.shape)}; the manifest says {want['file']} byte {want['offset']}, "
+                    f"{want['dtype']} {want['shape']}",
+                )
+            )
             continue
         if manifest.get("checksum") != CHECKSUM or want.get(CHECKSUM) is None:
             continue
@@ -194,26 +231,43 @@ def _check_manifest(report: VerifyReport, stored: dict[str, StoredTensor], files
         files.done(name)
         report.count_checked(have)
         if crc != int(want[CHECKSUM], 16):
-            report.mismatches.append(Mismatch(name, f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} " +
-                                              ("(the file changed after the merge)" if where is None else f"in {where}")))
+            report.mismatches.append(
+                Mismatch(
+                    name,
+                    f"{CHECKSUM} {crc:08x}, the manifest recorded {want[CHECKSUM]} "
+                    + ("(the file changed after the merge)" if where is None else f"in {where}"),
+                )
+            )
     if manifest.get("checksum") != CHECKSUM:
-        report.notes.append("the manifest has no checksums (merged without the native extension); "
-                            f"only names, places, dtypes and shapes were checked; use {option('against', meta='CKPT_DIR')}")
+        report.notes.append(
+            "the manifest has no checksums (merged without the native extension); "
+            f"only names, places, dtypes and shapes were checked; use {option('against', meta='CKPT_DIR')}"
+        )
 
 
 def _crc(view: memoryview) -> int:
     crc = 0
     for start in range(0, len(view), SLICE_BYTES):
-        crc = _ops.crc32c(view[start: start + SLICE_BYTES], crc)
+        crc = _ops.crc32c(view[start : start + SLICE_BYTES], crc)
         if crc is None:
-            raise BadInput(f"checking checksums needs fsdpfast's native extension (not built); use {option('against', meta='CKPT_DIR')}")
+            raise BadInput(
+                f"checking checksums needs fsdpfast's native extension (not built); use {option('against', meta='CKPT_DIR')}"
+            )
     return crc
 
 
 # --- against the checkpoint -------------------------------------------------------------------
 
-def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, checkpoint: str,
-                   manifest: dict | None, layout: str | None, options: dict) -> None:
+
+def _check_against(
+    report: VerifyReport,
+    stored: dict[str, StoredTensor],
+    files: MappedFiles,
+    checkpoint: str,
+    manifest: dict | None,
+    layout: str | None,
+    options: dict,
+) -> None:
     from .api import plan_merge
 
     report.checks.append(f"recomputed from {checkpoint}")
@@ -225,9 +279,14 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
     # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
     # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
-        plan = plan_merge(checkpoint, dtype="keep", layout=layout, config=report.out_dir if has_config else None,
-                          full_copy_check=True,
-                          **{**recorded, **{name: value for name, value in options.items() if value is not None}})
+        plan = plan_merge(
+            checkpoint,
+            dtype="keep",
+            layout=layout,
+            config=report.out_dir if has_config else None,
+            full_copy_check=True,
+            **{**recorded, **{name: value for name, value in options.items() if value is not None}},
+        )
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))
         return
@@ -246,8 +305,13 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
         wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
         tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
         if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
-            report.mismatches.append(Mismatch(tensor.name, f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
-                                              f"gives {tensor.target_dtype} {list(tensor.shape)}"))
+            report.mismatches.append(
+                Mismatch(
+                    tensor.name,
+                    f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
+                    f"gives {tensor.target_dtype} {list(tensor.shape)}",
+                )
+            )
             continue
         jobs.append((tensor, have))
     recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
@@ -259,8 +323,9 @@ def _check_against(report: VerifyReport, stored: dict[str, StoredTensor], files:
         report.count_checked(have)
         first = sink.first[tensor.name]
         if first >= 0:
-            report.mismatches.append(Mismatch(tensor.name, "bytes differ from the checkpoint's",
-                                              first, first // itemsize(have.dtype)))
+            report.mismatches.append(
+                Mismatch(tensor.name, "bytes differ from the checkpoint's", first, first // itemsize(have.dtype))
+            )
         elif crc is not None and tensor.name in recorded and int(recorded[tensor.name][CHECKSUM], 16) != crc:
             report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
 
@@ -271,25 +336,39 @@ def _fused_device(manifest: dict, plan) -> str:
 
     device = device_for(manifest.get("engine", "cpu"))
     if device == "cuda" and any(t.compute is not None for t in plan.tensors) and not _ops.native_cuda():
-        raise BadInput("the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "
-                       "verify --against on a machine with a GPU, or check the output against its manifest")
+        raise BadInput(
+            "the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "
+            "verify --against on a machine with a GPU, or check the output against its manifest"
+        )
     return device
 
 
 # --- against a reference folder ---------------------------------------------------------------
 
-def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], files: MappedFiles, reference: str,
-                     rtol: float | None, atol: float | None) -> None:
+
+def _check_reference(
+    report: VerifyReport,
+    stored: dict[str, StoredTensor],
+    files: MappedFiles,
+    reference: str,
+    rtol: float | None,
+    atol: float | None,
+) -> None:
     tolerant = rtol is not None or atol is not None
-    report.checks.append(f"reference {reference}" + (f" (rtol {rtol or 0}, atol {atol or 0})" if tolerant else " (exact)"))
+    report.checks.append(
+        f"reference {reference}" + (f" (rtol {rtol or 0}, atol {atol or 0})" if tolerant else " (exact)")
+    )
     theirs = read_folder(reference)
     _compare_names(report, set(theirs), set(stored), "in the reference", "the reference")
     with MappedFiles(theirs) as reference_files:
         for name in sorted(set(theirs) & set(stored)):
             have, want = stored[name], theirs[name]
             if have.shape != want.shape or (not tolerant and have.dtype != want.dtype):
-                report.mismatches.append(Mismatch(name, f"{have.dtype} {list(have.shape)}, the reference has "
-                                                  f"{want.dtype} {list(want.shape)}"))
+                report.mismatches.append(
+                    Mismatch(
+                        name, f"{have.dtype} {list(have.shape)}, the reference has {want.dtype} {list(want.shape)}"
+                    )
+                )
                 continue
             ours, expected = files.tensor(have.name), reference_files.tensor(want.name)
             report.count_checked(have)
@@ -297,21 +376,24 @@ def _check_reference(report: VerifyReport, stored: dict[str, StoredTensor], file
                 found = _first_not_close(ours, have.dtype, expected, want.dtype, rtol or 0.0, atol or 0.0)
                 if found is not None:
                     element, detail = found
-                    report.mismatches.append(Mismatch(name, f"not within tolerance ({detail})",
-                                                      element * itemsize(have.dtype), element))
+                    report.mismatches.append(
+                        Mismatch(name, f"not within tolerance ({detail})", element * itemsize(have.dtype), element)
+                    )
             else:
                 first = first_difference(ours, expected)
                 if first >= 0:
-                    report.mismatches.append(Mismatch(name, "bytes differ from the reference", first,
-                                                      first // itemsize(have.dtype)))
+                    report.mismatches.append(
+                        Mismatch(name, "bytes differ from the reference", first, first // itemsize(have.dtype))
+                    )
             ours.release()
             expected.release()
             files.done(name)
             reference_files.done(name)
 
 
-def _first_not_close(ours: memoryview, our_dtype: str, theirs: memoryview, their_dtype: str, rtol: float,
-                     atol: float) -> tuple[int, str] | None:
+def _first_not_close(
+    ours: memoryview, our_dtype: str, theirs: memoryview, their_dtype: str, rtol: float, atol: float
+) -> tuple[int, str] | None:
     """First element where |ours - theirs| > atol + rtol * |theirs| (in float64; NaN equals NaN)."""
     import torch
 
@@ -326,13 +408,16 @@ def _first_not_close(ours: memoryview, our_dtype: str, theirs: memoryview, their
         close = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         if not bool(close.all()):
             i = int((~close).nonzero()[0, 0])
-            return start + i, f"{float(a[i])!r} vs {float(b[i])!r}, max |difference| {float((a - b).abs().nan_to_num(0).max()):.3g} in this slice"
+            return (
+                start + i,
+                f"{float(a[i])!r} vs {float(b[i])!r}, max |difference| {float((a - b).abs().nan_to_num(0).max()):.3g} in this slice",
+            )
     return None
 
 
 def _as_float64(torch, view: memoryview, dtype, start: int, end: int):
     size = torch.empty(0, dtype=dtype).element_size()
-    piece = bytearray(view[start * size: end * size])  # a private copy: frombuffer wants writable memory
+    piece = bytearray(view[start * size : end * size])  # a private copy: frombuffer wants writable memory
     return torch.frombuffer(piece, dtype=dtype).to(torch.float64) if piece else torch.empty(0, dtype=torch.float64)
 
 

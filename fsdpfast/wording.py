@@ -1,4 +1,5 @@
 """Sizes and counts as a person reads them in a summary line: `26.4 MB`, `1 file`, `3 files`."""
+
 from __future__ import annotations
 
 _UNITS = ("KB", "MB", "GB", "TB", "PB")  # decimal, as --max-shard-size's 5GB and Hugging Face's

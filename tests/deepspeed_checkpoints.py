@@ -3,14 +3,15 @@
 All checkpoints of one world size are written by one spawned process group the first time a test asks
 for any of them. The tests skip only where deepspeed is not installed (CI installs it with the test extra).
 """
+
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+from helpers import CheckpointsByWorld
 
 from fsdpfast.testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
-from helpers import CheckpointsByWorld
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied
 # embeddings, frozen parameters, buffers and a second tag. World size 3 leaves stage 1/2 padding at the
@@ -37,5 +38,9 @@ _add(4, DeepSpeedSpec("ds-w4-z3-bf16-tied", 3, dtype="bfloat16", tied=True, seed
 def deepspeed_checkpoints(tmp_path_factory) -> CheckpointsByWorld:
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: merging must never need it
         pytest.skip("deepspeed is not installed (pip install -e '.[test]' installs it)")
-    return CheckpointsByWorld(str(tmp_path_factory.mktemp("deepspeed")), DS_SPECS, write_deepspeed_checkpoints,
-                              lambda spec, base: spec.root(base))
+    return CheckpointsByWorld(
+        str(tmp_path_factory.mktemp("deepspeed")),
+        DS_SPECS,
+        write_deepspeed_checkpoints,
+        lambda spec, base: spec.root(base),
+    )

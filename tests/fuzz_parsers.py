@@ -32,6 +32,7 @@ A finding is any exception that is not an fsdpfast.errors.FsdpfastError, an exam
 past HANG_SECONDS, or a merge that fails yet leaves its output folder behind. A crash (a signal)
 ends the run, which is a finding too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,15 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import fsdpfast
-from fsdpfast.errors import FsdpfastError
-from fsdpfast.readers import dcp
 from fsdpfast._parsing.safe_load import DTensorRef, StorageRef, TensorRef, each_object, safe_unpickle
 from fsdpfast._parsing.torch_zip import TorchZip
+from fsdpfast.errors import FsdpfastError
 from fsdpfast.manifest import MANIFEST_NAME
+from fsdpfast.readers import dcp
 
 HANG_SECONDS = 20
 # The checkpoints the seeds come from (conftest.py names; all but one written by 2 ranks).
@@ -93,7 +95,7 @@ class Seeds:
     merged: Path | None = None  # a folder fsdpfast merged from the first checkpoint
 
     @classmethod
-    def from_folders(cls, folders: dict[str, str]) -> "Seeds":
+    def from_folders(cls, folders: dict[str, str]) -> Seeds:
         seeds = cls(folders={name: Path(folder) for name, folder in folders.items()})
         for folder in seeds.folders.values():
             for path in sorted(folder.iterdir()):
@@ -119,7 +121,7 @@ class Seeds:
         name, entry = READER_TARGETS[target]
         data = (self.folders[name] / entry).read_bytes()
         if target == "dcp_hf_header":
-            return data[8: 8 + int.from_bytes(data[:8], "little")]
+            return data[8 : 8 + int.from_bytes(data[:8], "little")]
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             (pickle,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
             return archive.read(pickle)
@@ -136,7 +138,7 @@ def with_pickle(archive: bytes, pickle: bytes) -> bytes:
 
 def with_header(shard: bytes, header: bytes) -> bytes:
     """A safetensors file with its JSON header replaced, its data section kept."""
-    return len(header).to_bytes(8, "little") + header + shard[8 + int.from_bytes(shard[:8], "little"):]
+    return len(header).to_bytes(8, "little") + header + shard[8 + int.from_bytes(shard[:8], "little") :]
 
 
 # --- mutations --------------------------------------------------------------------------------
@@ -159,23 +161,41 @@ def mutated(draw, originals: list[bytes]) -> bytes:
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=8))
         elif kind == "delete":
-            del data[at: at + draw(st.integers(1, 16))]
+            del data[at : at + draw(st.integers(1, 16))]
         elif kind == "cut":
             del data[at:]
         elif kind == "splice":
             other = draw(st.sampled_from(originals))
             start = draw(st.integers(0, max(0, len(other) - 1)))
-            data[at: at + draw(st.integers(0, 64))] = other[start: start + draw(st.integers(1, 64))]
+            data[at : at + draw(st.integers(0, 64))] = other[start : start + draw(st.integers(1, 64))]
         else:  # a length, offset or count field replaced by an edge value
             width = draw(st.sampled_from([1, 2, 4, 8]))
             value = draw(st.sampled_from(EDGE_INTS)) % (1 << (8 * width))
-            data[at: at + width] = value.to_bytes(width, "little")
+            data[at : at + width] = value.to_bytes(width, "little")
     return Blob(data)
 
 
 # Values a JSON field (of a safetensors header, of a manifest) is replaced with.
-JSON_EDGES = [None, True, -1, 0, 1.5, 2**64, "", "0", "F32", "0000000g", [], [0], ["0", 8], [8, 0], [2**63, 2**64], {},
-              {"dtype": "F32"}, [[1]]]
+JSON_EDGES = [
+    None,
+    True,
+    -1,
+    0,
+    1.5,
+    2**64,
+    "",
+    "0",
+    "F32",
+    "0000000g",
+    [],
+    [0],
+    ["0", 8],
+    [8, 0],
+    [2**63, 2**64],
+    {},
+    {"dtype": "F32"},
+    [[1]],
+]
 
 
 @st.composite
@@ -228,18 +248,70 @@ def mutated_json(path: Path) -> st.SearchStrategy:
 
 # Opcode snippets a checkpoint pickle is made of, and the globals the unpickler allows or refuses.
 _GLOBALS = [
-    "torch._utils\n_rebuild_tensor_v2", "torch._utils\n_rebuild_tensor_v3", "torch._utils\n_rebuild_parameter",
-    "torch._utils\n_rebuild_wrapper_subclass", "torch._tensor\n_rebuild_from_type_v2", "torch\nFloatStorage",
-    "torch\nbfloat16", "torch\nSize", "torch\ndevice", "collections\nOrderedDict", "builtins\nset", "builtins\nbytearray",
-    "builtins\ncomplex", "_codecs\nencode", "torch.distributed.tensor\nDTensor", "torch.distributed.tensor._dtensor_spec\nDTensorSpec",
-    "torch.distributed.tensor.placement_types\nShard", "torch.distributed.device_mesh\nDeviceMesh", "torch.storage\nUntypedStorage",
-    "torch.distributed.checkpoint.metadata\nMetadata", "os\nsystem", "builtins\neval",
+    "torch._utils\n_rebuild_tensor_v2",
+    "torch._utils\n_rebuild_tensor_v3",
+    "torch._utils\n_rebuild_parameter",
+    "torch._utils\n_rebuild_wrapper_subclass",
+    "torch._tensor\n_rebuild_from_type_v2",
+    "torch\nFloatStorage",
+    "torch\nbfloat16",
+    "torch\nSize",
+    "torch\ndevice",
+    "collections\nOrderedDict",
+    "builtins\nset",
+    "builtins\nbytearray",
+    "builtins\ncomplex",
+    "_codecs\nencode",
+    "torch.distributed.tensor\nDTensor",
+    "torch.distributed.tensor._dtensor_spec\nDTensorSpec",
+    "torch.distributed.tensor.placement_types\nShard",
+    "torch.distributed.device_mesh\nDeviceMesh",
+    "torch.storage\nUntypedStorage",
+    "torch.distributed.checkpoint.metadata\nMetadata",
+    "os\nsystem",
+    "builtins\neval",
 ]
 _SNIPPETS = [
-    b"(", b"t", b")", b"l", b"]", b"d", b"}", b"N", b"\x88", b"\x89", b"K\x00", b"K\x05", b"J\xff\xff\xff\xff",
-    b"M\xff\xff", b"\x8a\x08" + b"\xff" * 8, b"X\x03\x00\x00\x00abc", b"U\x01x", b"C\x02\x00\x01", b"G" + b"\x7f\xf8" + b"\x00" * 6,
-    b"\x85", b"\x86", b"\x87", b"R", b"b", b"\x81", b"Q", b"s", b"u", b"a", b"e", b"\x94", b"h\x00", b"h\x01", b"j\x00\x00\x00\x00",
-    b"q\x00", b"r\xff\xff\xff\x0f", b"0", b"2", b"\x95\x08\x00\x00\x00\x00\x00\x00\x00", b"\x80\x02",
+    b"(",
+    b"t",
+    b")",
+    b"l",
+    b"]",
+    b"d",
+    b"}",
+    b"N",
+    b"\x88",
+    b"\x89",
+    b"K\x00",
+    b"K\x05",
+    b"J\xff\xff\xff\xff",
+    b"M\xff\xff",
+    b"\x8a\x08" + b"\xff" * 8,
+    b"X\x03\x00\x00\x00abc",
+    b"U\x01x",
+    b"C\x02\x00\x01",
+    b"G" + b"\x7f\xf8" + b"\x00" * 6,
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"R",
+    b"b",
+    b"\x81",
+    b"Q",
+    b"s",
+    b"u",
+    b"a",
+    b"e",
+    b"\x94",
+    b"h\x00",
+    b"h\x01",
+    b"j\x00\x00\x00\x00",
+    b"q\x00",
+    b"r\xff\xff\xff\x0f",
+    b"0",
+    b"2",
+    b"\x95\x08\x00\x00\x00\x00\x00\x00\x00",
+    b"\x80\x02",
     *(b"c" + g.encode() + b"\n" for g in _GLOBALS),
 ]
 
@@ -251,6 +323,7 @@ def opcode_streams(draw) -> bytes:
 
 
 # --- targets ----------------------------------------------------------------------------------
+
 
 class Targets:
     def __init__(self, seeds: Seeds, workdir: Path):
@@ -302,12 +375,16 @@ class Targets:
 
     def verify_header(self, data: bytes) -> None:
         folder = self._folder_with(None, "model.safetensors", data)
-        _only_clean_errors(lambda: fsdpfast.verify(folder), lambda: fsdpfast.verify(self.seeds.merged, reference=folder))
+        _only_clean_errors(
+            lambda: fsdpfast.verify(folder), lambda: fsdpfast.verify(self.seeds.merged, reference=folder)
+        )
 
     def verify_manifest(self, data: bytes) -> None:
         folder = self._folder_with(None, MANIFEST_NAME, data)
-        _only_clean_errors(lambda: fsdpfast.verify(folder),
-                           lambda: fsdpfast.verify(self.seeds.merged, manifest_of=os.path.join(folder, MANIFEST_NAME)))
+        _only_clean_errors(
+            lambda: fsdpfast.verify(folder),
+            lambda: fsdpfast.verify(self.seeds.merged, manifest_of=os.path.join(folder, MANIFEST_NAME)),
+        )
 
     def deepspeed_optim(self, data: bytes) -> None:
         fsdpfast.plan_merge(self._reader_folder("deepspeed_optim", with_pickle, data))
@@ -364,7 +441,9 @@ def _unpicklers_agree(data: bytes) -> None:
     reference = _outcome(read(safe_load._RestrictedUnpickler))
     if safe_load._plain(data):
         fast = _outcome(read(safe_load._PlainUnpickler))
-        assert fast[0] == reference[0] or not fast[0], f"the C unpickler read what the Python one refuses: {reference[1]}"
+        assert fast[0] == reference[0] or not fast[0], (
+            f"the C unpickler read what the Python one refuses: {reference[1]}"
+        )
         if fast[0]:
             _assert_same(fast[1], reference[1])
     public = _outcome(lambda: safe_unpickle(data, "fuzz", dcp._METADATA_CLASSES))
@@ -436,7 +515,11 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
         "verify": mutated([(seeds.merged / "model.safetensors").read_bytes()]),
         "verify_header": mutated_header(seeds.merged / "model.safetensors"),
         "verify_manifest": mutated_json(seeds.merged / MANIFEST_NAME),
-        **{target: mutated([seeds.fuzzed_part(target)]) for target, (name, _) in READER_TARGETS.items() if name in seeds.folders},
+        **{
+            target: mutated([seeds.fuzzed_part(target)])
+            for target, (name, _) in READER_TARGETS.items()
+            if name in seeds.folders
+        },
     }
 
 
@@ -457,8 +540,14 @@ def run_target(targets: Targets, name: str, strategy, examples: int, seed: int |
         finally:
             signal.alarm(0)
 
-    test = settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-                    suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])(given(strategy)(one))
+    test = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=seed is None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+    )(given(strategy)(one))
     if seed is not None:
         from hypothesis import seed as with_seed
 
@@ -476,9 +565,11 @@ def install_hang_alarm() -> None:
 
 # --- the long run -----------------------------------------------------------------------------
 
+
 def write_seed_checkpoints(root: str) -> dict[str, str]:
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import SPECS
+
     from fsdpfast.testing.examples import write_checkpoints
 
     folders = {}
@@ -494,14 +585,16 @@ def write_reader_seeds(root: str) -> dict[str, str]:
     """target -> the folder of its seed checkpoint, for the readers' own targets (but dcp-hf, written above)."""
     import importlib.util
 
-    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
     from test_fsdp1_flat import SPECS as FSDP1_SPECS
+
+    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 
     world, spec = FSDP1_SPECS[FSDP1_SEED]
     write_fsdp1_checkpoints(os.path.join(root, "fsdp1"), [spec], world)
     found = {"fsdp1_rank": spec.folder(os.path.join(root, "fsdp1"))}
     if importlib.util.find_spec("deepspeed") is not None:
         from deepspeed_checkpoints import DS_SPECS
+
         from fsdpfast.testing.deepspeed_examples import write_deepspeed_checkpoints
 
         world, spec = DS_SPECS[DEEPSPEED_SEED]
@@ -521,7 +614,9 @@ def deepspeed_tag_folder(root: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=10)
-    parser.add_argument("--examples-per-round", type=int, default=200, help="inputs per target before moving to the next")
+    parser.add_argument(
+        "--examples-per-round", type=int, default=200, help="inputs per target before moving to the next"
+    )
     parser.add_argument("--targets", default=None, help="comma-separated subset of the targets")
     args = parser.parse_args()
     install_hang_alarm()
@@ -549,17 +644,26 @@ def main() -> int:
                     break
                 before = targets.examples
                 try:
-                    run_target(targets, name, strategy, args.examples_per_round, seed=round_number * 1000 + len(findings))
+                    run_target(
+                        targets, name, strategy, args.examples_per_round, seed=round_number * 1000 + len(findings)
+                    )
                 except Exception as exc:  # a finding: hypothesis' shrunk example is in scratch/finding-NAME.bin
                     where = traceback.extract_tb(exc.__traceback__)[-1]
-                    findings.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]} "
-                                    f"(at {os.path.basename(where.filename)}:{where.lineno})")
+                    findings.append(
+                        f"{name}: {type(exc).__name__}: {str(exc)[:300]} "
+                        f"(at {os.path.basename(where.filename)}:{where.lineno})"
+                    )
                     print(f"FINDING in {name}: {findings[-1]}", flush=True)
                 counts[name] += targets.examples - before
             round_number += 1
-            print(f"{time.monotonic() - start:7.0f} s  inputs so far: {sum(counts.values())}  findings: {len(findings)}", flush=True)
-        print(f"done: {args.minutes} min, {round_number} rounds, {sum(counts.values())} inputs "
-              f"({', '.join(f'{n} {c}' for n, c in counts.items())}); findings: {len(findings)}")
+            print(
+                f"{time.monotonic() - start:7.0f} s  inputs so far: {sum(counts.values())}  findings: {len(findings)}",
+                flush=True,
+            )
+        print(
+            f"done: {args.minutes} min, {round_number} rounds, {sum(counts.values())} inputs "
+            f"({', '.join(f'{n} {c}' for n, c in counts.items())}); findings: {len(findings)}"
+        )
         for finding in findings:
             print("  " + finding)
         return 1 if findings else 0

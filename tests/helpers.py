@@ -1,4 +1,5 @@
 """Assertions shared by the tests: bit-for-bit comparison with the unsharded model."""
+
 from __future__ import annotations
 
 import glob
@@ -43,10 +44,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def assert_bit_exact(merged: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None, tied=()) -> None:
+def assert_bit_exact(
+    merged: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], dtype: torch.dtype | None = None, tied=()
+) -> None:
     """merged == reference (cast with .to(dtype) for floating tensors), tied names absent."""
     expected_names = set(reference) - set(tied)
-    assert set(merged) == expected_names, (sorted(set(merged) ^ expected_names))
+    assert set(merged) == expected_names, sorted(set(merged) ^ expected_names)
     for name in expected_names:
         want = reference[name]
         if dtype is not None and want.is_floating_point():

@@ -1,4 +1,5 @@
 """Checks the PEFT LoRA tests share: outputs against what peft itself saved, loaded and merged."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Every damaged checkpoint is a copy of a real FSDP2 checkpoint (the session fixture), damaged
 with real torch (torch.load / torch.save) or by cutting and flipping bytes of its files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,18 +15,18 @@ import struct
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
+from helpers import copy_checkpoint, rank_file
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput
-from helpers import copy_checkpoint, rank_file
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # (32, 64)
@@ -34,9 +35,13 @@ DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"  # (64, 88)
 
 # --- running a merge and checking the refusal -------------------------------------------------
 
+
 def run_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "fsdpfast", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -49,7 +54,8 @@ def tree_digest(path: Path) -> dict[str, str]:
         return {}
     return {
         str(file.relative_to(path)): hashlib.sha256(file.read_bytes()).hexdigest()
-        for file in sorted(path.rglob("*")) if file.is_file()
+        for file in sorted(path.rglob("*"))
+        if file.is_file()
     }
 
 
@@ -111,6 +117,7 @@ def api_refuses(src, out: Path, mentions=(), **options) -> str:
 
 # --- damaging a private copy of a real checkpoint ---------------------------------------------
 
+
 def edit_state_dict(path: Path, edit: Callable[[dict], None]) -> None:
     """Load a rank file with torch, let `edit` change its state dict in place, save it with torch."""
     whole = torch.load(path, weights_only=True)
@@ -142,6 +149,7 @@ def flip_bytes(path: Path, start: int, count: int) -> None:
 
 
 # Each damage changes the copy and returns what the error line must mention.
+
 
 def remove_rank_1(folder: Path, checkpoints) -> list:
     victim = rank_file(folder, 1)
@@ -281,7 +289,6 @@ class Damage:
     apply: Callable[[Path, object], list]
 
 
-
 DAMAGES = {
     "missing rank file": Damage("w2-llama", remove_rank_1),
     "two world sizes": Damage("w2-llama", add_a_rank_file_of_another_world_size),
@@ -316,6 +323,7 @@ def damaged_copy(checkpoints, tmp_path: Path, name: str) -> tuple[Path, list]:
 
 # --- damaged checkpoints ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", DAMAGE_CASES)
 def test_damaged_checkpoint_is_refused_by_the_cli(checkpoints, tmp_path, name):
     folder, mentions = damaged_copy(checkpoints, tmp_path, name)
@@ -341,6 +349,7 @@ def test_damaged_checkpoint_leaves_an_existing_output_alone_even_with_overwrite(
 
 
 # --- folders that are not checkpoints ---------------------------------------------------------
+
 
 def test_empty_folder(tmp_path):
     (tmp_path / "ckpt").mkdir()
@@ -369,6 +378,7 @@ def test_path_that_is_a_file(checkpoints, tmp_path):
 
 
 # --- the output folder ------------------------------------------------------------------------
+
 
 def test_existing_output_folder_is_refused_and_left_untouched(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -449,12 +459,20 @@ def test_output_parent_that_is_a_file(checkpoints, tmp_path):
     assert (tmp_path / "no").read_text() == "a file"
 
 
-@pytest.mark.parametrize("spelling,overwrite", [
-    ("same", ()), ("same", ("--overwrite",)), ("trailing slash", ("--overwrite",)), ("dot segments", ("--overwrite",)),
-])
+@pytest.mark.parametrize(
+    "spelling,overwrite",
+    [
+        ("same", ()),
+        ("same", ("--overwrite",)),
+        ("trailing slash", ("--overwrite",)),
+        ("dot segments", ("--overwrite",)),
+    ],
+)
 def test_output_equal_to_the_checkpoint_folder(checkpoints, tmp_path, spelling, overwrite):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
-    out = {"same": str(folder), "trailing slash": f"{folder}/", "dot segments": f"{folder}/../{folder.name}/."}[spelling]
+    out = {"same": str(folder), "trailing slash": f"{folder}/", "dot segments": f"{folder}/../{folder.name}/."}[
+        spelling
+    ]
     before = tree_digest(folder)
     line = the_error_line(run_cli("merge", folder, "--out", out, *overwrite))
     assert_mentions(line, ["would replace or contain the checkpoint folder", folder])
@@ -484,6 +502,7 @@ def test_output_equal_to_the_checkpoint_folder_through_a_symlink(checkpoints, tm
 
 # --- options ----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def w2_copy(checkpoints, tmp_path) -> Path:
     return copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -509,8 +528,11 @@ def test_bad_max_shard_size_api(w2_copy, tmp_path, size):
     api_refuses(w2_copy, tmp_path / "merged", max_shard_size=size, mentions=[f"max_shard_size={size!r}"])
 
 
-@pytest.mark.parametrize("argv", [("merge", "{src}"), ("merge", "{src}", "--out", "{out}", "--max-shard-size", "-1GB")],
-                         ids=["no --out", "value looks like an option"])
+@pytest.mark.parametrize(
+    "argv",
+    [("merge", "{src}"), ("merge", "{src}", "--out", "{out}", "--max-shard-size", "-1GB")],
+    ids=["no --out", "value looks like an option"],
+)
 def test_command_line_mistakes_are_one_line_too(w2_copy, tmp_path, argv):
     result = run_cli(*(arg.format(src=w2_copy, out=tmp_path / "merged") for arg in argv))
     the_error_line(result)
@@ -519,21 +541,29 @@ def test_command_line_mistakes_are_one_line_too(w2_copy, tmp_path, argv):
 
 def test_one_line_even_without_the_native_extension(tmp_path):
     # As on a machine where the extension was not built: importing its modules fails.
-    hide_extension = ("import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
-                      "from fsdpfast.cli import main; sys.exit(main())")
+    hide_extension = (
+        "import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
+        "from fsdpfast.cli import main; sys.exit(main())"
+    )
     result = subprocess.run(
         [sys.executable, "-c", hide_extension, "merge", str(tmp_path / "nowhere"), "--out", str(tmp_path / "merged")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert_mentions(the_error_line(result), ["no such folder"])
 
 
 def test_unknown_layout(w2_copy, tmp_path):
-    cli_refuses(w2_copy, tmp_path / "merged", "--layout", "deepspeed", mentions=["'deepspeed'", "fsdp-ranks", "guide-ranks"])
+    cli_refuses(
+        w2_copy, tmp_path / "merged", "--layout", "deepspeed", mentions=["'deepspeed'", "fsdp-ranks", "guide-ranks"]
+    )
 
 
 def test_layout_with_no_files_in_the_folder(w2_copy, tmp_path):
-    cli_refuses(w2_copy, tmp_path / "merged", "--layout", "guide-ranks", mentions=[w2_copy, "guide-ranks", "model_pt_rank_"])
+    cli_refuses(
+        w2_copy, tmp_path / "merged", "--layout", "guide-ranks", mentions=[w2_copy, "guide-ranks", "model_pt_rank_"]
+    )
 
 
 def test_unknown_engine(w2_copy, tmp_path):

@@ -1,5 +1,6 @@
 """What a user reads: --help (layouts, examples, every option explained), the Python API's errors
 and docstrings, sizes and counts in summaries, and exit statuses that a closed pipe cannot change."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from test_bad_input import run_cli
 
 import fsdpfast
 from fsdpfast import readers
@@ -18,19 +20,24 @@ from fsdpfast.dtypes import TARGET_ALIASES
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.io.stored import read_folder
 from fsdpfast.wording import count, size
-from test_bad_input import run_cli
 
 VERBS = ("merge", "inspect", "verify", "demo")
 
 
 def help_text(*verb: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", *verb, "--help"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "200"})
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", *verb, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 # --- --help -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("verb", ["merge", "inspect", "verify"])
 def test_layout_help_names_every_layout(verb):
@@ -81,11 +88,14 @@ def test_dtype_spellings_are_exactly_those_the_help_lists(w2_folder, tmp_path):
     assert listed == set(TARGET_ALIASES), line
     for spelling in ("half", "float", "BF16", "Float32", " bf16"):
         result = run_cli("merge", w2_folder, "--out", tmp_path / "out", "--dtype", spelling)
-        assert result.returncode == EXIT_BAD_INPUT and f"--dtype {spelling!r} is not one of" in result.stderr, result.stderr
+        assert result.returncode == EXIT_BAD_INPUT and f"--dtype {spelling!r} is not one of" in result.stderr, (
+            result.stderr
+        )
     assert not (tmp_path / "out").exists()
 
 
 # --- the Python face ------------------------------------------------------------------------
+
 
 @pytest.fixture
 def w2_folder(checkpoints) -> str:
@@ -99,27 +109,41 @@ def test_errors_are_exported_and_bad_input_is_a_value_error():
     assert {"FsdpfastError", "BadInput", "UnsafeCheckpoint", "SourceChanged"} <= set(fsdpfast.__all__)
 
 
-@pytest.mark.parametrize("argument, value, cli, api", [
-    ("dtype", "fp8", ["--dtype", "fp8"], "dtype='fp8' is not one of"),
-    ("max_shard_size", "5XB", ["--max-shard-size", "5XB"], "max_shard_size='5XB' is not a size"),
-    ("engine", "warp", ["--engine", "warp"], "engine='warp' is not one of"),
-    ("layout", "fsdp9", ["--layout", "fsdp9"], "layout='fsdp9' is not a known layout"),
-    ("tag", "global_step1", ["--tag", "global_step1"], "the tag argument applies to deepspeed-zero checkpoints"),
-])
+@pytest.mark.parametrize(
+    "argument, value, cli, api",
+    [
+        ("dtype", "fp8", ["--dtype", "fp8"], "dtype='fp8' is not one of"),
+        ("max_shard_size", "5XB", ["--max-shard-size", "5XB"], "max_shard_size='5XB' is not a size"),
+        ("engine", "warp", ["--engine", "warp"], "engine='warp' is not one of"),
+        ("layout", "fsdp9", ["--layout", "fsdp9"], "layout='fsdp9' is not a known layout"),
+        ("tag", "global_step1", ["--tag", "global_step1"], "the tag argument applies to deepspeed-zero checkpoints"),
+    ],
+)
 def test_messages_name_options_as_each_face_takes_them(w2_folder, tmp_path, argument, value, cli, api):
     with pytest.raises(ValueError) as caught:
         fsdpfast.merge(w2_folder, tmp_path / "out", **{argument: value})
     assert api in str(caught.value) and "--" not in str(caught.value), str(caught.value)
     result = run_cli("merge", w2_folder, "--out", tmp_path / "out", *cli)
     flag = cli[0]
-    assert result.returncode == EXIT_BAD_INPUT and flag in result.stderr and f"{argument}=" not in result.stderr, result.stderr
+    assert result.returncode == EXIT_BAD_INPUT and flag in result.stderr and f"{argument}=" not in result.stderr, (
+        result.stderr
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_help_on_the_package_explains_it():
     text = pydoc.render_doc(fsdpfast, renderer=pydoc.plaintext)
-    for needed in ("merge(src, dst", "verify(out_dir", "inspect(src", "plan_merge(src", "BadInput", "ValueError",
-                   "exclude_frozen", "max_shard_size", "fsdpfast merge|inspect|verify|demo --help"):
+    for needed in (
+        "merge(src, dst",
+        "verify(out_dir",
+        "inspect(src",
+        "plan_merge(src",
+        "BadInput",
+        "ValueError",
+        "exclude_frozen",
+        "max_shard_size",
+        "fsdpfast merge|inspect|verify|demo --help",
+    ):
         assert needed in text, needed
     for function in (fsdpfast.merge, fsdpfast.verify, fsdpfast.inspect, fsdpfast.plan_merge):
         assert function.__doc__ and len(function.__doc__.splitlines()) > 1, function.__name__
@@ -127,11 +151,25 @@ def test_help_on_the_package_explains_it():
 
 # --- sizes and counts -------------------------------------------------------------------------
 
+
 def test_sizes_and_counts_read_right():
-    assert [size(n) for n in (0, 999, 1000, 1499, 9995, 99_950, 999_500, 26_400_000, 3_810_000_000)] == \
-        ["0 B", "999 B", "1.00 KB", "1.50 KB", "10.0 KB", "100 KB", "1.00 MB", "26.4 MB", "3.81 GB"]
-    assert [count(1, "file"), count(2, "file"), count(0, "rank"), count(1, "mismatch", "mismatches")] == \
-        ["1 file", "2 files", "0 ranks", "1 mismatch"]
+    assert [size(n) for n in (0, 999, 1000, 1499, 9995, 99_950, 999_500, 26_400_000, 3_810_000_000)] == [
+        "0 B",
+        "999 B",
+        "1.00 KB",
+        "1.50 KB",
+        "10.0 KB",
+        "100 KB",
+        "1.00 MB",
+        "26.4 MB",
+        "3.81 GB",
+    ]
+    assert [count(1, "file"), count(2, "file"), count(0, "rank"), count(1, "mismatch", "mismatches")] == [
+        "1 file",
+        "2 files",
+        "0 ranks",
+        "1 mismatch",
+    ]
 
 
 def test_small_model_summaries(w2_folder, tmp_path):
@@ -142,16 +180,19 @@ def test_small_model_summaries(w2_folder, tmp_path):
     dry = run_cli("merge", w2_folder, "--out", tmp_path / "dry", "--dry-run")
     assert f", {size(data)} in 1 file; nothing written" in dry.stdout.splitlines()[0], dry.stdout
     found = run_cli("inspect", w2_folder)
-    assert f"2 ranks" in found.stdout and f"{size(data)}, 2 files" in found.stdout.splitlines()[0], found.stdout
+    assert "2 ranks" in found.stdout and f"{size(data)}, 2 files" in found.stdout.splitlines()[0], found.stdout
 
 
 # --- verify ---------------------------------------------------------------------------------
+
 
 def test_verify_counts_each_byte_once_whatever_the_checks(w2_folder, tmp_path):
     fsdpfast.merge(w2_folder, tmp_path / "out")
     fsdpfast.merge(w2_folder, tmp_path / "again")
     data = sum(t.nbytes for t in read_folder(str(tmp_path / "out")).values())
-    report = fsdpfast.verify(tmp_path / "out", against=w2_folder, manifest_of=tmp_path / "again", reference=tmp_path / "again")
+    report = fsdpfast.verify(
+        tmp_path / "out", against=w2_folder, manifest_of=tmp_path / "again", reference=tmp_path / "again"
+    )
     assert report.ok and len(report.checks) == 3, report.checks
     assert report.bytes_checked == data
     assert f"{size(data)} checked" in report.summary()
@@ -162,8 +203,13 @@ def closed_pipe_run(*args) -> subprocess.CompletedProcess:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "fsdpfast", *map(str, args)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
     finally:
         os.close(write_end)
 

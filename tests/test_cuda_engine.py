@@ -1,14 +1,15 @@
 """The CUDA ops and engine equal torch's CPU Tensor.to() bit for bit (skipped without a GPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_native_convert import PAIRS, _name, assert_same_bits, every_16bit_value, float32_specials, torch_reference
 
 import fsdpfast
 from fsdpfast import _ops
 from fsdpfast.io.sources import SourceFiles
 from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
-from test_native_convert import PAIRS, _name, assert_same_bits, every_16bit_value, float32_specials, torch_reference
 
 pytestmark = pytest.mark.skipif(not _ops.native_cuda(), reason="needs the CUDA ops and a GPU")
 
@@ -17,8 +18,10 @@ def device_convert(x: torch.Tensor, to: torch.dtype) -> torch.Tensor:
     src = x.view(torch.uint8).cuda()
     out_size = torch.empty(0, dtype=to).element_size()
     out = torch.empty(x.numel() * out_size, dtype=torch.uint8, device="cuda")
-    plan = torch.tensor([[0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(to)), x.element_size(), out_size,
-                          0, x.numel(), 0, 1, 0, 0]], dtype=torch.int64)
+    plan = torch.tensor(
+        [[0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(to)), x.element_size(), out_size, 0, x.numel(), 0, 1, 0, 0]],
+        dtype=torch.int64,
+    )
     _ops.gather_convert([src], [out], plan)
     return out.cpu().view(to)
 
@@ -42,8 +45,25 @@ def test_device_kernel_on_views_at_odd_byte_offsets(source, target):
     src = torch.zeros(x.numel() * x.element_size() + 1, dtype=torch.uint8, device="cuda")
     src[1:] = x.view(torch.uint8).cuda()
     out = torch.zeros(x.numel() * out_size + 3, dtype=torch.uint8, device="cuda")
-    plan = torch.tensor([[0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(target)), x.element_size(), out_size,
-                          0, x.numel(), 0, 1, 0, 0]], dtype=torch.int64)
+    plan = torch.tensor(
+        [
+            [
+                0,
+                0,
+                _ops.code(_name(x.dtype)),
+                _ops.code(_name(target)),
+                x.element_size(),
+                out_size,
+                0,
+                x.numel(),
+                0,
+                1,
+                0,
+                0,
+            ]
+        ],
+        dtype=torch.int64,
+    )
     _ops.gather_convert([src[1:]], [out[3:]], plan)
     assert_same_bits(out[3:].cpu().view(target), torch_reference(x, target), x)
     assert out[:3].cpu().tolist() == [0, 0, 0]
@@ -95,5 +115,6 @@ def test_cuda_engine_merge_is_byte_identical_to_torch_engine(checkpoints, tmp_pa
     fsdpfast.merge(folder, tmp_path / "torch", dtype=dtype, engine="torch")
     report = fsdpfast.merge(folder, tmp_path / "cuda", dtype=dtype, engine="cuda")
     assert report.engine == "cuda"
-    assert (tmp_path / "torch" / "model.safetensors").read_bytes() == (tmp_path / "cuda" / "model.safetensors").read_bytes()
-
+    assert (tmp_path / "torch" / "model.safetensors").read_bytes() == (
+        tmp_path / "cuda" / "model.safetensors"
+    ).read_bytes()

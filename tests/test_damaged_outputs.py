@@ -5,6 +5,7 @@ verify: a damaged output header or own manifest is a failed check (exit 3, one m
 damaged --reference or --manifest file is bad input (exit 2, one line on stderr). Readers of
 safetensors inputs refuse a header length over safetensors' 100 MB limit before reading it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import copy_checkpoint
 
 import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH, BadInput
 from fsdpfast.manifest import MANIFEST_NAME
-from helpers import copy_checkpoint
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"  # float32 (64, 64) in the tiny llama
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ HEADERS = {
     "shape not its bytes": lambda h: with_entry(h, shape=[100]),  # 400 bytes over a 16384-byte range
     "a negative dimension": lambda h: with_entry(h, shape=[-64, -64]),
     "an entry that is a string": lambda h: {**h, WEIGHT: "F32"},
-    "not JSON": lambda h: b"{\"a\": ",
+    "not JSON": lambda h: b'{"a": ',
     "nested too deeply": lambda h: b"[" * 100_000 + b"]" * 100_000,
 }
 
@@ -97,7 +100,9 @@ def test_a_damaged_output_header_is_one_mismatch_line(merged, tmp_path, damage):
     out = damaged_copy(good, tmp_path)
     rewrite_header(out / "model.safetensors", HEADERS[damage])
     # The headers are checked before any comparison (these two used to reach the kernels or compare wrong lengths).
-    comparisons = [["--against", folder], ["--reference", good]] if damage in ("string offsets", "shape not its bytes") else []
+    comparisons = (
+        [["--against", folder], ["--reference", good]] if damage in ("string offsets", "shape not its bytes") else []
+    )
     for options in [[], *comparisons]:
         assert_one_mismatch_line(run_cli("verify", out, *options), "model.safetensors")
 
@@ -123,6 +128,7 @@ _DROP = object()
 
 def _edit(*path, value=_DROP):
     """Set (or drop) the field at `path` in the manifest; "WEIGHT" stands for the q_proj weight's name."""
+
     def edit(manifest):
         keys = [WEIGHT if key == "WEIGHT" else key for key in path]
         node = manifest
@@ -133,11 +139,12 @@ def _edit(*path, value=_DROP):
         else:
             node[keys[-1]] = value
         return manifest
+
     return edit
 
 
 MANIFESTS = {
-    "not JSON": lambda m: b"{\"tensors\": {",
+    "not JSON": lambda m: b'{"tensors": {',
     "nested too deeply": lambda m: b"[" * 100_000 + b"]" * 100_000,
     "a JSON list": lambda m: [m],
     "tensors is a list": _edit("tensors", value=[]),
@@ -181,6 +188,7 @@ def test_the_untouched_merge_still_verifies(merged):
 
 
 # --- an oversized header length in safetensors inputs --------------------------------------------
+
 
 @pytest.mark.parametrize("name,pattern", [("w3-dcp-safetensors", "__0_0.distcp"), ("w2-dcp-hf", "*.safetensors")])
 def test_a_reader_refuses_an_oversized_header_length_without_reading_it(checkpoints, tmp_path, name, pattern):

@@ -1,4 +1,5 @@
 """DCP folders (torch.distributed.checkpoint.save) merge bit for bit like torch's own converter."""
+
 from __future__ import annotations
 
 import os
@@ -7,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from helpers import copy_checkpoint, load_reference, read_merged
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdpfast
 from fsdpfast.errors import BadInput
-from helpers import copy_checkpoint, load_reference, read_merged
 
 # torch's dcp_to_torch_save reads torch.save-serialised .distcp files only; the safetensors kind
 # ("w3-dcp-safetensors") is checked against the unsharded model in test_merge_fsdp2 like every spec.
@@ -32,7 +33,9 @@ def test_equals_torch_dcp_to_torch_save(checkpoints, tmp_path, name, dtype):
     assert set(merged) == set(oracle) - tied
     for key, got in merged.items():
         want = oracle[key].to(torch.bfloat16) if dtype == "bf16" and oracle[key].is_floating_point() else oracle[key]
-        assert got.dtype == want.dtype and torch.equal(got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), key
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+        ), key
 
 
 def test_nested_checkpoint_reports_the_optimizer_it_skips(checkpoints, tmp_path):
@@ -52,7 +55,9 @@ def test_prefix_chooses_the_part_and_rejects_unknown_ones(checkpoints, tmp_path)
 
 
 def _refused(folder, out) -> str:
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out)], capture_output=True, text=True
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("fsdpfast: error: ")
     assert not out.exists()
@@ -99,11 +104,11 @@ def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
     shard = folder / "__1_0.distcp"
     raw = shard.read_bytes()
     size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8: 8 + size])
+    header = json.loads(raw[8 : 8 + size])
     victim = next(k for k in header if k != "__metadata__")
     header["x" + victim[1:]] = header.pop(victim)  # same length, another name
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (size - len(text))
     assert len(text) == size  # the renamed header still fits in place
-    shard.write_bytes(raw[:8] + text + raw[8 + size:])
+    shard.write_bytes(raw[:8] + text + raw[8 + size :])
     assert f"holds no tensor {victim}" in _refused(folder, tmp_path / "out")

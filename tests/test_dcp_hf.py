@@ -1,4 +1,5 @@
 """HuggingFaceStorageWriter folders merge bit for bit like torch's own consolidate_safetensors_files."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
 from safetensors import safe_open
+from test_bad_input import cli_refuses
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
 import fsdpfast
-from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
-from test_bad_input import cli_refuses
 
 SPECS = ["w2-dcp-hf", "w2-dcp-hf-split-dim1", "w4-dcp-hf-hsdp-tied-bf16"]
 
@@ -38,13 +39,16 @@ def test_equals_torch_consolidate_safetensors_files(checkpoints, tmp_path, name,
     report = fsdpfast.merge(folder, tmp_path / "merged", dtype=dtype)
     assert report.layout == "dcp-hf"
     _, tied = load_reference(spec.reference_path(checkpoints.root))
-    assert_bit_exact(read_merged(tmp_path / "merged"), oracle, dtype=torch.bfloat16 if dtype == "bf16" else None, tied=tied)
+    assert_bit_exact(
+        read_merged(tmp_path / "merged"), oracle, dtype=torch.bfloat16 if dtype == "bf16" else None, tied=tied
+    )
 
 
 def test_split_writer_output_has_one_file_per_rank_and_model_file(checkpoints):
     _, folder = checkpoints.get("w2-dcp-hf-split-dim1")
     assert sorted(p.name for p in Path(folder).glob("*.safetensors")) == [
-        f"shard-0000{s}-model-0000{m}-of-00002.safetensors" for s in (1, 2) for m in (1, 2)]
+        f"shard-0000{s}-model-0000{m}-of-00002.safetensors" for s in (1, 2) for m in (1, 2)
+    ]
     assert not os.path.exists(os.path.join(folder, ".metadata"))  # the writer records the sharding nowhere else
 
 
@@ -77,19 +81,30 @@ def test_missing_model_file(checkpoints, tmp_path):
     cli_refuses(folder, tmp_path / "out", mentions=["shard-*-model-00002-of-00002.safetensors is missing"])
 
 
-@pytest.mark.parametrize("name,last", [("w2-dcp-hf", "shard-00002-model-00001-of-00001.safetensors"),
-                                       ("w2-dcp-hf-split-dim1", "shard-00002-model-*-of-00002.safetensors")])
+@pytest.mark.parametrize(
+    "name,last",
+    [
+        ("w2-dcp-hf", "shard-00002-model-00001-of-00001.safetensors"),
+        ("w2-dcp-hf-split-dim1", "shard-00002-model-*-of-00002.safetensors"),
+    ],
+)
 def test_missing_last_shard_file_is_caught_by_the_config(checkpoints, tmp_path, name, last):
     """No gap in the numbering is left, so only the config can tell the embeddings came out too small."""
     folder = copy_checkpoint(checkpoints, name, tmp_path)
     for path in folder.glob(last):
         path.unlink()
-    cli_refuses(folder, tmp_path / "out", mentions=["model.embed_tokens.weight", "vocab_size", "a shard file is missing"])
+    cli_refuses(
+        folder, tmp_path / "out", mentions=["model.embed_tokens.weight", "vocab_size", "a shard file is missing"]
+    )
     config = tmp_path / "config"
     shutil.move(folder / "huggingface", config)  # --config is checked the same way
-    cli_refuses(folder, tmp_path / "out", "--config", config, mentions=["model.embed_tokens.weight", "a shard file is missing"])
+    cli_refuses(
+        folder, tmp_path / "out", "--config", config, mentions=["model.embed_tokens.weight", "a shard file is missing"]
+    )
     found = fsdpfast.inspect(folder)  # without any config.json the plan says what it could not check
-    assert any("a missing last shard file cannot be detected" in note and "no config.json" in note for note in found["notes"])
+    assert any(
+        "a missing last shard file cannot be detected" in note and "no config.json" in note for note in found["notes"]
+    )
 
 
 def test_plan_says_the_shapes_were_checked(checkpoints):
@@ -111,16 +126,16 @@ def rewrite_header(shard: Path, old: str, new: str) -> None:
     assert len(old) == len(new)
     raw = shard.read_bytes()
     size = int.from_bytes(raw[:8], "little")
-    header = raw[8:8 + size].decode()
+    header = raw[8 : 8 + size].decode()
     assert header.count(old) == 1, old
-    shard.write_bytes(raw[:8] + header.replace(old, new).encode() + raw[8 + size:])
+    shard.write_bytes(raw[:8] + header.replace(old, new).encode() + raw[8 + size :])
 
 
 def test_shape_that_disagrees_with_the_data_offsets(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-dcp-hf", tmp_path)
     shard = folder / "shard-00001-model-00001-of-00001.safetensors"
     entry = '"model.embed_tokens.weight":{"dtype":"F32","shape":[5'  # rows 0-50 of the embedding
-    rewrite_header(shard, entry + '1,64]', entry + '0,64]')
+    rewrite_header(shard, entry + "1,64]", entry + "0,64]")
     cli_refuses(folder, tmp_path / "out", mentions=[shard.name, "model.embed_tokens.weight", "data_offsets", "corrupt"])
 
 
@@ -128,16 +143,22 @@ def test_shape_that_disagrees_with_the_data_offsets(checkpoints, tmp_path):
 def test_saved_offsets_that_disagree_with_the_shapes(checkpoints, tmp_path, offsets, problem):
     folder = copy_checkpoint(checkpoints, "w2-dcp-hf", tmp_path)
     shard = folder / "shard-00002-model-00001-of-00001.safetensors"  # rows 51-100 of the embedding
-    rewrite_header(shard, 'embed_tokens.weight\\": {\\"saved_offsets\\": [51, 0]',
-                   f'embed_tokens.weight\\": {{\\"saved_offsets\\": {offsets}')
+    rewrite_header(
+        shard,
+        'embed_tokens.weight\\": {\\"saved_offsets\\": [51, 0]',
+        f'embed_tokens.weight\\": {{\\"saved_offsets\\": {offsets}',
+    )
     cli_refuses(folder, tmp_path / "out", mentions=["model.embed_tokens.weight", problem])
 
 
 def test_hole_and_overlap_that_add_up_are_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-dcp-hf", tmp_path)
     shard = folder / "shard-00001-model-00001-of-00001.safetensors"  # rows 0-50 moved down by one
-    rewrite_header(shard, 'embed_tokens.weight\\": {\\"saved_offsets\\": [0, 0]',
-                   'embed_tokens.weight\\": {\\"saved_offsets\\": [1, 0]')
+    rewrite_header(
+        shard,
+        'embed_tokens.weight\\": {\\"saved_offsets\\": [0, 0]',
+        'embed_tokens.weight\\": {\\"saved_offsets\\": [1, 0]',
+    )
     cli_refuses(folder, tmp_path / "out", mentions=["model.embed_tokens.weight", "overlaps"])
 
 

@@ -5,6 +5,7 @@ master weights gathered from the live engine, and DeepSpeed's own zero_to_fp32 o
 Where zero_to_fp32 has gaps (stage 1 drops frozen parameters; its safetensors export fails on tied
 weights) the tests show what fsdpfast does instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,11 @@ import sys
 
 import pytest
 import torch
+from deepspeed_checkpoints import DS_SPECS
+from helpers import assert_bit_exact, bits, read_merged
 
 import fsdpfast
-from deepspeed_checkpoints import DS_SPECS
 from fsdpfast.testing.deepspeed_examples import FROZEN
-from helpers import assert_bit_exact, bits, read_merged
 
 BUFFER = "fsdpfast_probe_buffer"
 
@@ -30,8 +31,14 @@ def load(path: str) -> dict:
 def merged_and_refs(deepspeed_checkpoints, name: str, tmp_path, **options):
     spec, root = deepspeed_checkpoints.get(name)
     report = fsdpfast.merge(root, tmp_path / "out", **options)
-    return spec, root, report, read_merged(str(tmp_path / "out")), load(spec.reference_path(deepspeed_checkpoints.root)), \
-        load(spec.oracle_path(deepspeed_checkpoints.root))
+    return (
+        spec,
+        root,
+        report,
+        read_merged(str(tmp_path / "out")),
+        load(spec.reference_path(deepspeed_checkpoints.root)),
+        load(spec.oracle_path(deepspeed_checkpoints.root)),
+    )
 
 
 @pytest.mark.parametrize("name", DS_SPECS)
@@ -60,7 +67,9 @@ def test_merge_is_bit_exact_against_the_engine_and_zero_to_fp32(deepspeed_checkp
 
 
 def test_tied_weights_written_once_where_zero_to_fp32_safetensors_fails(deepspeed_checkpoints, tmp_path):
-    spec, _, report, merged, reference, oracle = merged_and_refs(deepspeed_checkpoints, "ds-w2-z3-fp32-tied-frozen", tmp_path)
+    spec, _, report, merged, reference, oracle = merged_and_refs(
+        deepspeed_checkpoints, "ds-w2-z3-fp32-tied-frozen", tmp_path
+    )
     assert "share memory" in oracle["safetensors_error"]  # DeepSpeed's own export refuses the tie
     assert "lm_head.weight" not in merged and report.tied == {"model.embed_tokens.weight": ["lm_head.weight"]}
     # the tie came from the checkpoint's shared_params, not from config.json's tie_word_embeddings
@@ -78,7 +87,9 @@ def test_untied_checkpoints_export_with_zero_to_fp32_too(deepspeed_checkpoints):
 
 
 def test_cast_to_bf16(deepspeed_checkpoints, tmp_path):
-    _, _, _, merged, reference, _ = merged_and_refs(deepspeed_checkpoints, "ds-w3-z3-bf16-frozen", tmp_path, dtype="bf16")
+    _, _, _, merged, reference, _ = merged_and_refs(
+        deepspeed_checkpoints, "ds-w3-z3-bf16-frozen", tmp_path, dtype="bf16"
+    )
     assert_bit_exact(merged, reference["state_dict"], dtype=torch.bfloat16)
 
 
@@ -103,7 +114,9 @@ def test_tag_picks_the_older_checkpoint(deepspeed_checkpoints, tmp_path):
 
 def test_inspect_shows_stage_world_size_and_tag(deepspeed_checkpoints):
     _, root = deepspeed_checkpoints.get("ds-w3-z3-bf16-frozen")
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "inspect", root], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "inspect", root], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert "layout deepspeed-zero, 3 ranks" in result.stdout
     assert "ZeRO stage 3, tag global_step1 (named by `latest`)" in result.stdout and "bf16 training" in result.stdout
@@ -113,8 +126,10 @@ def test_inspect_shows_stage_world_size_and_tag(deepspeed_checkpoints):
     assert found["world_size"] == 2 and "ZeRO stage 2, tag first (the tag argument)" in found["notes"][0]
     # the fp32 partitions are read in place from the optimizer files, the rest from the model states
     assert {p.rsplit("/", 1)[-1] for p in found["source_files"]} == {
-        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-        "mp_rank_00_model_states.pt"}
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt",
+    }
 
 
 def test_plan_never_reads_the_adam_moments(deepspeed_checkpoints):
@@ -140,8 +155,12 @@ sys.exit(code)
 
 def test_merges_without_deepspeed_importable(deepspeed_checkpoints, tmp_path):
     spec, root = deepspeed_checkpoints.get("ds-w4-z3-bf16-tied")
-    result = subprocess.run([sys.executable, "-c", NO_DEEPSPEED, "merge", root, "--out", str(tmp_path / "out"), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", NO_DEEPSPEED, "merge", root, "--out", str(tmp_path / "out"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["layout"] == "deepspeed-zero"
     reference = load(spec.reference_path(deepspeed_checkpoints.root))
@@ -153,7 +172,9 @@ FROZEN_SPECS = [name for name, (_, spec) in DS_SPECS.items() if spec.frozen]
 
 @pytest.mark.parametrize("name", FROZEN_SPECS)
 def test_exclude_frozen_matches_zero_to_fp32_exclude_frozen_parameters(deepspeed_checkpoints, name, tmp_path):
-    spec, root, report, merged, reference, oracle = merged_and_refs(deepspeed_checkpoints, name, tmp_path, exclude_frozen=True)
+    spec, root, report, merged, reference, oracle = merged_and_refs(
+        deepspeed_checkpoints, name, tmp_path, exclude_frozen=True
+    )
     converted = oracle["excluding_frozen"]  # zero_to_fp32 with exclude_frozen_parameters=True
     assert converted is not None and not set(FROZEN) & set(converted)
     assert set(merged) == set(converted) - set(reference["tied"])  # the same tensors, tied ones written once
@@ -164,14 +185,18 @@ def test_exclude_frozen_matches_zero_to_fp32_exclude_frozen_parameters(deepspeed
         assert got.dtype == want.dtype and torch.equal(bits(got), bits(want)), tensor_name
     kept = {k: v for k, v in reference["state_dict"].items() if k not in FROZEN}
     assert_bit_exact(merged, kept, tied=reference["tied"])  # and the engine's own values
-    assert any(f"{len(FROZEN)} frozen parameters left out (exclude_frozen=True)" in note for note in report.notes), report.notes
+    assert any(f"{len(FROZEN)} frozen parameters left out (exclude_frozen=True)" in note for note in report.notes), (
+        report.notes
+    )
     # the manifest records the option: verify --against recomputes without them, and finds the output whole
     assert fsdpfast.verify(tmp_path / "out", against=root).ok
 
 
 def test_exclude_frozen_on_the_command_line(deepspeed_checkpoints, tmp_path):
     _, root = deepspeed_checkpoints.get("ds-w3-z3-bf16-frozen")
-    run = lambda *args: subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
     merged = run("merge", root, "--out", tmp_path / "out", "--exclude-frozen", "--json")
     assert merged.returncode == 0, merged.stderr
     assert not set(FROZEN) & set(read_merged(str(tmp_path / "out")))
@@ -189,7 +214,11 @@ def test_exclude_frozen_applies_to_deepspeed_only(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     with pytest.raises(fsdpfast.BadInput, match="the exclude_frozen argument applies to deepspeed-zero checkpoints"):
         fsdpfast.merge(folder, tmp_path / "out", exclude_frozen=True)
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--exclude-frozen"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--exclude-frozen"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "--exclude-frozen applies to deepspeed-zero checkpoints" in result.stderr
     assert not (tmp_path / "out").exists()

@@ -3,22 +3,23 @@
 Each case damages a private copy of a real checkpoint written by DeepSpeed (the session fixture):
 files removed or cut, `latest` rewritten, model states edited with real torch, pickles tampered with.
 """
+
 from __future__ import annotations
 
 import shutil
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-
-import fsdpfast
-from fsdpfast.errors import UnsafeCheckpoint
 from helpers import assert_bit_exact, copy_checkpoint, read_merged
 from test_bad_input import api_refuses, cli_refuses
 from test_unsafe_pickles import payload_bytes, rewrite_data_pkl
+
+import fsdpfast
+from fsdpfast.errors import UnsafeCheckpoint
 
 Z2 = "ds-w2-z2-bf16-frozen-tags"  # root: latest -> global_step2, and an older tag `first`
 Z3 = "ds-w2-z3-fp32-tied-frozen"
@@ -36,8 +37,11 @@ def optim_file(root: Path, rank: int) -> Path:
 
 
 def model_states(root: Path, rank: int = 0) -> Path:
-    (path,) = [p for p in tag_dir(root).glob("*model_states.pt") if p.name in (
-        "mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")]
+    (path,) = [
+        p
+        for p in tag_dir(root).glob("*model_states.pt")
+        if p.name in ("mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    ]
     return path
 
 
@@ -61,6 +65,7 @@ def cut_in_half(path: Path) -> None:
 
 
 # Each damage changes the copy and returns what the error must mention.
+
 
 def remove_optim_rank_1(root: Path, others) -> list:
     victim = optim_file(root, 1)
@@ -117,13 +122,18 @@ def resize_q_proj_in_param_shapes(rows: int):
         victim = model_states(root)
         edit_model_states(victim, edit)
         return [victim, "param_shapes disagrees with the partitions"]
+
     return damage
 
 
 def shrink_a_stage3_frozen_piece(root: Path, others) -> list:
     victim = model_states(root, 1)
-    edit_model_states(victim, lambda whole: whole["frozen_param_fragments"].update(
-        {UP_PROJ: whole["frozen_param_fragments"][UP_PROJ][:-1].clone()}))
+    edit_model_states(
+        victim,
+        lambda whole: whole["frozen_param_fragments"].update(
+            {UP_PROJ: whole["frozen_param_fragments"][UP_PROJ][:-1].clone()}
+        ),
+    )
     return [victim, UP_PROJ, "partition sizes disagree"]
 
 
@@ -143,10 +153,12 @@ def model_states_as_optim_file(root: Path, others) -> list:
 
 def model_states_field(field: str, value):
     """A model-states entry of another type than DeepSpeed writes (a corrupt or foreign file)."""
+
     def damage(root: Path, others) -> list:
         victim = model_states(root)
         edit_model_states(victim, lambda whole: whole.update({field: value}))
         return [victim, field, "the file is corrupt"]
+
     return damage
 
 
@@ -155,6 +167,7 @@ def optim_states_field(field: str, value):
         victim = optim_file(root, 0)
         edit_optim_states(victim, lambda state: state.update({field: value}))
         return [victim, field, "the file is corrupt"]
+
     return damage
 
 
@@ -234,13 +247,18 @@ def test_tag_on_another_layout(tmp_path):
     folder.mkdir()
     for rank in range(2):
         (folder / f"model_world_size_2_rank_{rank}.pt").write_bytes(b"")
-    cli_refuses(folder, tmp_path / "out", "--tag", "global_step1", mentions=["--tag applies to deepspeed-zero", "fsdp-ranks"])
+    cli_refuses(
+        folder, tmp_path / "out", "--tag", "global_step1", mentions=["--tag applies to deepspeed-zero", "fsdp-ranks"]
+    )
 
 
 # --- tampered pickles: DeepSpeed's classes are allow-listed by exact name, nothing else runs ----
 
-@pytest.mark.parametrize("replacement", ["os\nsystem", "deepspeed.runtime.engine\nDeepSpeedEngine",
-                                         "deepspeed.runtime.fp16.loss_scaler\nLossScalerBase"])
+
+@pytest.mark.parametrize(
+    "replacement",
+    ["os\nsystem", "deepspeed.runtime.engine\nDeepSpeedEngine", "deepspeed.runtime.fp16.loss_scaler\nLossScalerBase"],
+)
 def test_tampered_class_in_an_optimizer_file_is_refused(deepspeed_checkpoints, tmp_path, replacement):
     _, root = deepspeed_checkpoints.get(Z2)
     copy = Path(shutil.copytree(root, tmp_path / "ckpt"))

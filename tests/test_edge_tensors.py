@@ -1,6 +1,7 @@
 """Edge tensors: zero-size, 0-d, unicode names, views into shared storage, non-contiguous pieces,
 and offsets past 4 GiB (sparse files keep those cheap).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bit_exact, bits, read_merged
 from safetensors import safe_open
+from test_bad_input import cli_refuses
 
 import fsdpfast
 from fsdpfast.execute.engines import select_engine
+from fsdpfast.execute.writer import write_file
 from fsdpfast.io.sources import SourceFiles
 from fsdpfast.plan.layout import OutputFile, plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
-from fsdpfast.execute.writer import write_file
-from helpers import assert_bit_exact, bits, read_merged
-from test_bad_input import cli_refuses
 
 ENGINES = ["cpu", "torch"]
 
 
 # --- a real FSDP2 checkpoint of odd tensors ---------------------------------------------------
+
 
 class OddTensors(torch.nn.Module):
     """Parameters FSDP2 shards (unicode names, zero rows, uneven rows) and buffers every rank holds whole."""
@@ -97,6 +99,7 @@ def _header(path: Path) -> dict:
 
 # --- views: shared storage, offsets, strides --------------------------------------------------
 
+
 def test_contiguous_views_into_one_storage_merge_bit_exact(tmp_path):
     # A fused qkv weight saved as three views of one storage (storage offsets 0, 16, 32).
     folder = tmp_path / "ckpt"
@@ -153,8 +156,11 @@ def test_a_tensor_stored_past_4_gib_of_the_file_is_read_from_the_right_offset(tm
     path = folder / "model_pt_rank_0.pt"
     big = torch.empty(5 * 2**30 // 4, dtype=torch.float32)  # never touched: no memory used
     weight = torch.arange(12, dtype=torch.float32).reshape(3, 4) - 5.5
-    payload = {"optimizer_state": {"exp_avg": big}, "state_dict": {"w": torch.empty(3, 4)},
-               "metadata": {"world_size": 1}}
+    payload = {
+        "optimizer_state": {"exp_avg": big},
+        "state_dict": {"w": torch.empty(3, 4)},
+        "metadata": {"world_size": 1},
+    }
     with torch.serialization.skip_data():
         torch.save(payload, path)
     if path.stat().st_blocks * 512 > 64 << 20:
@@ -222,6 +228,6 @@ def test_a_tensor_over_4_gib_merges_end_to_end(tmp_path):
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         big = f.get_slice("big")
         for i, element in enumerate(marks):
-            assert big[element: element + 1].item() == i + 0.5, element
-        assert big[12345: 12349].abs().sum().item() == 0
+            assert big[element : element + 1].item() == i + 0.5, element
+        assert big[12345:12349].abs().sum().item() == 0
         assert torch.equal(bits(f.get_tensor("tail")), bits(tail))

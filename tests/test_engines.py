@@ -1,4 +1,5 @@
 """Every engine writes the same bytes; the engine that ran is reported; missing ones fail cleanly."""
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,13 @@ def _record(path, seconds, gpu=None):
 def test_auto_follows_the_engine_measured_fastest_on_this_machine(checkpoints, tmp_path, monkeypatch):
     record = tmp_path / "measured.json"
     monkeypatch.setenv("FSDPFAST_MEASUREMENTS", str(record))
-    written = _record(record, {"copy": {"cpu": 2.0, "torch": 1.0},  # torch measured faster at keep
-                               "float32->bfloat16": {"cpu": 1.0, "torch": 0.97}})  # within the margin: cpu stays
+    written = _record(
+        record,
+        {
+            "copy": {"cpu": 2.0, "torch": 1.0},  # torch measured faster at keep
+            "float32->bfloat16": {"cpu": 1.0, "torch": 0.97},
+        },
+    )  # within the margin: cpu stays
     assert written["fastest"] == {"copy": "torch", "float32->bfloat16": "cpu"}
     assert select_engine("auto", "copy").name == "torch"
     assert select_engine("auto", "float32->bfloat16").name == "cpu"
@@ -115,8 +121,11 @@ def test_cuda_staging_is_sized_to_the_job():
 @pytest.mark.skipif(_ops.native_cuda(), reason="a GPU is visible")
 def test_cuda_engine_without_gpu_is_one_clear_error(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--engine", "cuda"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--engine", "cuda"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--engine 'cuda'" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -124,9 +133,9 @@ def test_cuda_engine_without_gpu_is_one_clear_error(checkpoints, tmp_path):
 
 def _write_with(engine, folder: str, dtype: str, out_dir) -> dict[str, bytes]:
     """Run layout + writer with a given engine object (to reach settings the API keeps fixed)."""
+    from fsdpfast.execute.writer import write_file
     from fsdpfast.io.sources import SourceFiles
     from fsdpfast.plan.layout import plan_files
-    from fsdpfast.execute.writer import write_file
 
     plan = fsdpfast.plan_merge(folder, dtype=dtype)
     out_dir.mkdir()
@@ -160,13 +169,19 @@ def test_native_file_writer_refuses_bad_plans_before_writing(tmp_path):
         write = _ops.native().gather_convert_to_file
         # a destination of 16 floats that the only row fills 15 of
         with pytest.raises(ValueError, match="gap"):
-            write([source], array("q", [0, 0, 0, 0, 4, 4, 0, 15, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64)
+            write(
+                [source], array("q", [0, 0, 0, 0, 4, 4, 0, 15, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64
+            )
         # a row reading past its source
         with pytest.raises(ValueError, match="reads past"):
-            write([source], array("q", [0, 0, 0, 0, 4, 4, 2, 16, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64)
+            write(
+                [source], array("q", [0, 0, 0, 0, 4, 4, 2, 16, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64
+            )
         # a conversion between codes the kernels do not know
         with pytest.raises(ValueError, match="unsupported conversion"):
-            write([source], array("q", [0, 0, 0, 7, 4, 4, 0, 16, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64)
+            write(
+                [source], array("q", [0, 0, 0, 7, 4, 4, 0, 16, 0, 1, 0, 0]), array("q", [0]), array("q", [64]), fd, 64
+            )
         assert os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
@@ -175,16 +190,23 @@ def test_native_file_writer_refuses_bad_plans_before_writing(tmp_path):
 def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tmp_path):
     # As on a machine where the extension was not built: importing its modules fails.
     _, folder = checkpoints.get("w2-tied-bf16")
-    hide_extension = ("import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
-                      "from fsdpfast.cli import main; sys.exit(main())")
-    result = subprocess.run([sys.executable, "-c", hide_extension, "merge", folder, "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True)
+    hide_extension = (
+        "import sys; sys.modules['fsdpfast._C'] = sys.modules['fsdpfast._native'] = None; "
+        "from fsdpfast.cli import main; sys.exit(main())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", hide_extension, "merge", folder, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert "with the torch engine" in result.stdout
     notes = [line for line in result.stderr.splitlines() if line.startswith("fsdpfast: note:")]
     assert len(notes) == 1 and "pure-torch engine" in notes[0]
     fsdpfast.merge(folder, tmp_path / "reference", engine="torch")
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "reference" / "model.safetensors").read_bytes()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "reference" / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
@@ -207,7 +229,9 @@ def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, 
     try:
         os.ftruncate(fd, len(expected))
         with SourceFiles([SourceBuffer(str(source), 4100, values.numel() * 4, "float32")]) as sources:
-            NativeCpuEngine(chunk_bytes=4 << 20).output(fd, len(expected)).write([PlacedTensor(tensor, 0, len(expected))], sources)
+            NativeCpuEngine(chunk_bytes=4 << 20).output(fd, len(expected)).write(
+                [PlacedTensor(tensor, 0, len(expected))], sources
+            )
     finally:
         os.close(fd)
     assert (tmp_path / "out.bin").read_bytes() == expected

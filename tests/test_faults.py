@@ -8,6 +8,7 @@ stop after the real call and wait: test-only wrapping in the child, nothing in f
 An interrupt (KeyboardInterrupt, as Ctrl-C and SIGTERM arrive) at each rename of the
 --overwrite swap is injected in-process the same way, by wrapping `os.rename`.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,13 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
+from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
 
 import fsdpfast
 from fsdpfast.cli import main
 from fsdpfast.errors import EXIT_FAILURE
 from fsdpfast.io.output_guard import STAGING_MARKER, lock_path
-from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
-from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
 
 # The real CLI, held after the first output file is written (`file`) or after the previous
 # OUT_DIR was moved aside by --overwrite (`swap`), until the test deletes the ready file.
@@ -69,7 +70,10 @@ class HeldMerge:
         env = {**os.environ, "FSDPFAST_TEST_READY": str(self.ready), "FSDPFAST_TEST_HOLD_AT": point}
         self.process = subprocess.Popen(
             [sys.executable, "-c", HELD_CLI, "merge", str(src), "--out", str(out), *map(str, options)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         deadline = time.monotonic() + 120
         while not self.ready.exists():
@@ -98,6 +102,7 @@ def staging_folders(out: Path) -> list[Path]:
 
 
 # --- killed mid-merge -------------------------------------------------------------------------
+
 
 def test_killed_mid_merge_leaves_no_output_and_the_next_run_cleans_up(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -214,6 +219,7 @@ def test_leftovers_that_are_not_our_own_are_never_removed(checkpoints, tmp_path)
 
 # --- two merges into one folder ---------------------------------------------------------------
 
+
 def test_a_second_merge_into_the_same_folder_is_refused_while_the_first_runs(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     before = tree_digest(folder)
@@ -241,10 +247,12 @@ def test_a_second_merge_into_the_same_folder_is_refused_while_the_first_runs(che
 
 # --- the disk fills up ------------------------------------------------------------------------
 
+
 def _limit_file_size(limit: int):
     def apply():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so writes past the limit fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 
@@ -264,7 +272,10 @@ def test_file_size_limit_during_the_write(checkpoints, tmp_path, engine):
     out = tmp_path / "merged"
     result = subprocess.run(
         [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), "--engine", engine],
-        capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size(64 << 10),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit_file_size(64 << 10),
     )
     assert_write_failure(result, ["File too large"])
     assert not leftovers(out), leftovers(out)
@@ -297,6 +308,7 @@ def test_disk_full_during_the_write(checkpoints, tmp_path, small_filesystem, eng
 
 
 # --- where the output goes --------------------------------------------------------------------
+
 
 @pytest.fixture
 def read_only_folder(tmp_path):
@@ -336,8 +348,11 @@ def test_output_inside_or_equal_to_the_config_folder_is_refused(checkpoints, tmp
     config = tmp_path / "base-model"
     shutil.copytree(folder / "huggingface", config)
     before = tree_digest(config)
-    for out, problem in ((config, "would replace or contain"), (config / "merged", "is inside"),
-                         (config / ".", "would replace or contain")):
+    for out, problem in (
+        (config, "would replace or contain"),
+        (config / "merged", "is inside"),
+        (config / ".", "would replace or contain"),
+    ):
         line = the_error_line(run_cli("merge", folder, "--out", out, "--config", config, "--overwrite"))
         assert_mentions(line, [f"{problem} the --config folder", config])
         assert tree_digest(config) == before
@@ -373,6 +388,7 @@ def test_dry_run_refuses_every_output_place_the_merge_refuses(checkpoints, tmp_p
 
 
 # --- symbolic links ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["w2-llama", "w2-dcp"])
 def test_shard_files_that_are_symbolic_links_are_read_through(checkpoints, tmp_path, name):

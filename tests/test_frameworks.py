@@ -8,6 +8,7 @@ Trainer selects FSDP only on an accelerator). verl's step folder is built from v
 itself is too heavy for CI. Every merge is compared with the full state dict gathered in the
 writing process, and with the framework's own converter where one exists.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,11 +20,11 @@ import sys
 
 import pytest
 import torch
+from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
 
 import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.manifest import read_manifest
-from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
 
 HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
@@ -43,8 +44,16 @@ def _specs():
             (2, FrameworkSpec("acc-ranks", "accelerate-ranks", seed=45)),
             (3, FrameworkSpec("acc-ranks-fsdp1", "accelerate-ranks", fsdp_version=1, seed=46)),
             (2, FrameworkSpec("trainer", "trainer-checkpoint", seed=47)),
-            (2, FrameworkSpec("trainer-local-fsdp1", "trainer-checkpoint", fsdp_version=1,
-                              state_dict_type="LOCAL_STATE_DICT", seed=48)),
+            (
+                2,
+                FrameworkSpec(
+                    "trainer-local-fsdp1",
+                    "trainer-checkpoint",
+                    fsdp_version=1,
+                    state_dict_type="LOCAL_STATE_DICT",
+                    seed=48,
+                ),
+            ),
         ]
     if HAVE_TORCHTITAN:
         specs.append((3, FrameworkSpec("torchtitan", "torchtitan", seed=49)))
@@ -87,6 +96,7 @@ def _assert_equal_tensors(merged: dict, oracle: dict, dtype=None) -> None:
 
 # ---- accelerate save_state and the Trainer's checkpoint-N/ ---------------------------------------
 
+
 @needs_accelerate
 @pytest.mark.parametrize("name", ["acc-state", "acc-state-fsdp1", "trainer"])
 def test_accelerate_and_trainer_folders_merge_given_whole(frameworks, tmp_path, name):
@@ -103,10 +113,16 @@ def test_accelerate_and_trainer_folders_merge_given_whole(frameworks, tmp_path, 
     merge_fsdp_weights(os.path.join(folder, "pytorch_model_fsdp_0"), str(tmp_path / "accelerate"))
     _assert_equal_tensors(merged, load_file(tmp_path / "accelerate" / "model.safetensors"), torch.bfloat16)
     # what was chosen is said, and the config comes from where the user put it
-    assert report.notes[0].startswith("accelerate / Trainer checkpoint: the model is pytorch_model_fsdp_0/; not merged: optimizer_0/")
-    assert any(note.startswith(f"config.json from {os.path.abspath(spec.root(frameworks.root))}") for note in report.notes)
+    assert report.notes[0].startswith(
+        "accelerate / Trainer checkpoint: the model is pytorch_model_fsdp_0/; not merged: optimizer_0/"
+    )
+    assert any(
+        note.startswith(f"config.json from {os.path.abspath(spec.root(frameworks.root))}") for note in report.notes
+    )
     copied = sorted(os.listdir(out))
-    assert "config.json" in copied and not any(f.endswith((".pkl", ".pth", ".pt")) or f == "trainer_state.json" for f in copied)
+    assert "config.json" in copied and not any(
+        f.endswith((".pkl", ".pth", ".pt")) or f == "trainer_state.json" for f in copied
+    )
     with open(out / "config.json") as f:
         assert json.load(f)["dtype"] == "bfloat16"
     # sources are recorded relative to the folder given; verify --against reads the same model again
@@ -160,7 +176,9 @@ def test_accelerate_rank_files_without_dcp(frameworks, tmp_path, name):
     assert fsdpfast.verify(out, against=folder).ok
     # a missing last rank is named: the world size comes from the files' own records
     damaged = shutil.copytree(folder, tmp_path / "damaged")
-    last = max(int(f.split("rank")[1].split(".")[0]) for f in os.listdir(damaged) if f.startswith("pytorch_model_fsdp_0_rank"))
+    last = max(
+        int(f.split("rank")[1].split(".")[0]) for f in os.listdir(damaged) if f.startswith("pytorch_model_fsdp_0_rank")
+    )
     (damaged / f"pytorch_model_fsdp_0_rank{last}.bin").unlink()
     assert f"pytorch_model_fsdp_0_rank{last}.bin is missing" in _refused("merge", damaged, "--out", tmp_path / "out")
 
@@ -196,7 +214,9 @@ def test_config_without_architectures_names_the_field(frameworks, tmp_path):
     del config["model_type"]
     with open(run / "config.json", "w") as f:
         json.dump(config, f)
-    assert f'{run / "config.json"}: has no "model_type" field' in _refused("merge", run / "checkpoint-1", "--out", tmp_path / "out")
+    assert f'{run / "config.json"}: has no "model_type" field' in _refused(
+        "merge", run / "checkpoint-1", "--out", tmp_path / "out"
+    )
 
 
 @needs_accelerate
@@ -214,6 +234,7 @@ def test_smoke_without_model_type_names_the_field(frameworks, tmp_path):
 
 # ---- torchtitan -----------------------------------------------------------------------------------
 
+
 @needs_torchtitan
 def test_torchtitan_resumable_step_folder(frameworks, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -224,8 +245,13 @@ def test_torchtitan_resumable_step_folder(frameworks, tmp_path):
     reference, tied = frameworks.reference("torchtitan")
     merged = read_merged(out)
     assert_bit_exact(merged, reference, tied=tied)
-    assert any(note.startswith(f"the model: the {len(reference)} tensors at the top level") and "optimizer" in note
-               and "train_state" in note and "lr_scheduler" in note for note in report.notes)
+    assert any(
+        note.startswith(f"the model: the {len(reference)} tensors at the top level")
+        and "optimizer" in note
+        and "train_state" in note
+        and "lr_scheduler" in note
+        for note in report.notes
+    )
     # torch's own converter: the same tensors at the top level, beside the other parts
     dcp_to_torch_save(folder, tmp_path / "oracle.pt")
     oracle = torch.load(tmp_path / "oracle.pt", weights_only=False)
@@ -248,6 +274,7 @@ def test_torchtitan_last_step_and_the_checkpoint_root(frameworks, tmp_path):
 
 
 # ---- verl ---------------------------------------------------------------------------------------
+
 
 def _verl_step(checkpoints, tmp_path, roles) -> tuple:
     spec, ranks = checkpoints.get("w2-llama")

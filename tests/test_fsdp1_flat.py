@@ -4,6 +4,7 @@ FSDP1 runs on the CPU when given `device_id=torch.device("cpu")`, so every check
 comes from FSDP1 itself (fsdpfast.testing.fsdp1_examples), and the reference is FSDP1's own
 FULL_STATE_DICT of the same model.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,29 +15,32 @@ import sys
 
 import pytest
 import torch
+from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 import fsdpfast
+from fsdpfast._parsing.safe_load import safe_unpickle
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
 from fsdpfast.testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints
-from fsdpfast._parsing.safe_load import safe_unpickle
-from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 DECODER_AND_MLP = ("LlamaDecoderLayer", "LlamaMLP")
 # name -> (world size, spec). 3 ranks split every flat parameter unevenly; use_orig_params
 # adds alignment padding (4 fp32 / 8 bf16 elements) and the padding to the world size.
-SPECS = {spec.name: (world, spec) for world, spec in [
-    (2, Fsdp1Spec("w2-llama", seed=21)),
-    (2, Fsdp1Spec("w2-tied-orig", model="llama-tied", use_orig_params=True, seed=22)),
-    (2, Fsdp1Spec("w2-verl-names", file_name="model_world_size_2_rank_{rank}.pt", seed=23)),
-    (2, Fsdp1Spec("w2-root-only", wrap=("none",), seed=31)),
-    (3, Fsdp1Spec("w3-orig", use_orig_params=True, seed=24)),
-    (3, Fsdp1Spec("w3-tied", model="llama-tied", seed=25)),
-    (3, Fsdp1Spec("w3-mlp-units", wrap=DECODER_AND_MLP, seed=26)),
-    (3, Fsdp1Spec("w3-bert-orig", model="bert", wrap=("BertLayer",), use_orig_params=True, seed=27)),
-    (3, Fsdp1Spec("w3-bf16-orig", dtype="bfloat16", use_orig_params=True, seed=28)),
-    (4, Fsdp1Spec("w4-orig", use_orig_params=True, seed=29)),
-    (4, Fsdp1Spec("w4-bert", model="bert", wrap=("BertLayer",), seed=30)),
-]}
+SPECS = {
+    spec.name: (world, spec)
+    for world, spec in [
+        (2, Fsdp1Spec("w2-llama", seed=21)),
+        (2, Fsdp1Spec("w2-tied-orig", model="llama-tied", use_orig_params=True, seed=22)),
+        (2, Fsdp1Spec("w2-verl-names", file_name="model_world_size_2_rank_{rank}.pt", seed=23)),
+        (2, Fsdp1Spec("w2-root-only", wrap=("none",), seed=31)),
+        (3, Fsdp1Spec("w3-orig", use_orig_params=True, seed=24)),
+        (3, Fsdp1Spec("w3-tied", model="llama-tied", seed=25)),
+        (3, Fsdp1Spec("w3-mlp-units", wrap=DECODER_AND_MLP, seed=26)),
+        (3, Fsdp1Spec("w3-bert-orig", model="bert", wrap=("BertLayer",), use_orig_params=True, seed=27)),
+        (3, Fsdp1Spec("w3-bf16-orig", dtype="bfloat16", use_orig_params=True, seed=28)),
+        (4, Fsdp1Spec("w4-orig", use_orig_params=True, seed=29)),
+        (4, Fsdp1Spec("w4-bert", model="bert", wrap=("BertLayer",), seed=30)),
+    ]
+}
 
 
 class Fsdp1Checkpoints(CheckpointsByWorld):
@@ -110,10 +114,15 @@ def test_inspect_shows_wrap_units_and_order(fsdp1):
     # post-order: a layer's MLP is its own unit, built before the layer that keeps attention and norms
     assert list(units)[:2] == ["model.layers.0.mlp", "model.layers.0"] and list(units)[-1] == "(root)"
     assert [p["name"] for p in units["model.layers.0.mlp"]["params"]] == [
-        f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")
+    ]
     assert units["model.layers.0"]["key"] == "model.layers.0._flat_param"
     assert all(u["padding"] == 0 for u in units.values())
-    assert [p["name"] for p in units["(root)"]["params"]] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert [p["name"] for p in units["(root)"]["params"]] == [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
 
 
 def test_the_transformers_the_order_came_from_is_noted_and_recorded(fsdp1, tmp_path):
@@ -124,7 +133,9 @@ def test_the_transformers_the_order_came_from_is_noted_and_recorded(fsdp1, tmp_p
     origin = f"transformers {transformers.__version__} transformers.models.llama.modeling_llama.LlamaForCausalLM"
     found = fsdpfast.inspect(folder)
     assert found["assumed"]["order_from"] == origin
-    assert any(origin in note and "compare the merged model's outputs with a reference" in note for note in found["notes"])
+    assert any(
+        origin in note and "compare the merged model's outputs with a reference" in note for note in found["notes"]
+    )
     fsdpfast.merge(folder, tmp_path / "out")
     with open(tmp_path / "out" / "fsdpfast-manifest.json") as f:
         assert json.load(f)["layout_options"]["order_from"] == origin
@@ -169,8 +180,18 @@ def test_inspect_cli_prints_the_assumptions(fsdp1):
 
 def test_cli_merge_with_wrap_and_flag(fsdp1, tmp_path):
     _, folder = fsdp1.get("w4-bert")
-    args = [sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(tmp_path / "out"), "--wrap", "BertLayer",
-            "--no-use-orig-params"]
+    args = [
+        sys.executable,
+        "-m",
+        "fsdpfast",
+        "merge",
+        folder,
+        "--out",
+        str(tmp_path / "out"),
+        "--wrap",
+        "BertLayer",
+        "--no-use-orig-params",
+    ]
     result = subprocess.run(args, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     reference, tied = fsdp1.reference("w4-bert")
@@ -179,7 +200,9 @@ def test_cli_merge_with_wrap_and_flag(fsdp1, tmp_path):
 
 def test_two_plausible_layouts_need_layout(fsdp1, tmp_path):
     _, folder = fsdp1.get("w2-verl-names")  # verl's file names, FSDP1 flat parameters inside
-    with pytest.raises(BadInput, match=r"several layouts \(fsdp-ranks, fsdp1-flat\); choose one with the layout argument"):
+    with pytest.raises(
+        BadInput, match=r"several layouts \(fsdp-ranks, fsdp1-flat\); choose one with the layout argument"
+    ):
         fsdpfast.merge(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(BadInput, match="is a ShardedTensor; FSDP1 flat parameters: read them with layout='fsdp1-flat'"):
@@ -201,9 +224,13 @@ def test_config_from_elsewhere(fsdp1, tmp_path):
 
 # ---- bad input: one clear line, nothing written ----------------------------------------------
 
+
 def _refused(folder, out, *extra) -> str:
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *extra],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("fsdpfast: error: "), result.stderr
     assert not out.exists()
@@ -227,21 +254,26 @@ def test_truncated_rank_file(fsdp1, tmp_path, rank):
         f.truncate(os.path.getsize(path) // 2)
     error = _refused(folder, tmp_path / "out")
     assert f"pytorch_model_fsdp_rank{rank}.bin" in error and "truncated" in error
-    assert {f: os.path.getsize(os.path.join(folder, f)) for f in before if f != os.path.basename(path)} == \
-        {f: s for f, s in before.items() if f != os.path.basename(path)}
+    assert {f: os.path.getsize(os.path.join(folder, f)) for f in before if f != os.path.basename(path)} == {
+        f: s for f, s in before.items() if f != os.path.basename(path)
+    }
 
 
 def test_rank_file_of_another_world_size(fsdp1, tmp_path):
     folder = fsdp1.copy("w3-tied", tmp_path)
     _, other = fsdp1.get("w2-llama")
-    shutil.copy(os.path.join(other, "pytorch_model_fsdp_rank1.bin"), os.path.join(folder, "pytorch_model_fsdp_rank1.bin"))
+    shutil.copy(
+        os.path.join(other, "pytorch_model_fsdp_rank1.bin"), os.path.join(folder, "pytorch_model_fsdp_rank1.bin")
+    )
     error = _refused(folder, tmp_path / "out")
     assert "rank1.bin" in error and "all rank files must come from one checkpoint" in error
 
 
 def test_rank_file_copied_under_another_rank(fsdp1, tmp_path):
     folder = fsdp1.copy("w3-tied", tmp_path)
-    shutil.copy(os.path.join(folder, "pytorch_model_fsdp_rank1.bin"), os.path.join(folder, "pytorch_model_fsdp_rank2.bin"))
+    shutil.copy(
+        os.path.join(folder, "pytorch_model_fsdp_rank1.bin"), os.path.join(folder, "pytorch_model_fsdp_rank2.bin")
+    )
     error = _refused(folder, tmp_path / "out")
     assert "saved by rank 1 of 3, but the file name says rank 2 of 3" in error
 
@@ -261,7 +293,7 @@ def _resplit_root(rank: int, world: int, port: int, folder: str) -> None:
         chunk = -(-len(whole) // world)  # FSDP1's piece; here rank 0 holds one element less, rank 1 one more
         sizes = [chunk - 1, chunk + 1] + [len(whole) - 2 * chunk]
         start = sum(sizes[:rank])
-        local = whole[start:start + sizes[rank]].clone()
+        local = whole[start : start + sizes[rank]].clone()
         shards = [Shard.from_tensor_and_offsets(local, [start], rank)]
         state["_flat_param"] = init_from_local_shards(shards, len(whole), process_group=dist.group.WORLD)
         torch.save(state, path)
@@ -271,6 +303,7 @@ def _resplit_root(rank: int, world: int, port: int, folder: str) -> None:
 
 def test_partition_sizes_other_than_fsdp1s(fsdp1, tmp_path):
     import torch.multiprocessing as mp
+
     from fsdpfast.testing.examples import _free_port
 
     folder = fsdp1.copy("w3-tied", tmp_path)  # 3 ranks: the sizes above
@@ -326,14 +359,28 @@ def test_fsdp1_options_on_other_layouts(checkpoints, tmp_path):
 
 def test_getattr_only_for_sharded_tensor_state():
     """ShardedTensor pickles `getattr(ShardedTensor, "ProcessGroupState")`; any other getattr is refused."""
-    for owner, name in (("torch\nSize", b"__new__"), ("torch.distributed._shard.sharded_tensor.api\nShardedTensor", b"__class__")):
-        payload = (b"\x80\x02c__builtin__\ngetattr\nc" + owner.encode() + b"\nX" + len(name).to_bytes(4, "little") + name + b"\x86R.")
+    for owner, name in (
+        ("torch\nSize", b"__new__"),
+        ("torch.distributed._shard.sharded_tensor.api\nShardedTensor", b"__class__"),
+    ):
+        payload = (
+            b"\x80\x02c__builtin__\ngetattr\nc"
+            + owner.encode()
+            + b"\nX"
+            + len(name).to_bytes(4, "little")
+            + name
+            + b"\x86R."
+        )
         with pytest.raises(UnsafeCheckpoint, match="getattr"):
             safe_unpickle(payload, "evil.pkl")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks real FSDP1 on a GPU; the CPU runs above use real FSDP1 too")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="checks real FSDP1 on a GPU; the CPU runs above use real FSDP1 too"
+)
 def test_real_fsdp1_on_gpu(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fsdp1_real_check.py")
-    result = subprocess.run([sys.executable, script, "--device", "cuda", "--workdir", str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, script, "--device", "cuda", "--workdir", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -3,15 +3,36 @@
 Derandomized, so a failure here reproduces; the long run (`python tests/fuzz_parsers.py
 --minutes N`) explores with fresh seeds.
 """
+
 from __future__ import annotations
 
 import pytest
+from fuzz_parsers import (
+    DEEPSPEED_SEED,
+    FSDP1_SEED,
+    READER_TARGETS,
+    SEED_CHECKPOINTS,
+    Seeds,
+    Targets,
+    deepspeed_tag_folder,
+    install_hang_alarm,
+    run_target,
+    strategies,
+)
 
-from fuzz_parsers import (DEEPSPEED_SEED, FSDP1_SEED, READER_TARGETS, SEED_CHECKPOINTS, Seeds, Targets,
-                          deepspeed_tag_folder, install_hang_alarm, run_target, strategies)
-
-EXAMPLES = {"unpickle": 300, "pickle_opcodes": 300, "unpicklers_agree": 300, "unpicklers_agree_opcodes": 300, "torch_zip": 150, "dcp_metadata": 100, "safetensors": 100, "merge": 60, "verify": 100,
-            "verify_header": 100, "verify_manifest": 100}
+EXAMPLES = {
+    "unpickle": 300,
+    "pickle_opcodes": 300,
+    "unpicklers_agree": 300,
+    "unpicklers_agree_opcodes": 300,
+    "torch_zip": 150,
+    "dcp_metadata": 100,
+    "safetensors": 100,
+    "merge": 60,
+    "verify": 100,
+    "verify_header": 100,
+    "verify_manifest": 100,
+}
 READER_EXAMPLES = {"deepspeed_optim": 100, "fsdp1_rank": 60, "dcp_hf_header": 100}
 
 
@@ -30,8 +51,9 @@ def test_parser_raises_only_clean_errors(seeds, tmp_path, target):
 
 @pytest.fixture(scope="module")
 def fsdp1_seed(tmp_path_factory) -> str:
-    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
     from test_fsdp1_flat import SPECS
+
+    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 
     root = str(tmp_path_factory.mktemp("fsdp1-seed"))
     world, spec = SPECS[FSDP1_SEED]

@@ -1,4 +1,5 @@
 """Where pieces go: torch.chunk spans and box extents, checked against torch itself."""
+
 from __future__ import annotations
 
 import random
@@ -29,7 +30,7 @@ def _apply(extents, local: torch.Tensor, global_shape) -> torch.Tensor:
     for e in extents:
         for run in range(e.runs):
             d, s = e.dst_offset + run * e.dst_stride, e.src_offset + run * e.src_stride
-            out[d: d + e.count] = src[s: s + e.count]
+            out[d : d + e.count] = src[s : s + e.count]
     return out.view(global_shape)
 
 
@@ -42,7 +43,11 @@ def test_box_extents_place_every_box_like_slicing():
         local = torch.arange(1, 1 + torch.Size(sizes).numel()).reshape(sizes)
         expected = torch.zeros(shape, dtype=local.dtype)
         expected[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = local
-        assert torch.equal(_apply(box_extents(0, 0, shape, offsets, sizes), local, shape), expected), (shape, offsets, sizes)
+        assert torch.equal(_apply(box_extents(0, 0, shape, offsets, sizes), local, shape), expected), (
+            shape,
+            offsets,
+            sizes,
+        )
 
 
 def test_shard_on_inner_dim_is_one_strided_extent():

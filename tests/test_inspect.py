@@ -1,12 +1,14 @@
 """`fsdpfast inspect`: what a checkpoint holds and what a merge would write, from metadata alone."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-import fsdpfast
 from helpers import load_reference
+
+import fsdpfast
 
 
 def test_inspect_lists_what_merge_writes(checkpoints, tmp_path):
@@ -23,7 +25,9 @@ def test_inspect_lists_what_merge_writes(checkpoints, tmp_path):
 
 def test_inspect_cli_json_and_text(checkpoints):
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "inspect", folder, "--json"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "inspect", folder, "--json"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
     assert found["layout"] == "dcp" and found["world_size"] == 3
@@ -34,5 +38,7 @@ def test_inspect_cli_json_and_text(checkpoints):
 
 
 def test_inspect_bad_folder_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "inspect", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "inspect", str(tmp_path / "nowhere")], capture_output=True, text=True
+    )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no such folder" in result.stderr

@@ -12,6 +12,7 @@
 The whole install paths (pip with and without build isolation, a wheel on a machine without a
 compiler and with another torch) are checked by .ci/install_check; they take minutes.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bit_exact, load_reference, read_merged
 
 import fsdpfast
 from fsdpfast import _ops
-from helpers import assert_bit_exact, load_reference, read_merged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,8 +50,20 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc on PATH")
 
 # --- FSDPFAST_CUDA and the decision -----------------------------------------------------------
 
-@pytest.mark.parametrize("value, setting", [(None, "auto"), ("auto", "auto"), ("AUTO", "auto"), ("1", "on"), ("true", "on"),
-                                            ("0", "off"), ("", "off"), ("no", "off")])
+
+@pytest.mark.parametrize(
+    "value, setting",
+    [
+        (None, "auto"),
+        ("auto", "auto"),
+        ("AUTO", "auto"),
+        ("1", "on"),
+        ("true", "on"),
+        ("0", "off"),
+        ("", "off"),
+        ("no", "off"),
+    ],
+)
 def test_fsdpfast_cuda_values(value, setting):
     assert setup_py.cuda_setting(value) == setting
 
@@ -87,7 +100,9 @@ def test_probe_names_a_missing_header():
     if os.path.isfile(os.path.join(cuda_include, "cusparse.h")):
         pytest.skip("this CUDA toolkit has cusparse.h itself")
     why = setup_py.probe_cuda(nvcc_release(), NVCC, torch_includes + [cuda_include])
-    assert why is not None and why.startswith("nvcc failed preprocessing torch's CUDA headers") and "cusparse.h" in why, why
+    assert (
+        why is not None and why.startswith("nvcc failed preprocessing torch's CUDA headers") and "cusparse.h" in why
+    ), why
 
 
 @needs_nvcc
@@ -162,19 +177,28 @@ def build_tiny(tmp_path: Path, cuda: str) -> subprocess.CompletedProcess:
     for name, text in (("setup.py", TINY_SETUP), ("tiny_ops.cpp", TINY_OPS), ("tiny_kernel.cu", TINY_KERNEL)):
         (tmp_path / name).write_text(textwrap.dedent(text))
     env = {**os.environ, "FSDPFAST_SETUP_PY": str(ROOT / "setup.py"), "FSDPFAST_CUDA": cuda, "MAX_JOBS": "1"}
-    return subprocess.run([sys.executable, "setup.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "setup.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_failed_cuda_compile_falls_back_to_the_cpu_ops(tmp_path):
     result = build_tiny(tmp_path, "auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("fsdpfast: building the CPU engine only")]
-    assert len(said) == 1 and "the CUDA compile failed" in said[0] and "FSDPFAST_CUDA=1 makes this an error" in said[0], said
+    assert (
+        len(said) == 1 and "the CUDA compile failed" in said[0] and "FSDPFAST_CUDA=1 makes this an error" in said[0]
+    ), said
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["CUDA_OPS"] is False and facts["CUDA_SKIPPED"].startswith("the CUDA compile failed")
     assert facts["TORCH_VERSION"] == torch.__version__
-    loaded = subprocess.run([sys.executable, "-c", "import torch, tiny_ops; print(tiny_ops.__doc__)"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import torch, tiny_ops; print(tiny_ops.__doc__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert loaded.stdout.strip() == "CPU ops", loaded.stderr
 
 
@@ -187,8 +211,11 @@ def test_failed_cuda_compile_fails_the_build_under_fsdpfast_cuda_1(tmp_path):
 
 # --- the torch ops and the torch they were built against --------------------------------------
 
+
 def test_torch_ops_refused_under_another_torch_release():
-    assert _ops.torch_mismatch("2.14.1+cu130", built="2.14.1") is None  # CPU and CUDA builds of one release share the ABI
+    assert (
+        _ops.torch_mismatch("2.14.1+cu130", built="2.14.1") is None
+    )  # CPU and CUDA builds of one release share the ABI
     assert _ops.torch_mismatch("2.13.0", built="2.13.0+cpu") is None
     for installed, built in (("2.14.1", "2.13.0+cpu"), ("2.13.1", "2.13.0")):
         why = _ops.torch_mismatch(installed, built=built)
@@ -214,19 +241,43 @@ def test_a_build_for_another_torch_still_merges_with_the_cpu_engine(checkpoints,
     (package / "_build_config.py").write_text("CUDA_OPS = True\nCUDA_SKIPPED = None\nTORCH_VERSION = '1.0.0'\n")
     spec, folder = checkpoints.get("w2-llama")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    merged = subprocess.run([sys.executable, "-c", OTHER_TORCH, "merge", folder, "--out", str(tmp_path / "out"), "--quiet"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    merged = subprocess.run(
+        [sys.executable, "-c", OTHER_TORCH, "merge", folder, "--out", str(tmp_path / "out"), "--quiet"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert merged.returncode == 0, merged.stderr
     said = json.loads(merged.stdout.splitlines()[0])
     assert said["loaded"] is False and f"built against torch 1.0.0, this is torch {torch.__version__}" in said["why"]
     assert "with the cpu engine" in merged.stdout
     reference, tied = load_reference(spec.reference_path(checkpoints.root))
     assert_bit_exact(read_merged(str(tmp_path / "out")), reference, tied=tied)
-    cuda = subprocess.run([sys.executable, "-c", OTHER_TORCH, "merge", folder, "--out", str(tmp_path / "cuda"), "--engine", "cuda"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    cuda = subprocess.run(
+        [sys.executable, "-c", OTHER_TORCH, "merge", folder, "--out", str(tmp_path / "cuda"), "--engine", "cuda"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cuda.returncode == 2 and not (tmp_path / "cuda").exists()
     line = cuda.stderr.strip()
-    assert "\n" not in line and line.startswith("fsdpfast: error: --engine 'cuda': ") and "built against torch 1.0.0" in line, line
-    version = subprocess.run([sys.executable, "-m", "fsdpfast", "--version"], env=env, cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
-    assert re.fullmatch(r"fsdpfast \S+: native cpu engine built; CUDA ops built against torch 1\.0\.0\n", version.stdout), version.stdout
+    assert (
+        "\n" not in line
+        and line.startswith("fsdpfast: error: --engine 'cuda': ")
+        and "built against torch 1.0.0" in line
+    ), line
+    version = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "--version"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert re.fullmatch(
+        r"fsdpfast \S+: native cpu engine built; CUDA ops built against torch 1\.0\.0\n", version.stdout
+    ), version.stdout

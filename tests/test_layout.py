@@ -1,4 +1,5 @@
 """Output files: Hugging Face's split rule, size parsing, safetensors headers."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,18 @@ from fsdpfast.plan.layout import parse_size, plan_files, split_into_files
 from fsdpfast.plan.model import Extent, MergePlan, TensorPlan
 
 
-@pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),
-                                        ("1.5kb", 1500), ("123", 123), (4096, 4096), (" 10 MB ", 10**7)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5kb", 1500),
+        ("123", 123),
+        (4096, 4096),
+        (" 10 MB ", 10**7),
+    ],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -45,7 +56,12 @@ def test_split_matches_huggingface_hub():
 
 
 def test_headers_are_valid_safetensors_and_aligned():
-    plan = MergePlan("test", 1, [], [_tensor("a.bias", 3, "bfloat16"), _tensor("b", 5, "float32"), _tensor("c", 1, "int64"), _tensor("e", 0)])
+    plan = MergePlan(
+        "test",
+        1,
+        [],
+        [_tensor("a.bias", 3, "bfloat16"), _tensor("b", 5, "float32"), _tensor("c", 1, "int64"), _tensor("e", 0)],
+    )
     (planned,) = plan_files(plan, "5GB")
     header_len = int.from_bytes(planned.header[:8], "little")
     assert (8 + header_len) % 8 == 0 and len(planned.header) == 8 + header_len

@@ -5,6 +5,7 @@ ATen calls in the same order and dtypes. Checked here on peft's layers themselve
 Conv1D with fan_in_fan_out, Embedding, lora_bias; float32, bfloat16, float16, and a bfloat16
 weight with float32 adapters as peft's autocast_adapter_dtype makes them), plus torch's opcheck.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,11 +43,17 @@ def _layer(kind: str, weight_dtype, adapter_dtype, seed: int, lora_bias: bool = 
     return layer
 
 
-CASES = [("linear", torch.float32, torch.float32), ("linear", torch.bfloat16, torch.bfloat16),
-         ("linear", torch.float16, torch.float16), ("linear", torch.bfloat16, torch.float32),
-         ("conv1d", torch.float32, torch.float32), ("conv1d", torch.bfloat16, torch.bfloat16),
-         ("embedding", torch.float32, torch.float32), ("embedding", torch.bfloat16, torch.bfloat16),
-         ("embedding", torch.bfloat16, torch.float32)]
+CASES = [
+    ("linear", torch.float32, torch.float32),
+    ("linear", torch.bfloat16, torch.bfloat16),
+    ("linear", torch.float16, torch.float16),
+    ("linear", torch.bfloat16, torch.float32),
+    ("conv1d", torch.float32, torch.float32),
+    ("conv1d", torch.bfloat16, torch.bfloat16),
+    ("embedding", torch.float32, torch.float32),
+    ("embedding", torch.bfloat16, torch.bfloat16),
+    ("embedding", torch.bfloat16, torch.float32),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -59,11 +66,14 @@ def test_equals_peft_merge(device, kind, weight_dtype, adapter_dtype):
             a, b = layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]
         else:
             a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-        ours = torch.ops.fsdpfast.lora_merge(weight, a.detach(), b.detach(), layer.scaling["default"],
-                                             kind == "conv1d", kind == "embedding")
+        ours = torch.ops.fsdpfast.lora_merge(
+            weight, a.detach(), b.detach(), layer.scaling["default"], kind == "conv1d", kind == "embedding"
+        )
         layer.merge()
         theirs = layer.base_layer.weight.detach()
-        assert ours.dtype == theirs.dtype and torch.equal(ours.view(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8))
+        assert ours.dtype == theirs.dtype and torch.equal(
+            ours.view(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8)
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -82,7 +92,9 @@ def test_opcheck():
         weight, a, b = (torch.randn(s, generator=g).to(dtype) for s in ((24, 40), (6, 40), (24, 6)))
         torch.library.opcheck(torch.ops.fsdpfast.lora_merge.default, (weight, a, b, 1.5, False, False))
         torch.library.opcheck(torch.ops.fsdpfast.lora_merge.default, (weight.t().contiguous(), a, b, 1.5, True, False))
-        torch.library.opcheck(torch.ops.fsdpfast.lora_merge_bias.default, (weight[:, 0].contiguous(), b[:, 0].contiguous(), 0.5))
+        torch.library.opcheck(
+            torch.ops.fsdpfast.lora_merge_bias.default, (weight[:, 0].contiguous(), b[:, 0].contiguous(), 0.5)
+        )
 
 
 def test_shapes_are_checked():

@@ -1,14 +1,15 @@
 """Merged output equals the unsharded model bit for bit, for every world size and mesh."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-
-import fsdpfast
 from conftest import MERGE_OPTIONS, SPECS
 from helpers import assert_bit_exact, load_reference, read_index, read_merged, transformers_logits
+
+import fsdpfast
 
 ALL = sorted(SPECS, key=lambda n: (SPECS[n][0], n))
 
@@ -29,7 +30,9 @@ def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path
 
 
 @pytest.mark.parametrize("name", ["w2-llama", "w3-bert-dim1", "w4-bf16", "w8-hsdp-bert"])
-@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]
+)
 def test_cast_equals_torch_to(checkpoints, tmp_path, name, dtype, torch_dtype):
     spec, folder = checkpoints.get(name)
     reference, tied = load_reference(spec.reference_path(checkpoints.root))
@@ -44,7 +47,12 @@ def test_config_and_tokenizer_files_are_copied_with_the_written_dtype(checkpoint
     report = fsdpfast.merge(folder, out, dtype="bf16")
     for entry in ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (out / entry).is_file(), entry
-    assert set(report.copied) == {"config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert set(report.copied) == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
     import json
 
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -107,7 +115,8 @@ def test_cli_merge_prints_report_and_exits_zero(checkpoints, tmp_path):
     out = tmp_path / "merged"
     result = subprocess.run(
         [sys.executable, "-m", "fsdpfast", "merge", folder, "--out", str(out), "--dtype", "fp32", "--json"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

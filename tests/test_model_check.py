@@ -4,6 +4,7 @@ A merge is checked against the class config.json names, built on the meta device
 is written; a weight is written once under a tied name only when transformers re-ties it on load
 and the checkpoint holds the same bytes under both names.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import sys
 
 import pytest
 import torch
+from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged, transformers_logits
 
 import fsdpfast
 from fsdpfast.errors import BadInput, ModelMismatch
-from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged, transformers_logits
 
 
 def _edit_config(folder, **changes) -> None:
@@ -83,11 +84,14 @@ def test_without_config_the_merge_warns_that_the_folder_will_not_load(checkpoint
     assert "warning: the output has no config.json" in text.stdout and "fsdpfast: warning:" in text.stderr
 
 
-@pytest.mark.parametrize("changes,found,named", [
-    ({"num_hidden_layers": 3}, "weights missing", "model.layers.2."),
-    ({"intermediate_size": 96}, "with the wrong shape", "mlp.down_proj.weight [64, 88] (the model: [64, 96])"),
-    ({"num_hidden_layers": 1}, "unexpected", "model.layers.1."),
-])
+@pytest.mark.parametrize(
+    "changes,found,named",
+    [
+        ({"num_hidden_layers": 3}, "weights missing", "model.layers.2."),
+        ({"intermediate_size": 96}, "with the wrong shape", "mlp.down_proj.weight [64, 88] (the model: [64, 96])"),
+        ({"num_hidden_layers": 1}, "unexpected", "model.layers.1."),
+    ],
+)
 def test_a_config_that_does_not_describe_the_checkpoint_is_refused(checkpoints, tmp_path, changes, found, named):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     _edit_config(folder, **changes)
@@ -103,8 +107,9 @@ def test_a_config_of_another_family_is_refused_in_the_dry_run_too(checkpoints, t
     _, bert = checkpoints.get("w3-bert-dim1")
     with pytest.raises(BadInput, match="do not match BertForMaskedLM"):
         fsdpfast.merge(checkpoints.get("w2-llama")[1], tmp_path / "merged", config=f"{bert}/huggingface")
-    result = _merge_cli(checkpoints.get("w2-llama")[1], "--out", tmp_path / "merged", "--dry-run",
-                        "--config", f"{bert}/huggingface")
+    result = _merge_cli(
+        checkpoints.get("w2-llama")[1], "--out", tmp_path / "merged", "--dry-run", "--config", f"{bert}/huggingface"
+    )
     assert result.returncode == 2 and "weights missing" in result.stderr
 
 
@@ -129,8 +134,11 @@ def test_verify_against_runs_the_safety_net_on_the_outputs_config(checkpoints, t
     assert fsdpfast.verify(tmp_path / "merged", against=folder).ok
     config = tmp_path / "merged" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 3}))
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "verify", str(tmp_path / "merged"), "--against", folder],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "verify", str(tmp_path / "merged"), "--against", folder],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 3, result.stdout + result.stderr
     assert "(model): the merged tensors do not match LlamaForCausalLM" in result.stdout
 
@@ -140,8 +148,10 @@ def test_config_without_architectures_checks_the_base_model(checkpoints, tmp_pat
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     _edit_config(folder, architectures=None)  # a config saved from a bare LlamaConfig
     report = fsdpfast.merge(folder, tmp_path / "merged")
-    assert any("no 'architectures' field, so only the base model was checked" in n and "lm_head.weight" in n
-               for n in report.notes)
+    assert any(
+        "no 'architectures' field, so only the base model was checked" in n and "lm_head.weight" in n
+        for n in report.notes
+    )
     reference, _ = load_reference(spec.reference_path(checkpoints.root))
     assert_bit_exact(read_merged(tmp_path / "merged"), reference)
     _edit_config(folder, num_hidden_layers=3)
@@ -151,9 +161,11 @@ def test_config_without_architectures_checks_the_base_model(checkpoints, tmp_pat
 
 def test_without_transformers_the_check_is_skipped_with_a_note(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
-    code = ("import sys, json; sys.modules['transformers'] = None\n"  # as if transformers were not installed
-            "import fsdpfast\n"
-            f"print(json.dumps(fsdpfast.inspect({str(folder)!r})['notes']))")
+    code = (
+        "import sys, json; sys.modules['transformers'] = None\n"  # as if transformers were not installed
+        "import fsdpfast\n"
+        f"print(json.dumps(fsdpfast.inspect({str(folder)!r})['notes']))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert any("not checked against the model: transformers is not installed" in n for n in json.loads(result.stdout))

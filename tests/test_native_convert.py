@@ -4,6 +4,7 @@ torch's vectorised CPU kernels are the reference: they handle contiguous data wh
 a multiple of the vector width, so references are computed on lengths that are multiples of 64
 (torch's scalar tail writes other NaN bit patterns for a few trailing elements).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,10 +35,27 @@ def native_gather_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_of
     n = x.numel() - src_offset
     out_size = torch.empty(0, dtype=to).element_size()
     out = torch.full(((n + dst_offset) * out_size,), 0xAB, dtype=torch.uint8)
-    plan = torch.tensor([[0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(to)), x.element_size(), out_size,
-                          src_offset, n, dst_offset, 1, 0, 0]], dtype=torch.int64)
+    plan = torch.tensor(
+        [
+            [
+                0,
+                0,
+                _ops.code(_name(x.dtype)),
+                _ops.code(_name(to)),
+                x.element_size(),
+                out_size,
+                src_offset,
+                n,
+                dst_offset,
+                1,
+                0,
+                0,
+            ]
+        ],
+        dtype=torch.int64,
+    )
     _ops.gather_convert([x.view(torch.uint8)], [out], plan)
-    return out[dst_offset * out_size:].view(to)
+    return out[dst_offset * out_size :].view(to)
 
 
 def native_file_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_offset=0) -> torch.Tensor:
@@ -50,9 +68,15 @@ def native_file_convert(x: torch.Tensor, to: torch.dtype, src_offset=0, dst_offs
     row = [0, 0, _ops.code(_name(x.dtype)), _ops.code(_name(to)), x.element_size(), out_size, src_offset, n, 0, 1, 0, 0]
     with tempfile.TemporaryFile() as f:
         if n:
-            _ops.native().gather_convert_to_file([memoryview(x.view(torch.uint8).numpy())], array("q", row),
-                                                 array("q", [dst_offset * out_size]), array("q", [n * out_size]),
-                                                 f.fileno(), 4096, 2)
+            _ops.native().gather_convert_to_file(
+                [memoryview(x.view(torch.uint8).numpy())],
+                array("q", row),
+                array("q", [dst_offset * out_size]),
+                array("q", [n * out_size]),
+                f.fileno(),
+                4096,
+                2,
+            )
         f.seek(dst_offset * out_size)
         data = bytearray(f.read())
     return torch.frombuffer(data, dtype=to) if data else torch.empty(0, dtype=to)
@@ -68,7 +92,10 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, source: torch.Tensor
     want_bits = want.view(_INT_VIEW[want.element_size()])
     bad = (got_bits != want_bits).nonzero().reshape(-1)
     src_bits = source.view(_INT_VIEW[source.element_size()])
-    examples = [(hex(int(src_bits[i]) & 0xFFFFFFFF), hex(int(got_bits[i]) & 0xFFFFFFFF), hex(int(want_bits[i]) & 0xFFFFFFFF)) for i in bad[:5]]
+    examples = [
+        (hex(int(src_bits[i]) & 0xFFFFFFFF), hex(int(got_bits[i]) & 0xFFFFFFFF), hex(int(want_bits[i]) & 0xFFFFFFFF))
+        for i in bad[:5]
+    ]
     assert bad.numel() == 0, f"{bad.numel()} elements differ (source, got, torch): {examples}"
 
 
@@ -78,22 +105,52 @@ def every_16bit_value(dtype: torch.dtype) -> torch.Tensor:
 
 def float32_specials() -> torch.Tensor:
     bits = [
-        0x00000000, 0x80000000, 0x7F800000, 0xFF800000,  # +-0, +-Inf
-        0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF, 0x7FD55555,  # NaNs: quiet, signalling, payloads
-        0x00000001, 0x807FFFFF, 0x00400000, 0x00800000,  # float32 subnormals and the smallest normal
-        0x3F808000, 0x3F818000, 0x3F808001, 0x3F80FFFF,  # bfloat16 halfway cases: to even, to odd+1, above
-        0x3F801000, 0x3F803000, 0x3F801001,  # float16 halfway cases
-        0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FFFFF, 0x7F7FFFFF, 0xFF7FFFFF,  # float16 / bfloat16 overflow edges
-        0x33000000, 0x33000001, 0x33800000, 0x387FC000, 0x387FE000, 0x38800000,  # float16 subnormal edges
-        0x7F7F8000, 0x7F7F7FFF,  # bfloat16 overflow to Inf
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,  # +-0, +-Inf
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFFFFFFFF,
+        0x7FBFFFFF,
+        0x7FD55555,  # NaNs: quiet, signalling, payloads
+        0x00000001,
+        0x807FFFFF,
+        0x00400000,
+        0x00800000,  # float32 subnormals and the smallest normal
+        0x3F808000,
+        0x3F818000,
+        0x3F808001,
+        0x3F80FFFF,  # bfloat16 halfway cases: to even, to odd+1, above
+        0x3F801000,
+        0x3F803000,
+        0x3F801001,  # float16 halfway cases
+        0x477FE000,
+        0x477FEFFF,
+        0x477FF000,
+        0x477FFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,  # float16 / bfloat16 overflow edges
+        0x33000000,
+        0x33000001,
+        0x33800000,
+        0x387FC000,
+        0x387FE000,
+        0x38800000,  # float16 subnormal edges
+        0x7F7F8000,
+        0x7F7F7FFF,  # bfloat16 overflow to Inf
     ]
     return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
 
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("target", FLOATS)
-@pytest.mark.parametrize("convert", [native_gather_convert, native_file_convert, scalar_convert],
-                         ids=["gather_convert", "file_writer", "scalar"])
+@pytest.mark.parametrize(
+    "convert",
+    [native_gather_convert, native_file_convert, scalar_convert],
+    ids=["gather_convert", "file_writer", "scalar"],
+)
 def test_every_16bit_value(source, target, convert):
     if source is target:
         pytest.skip("same dtype")
@@ -102,8 +159,11 @@ def test_every_16bit_value(source, target, convert):
 
 
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("convert", [native_gather_convert, native_file_convert, scalar_convert],
-                         ids=["gather_convert", "file_writer", "scalar"])
+@pytest.mark.parametrize(
+    "convert",
+    [native_gather_convert, native_file_convert, scalar_convert],
+    ids=["gather_convert", "file_writer", "scalar"],
+)
 def test_float32_specials_and_random_bits(target, convert):
     generator = torch.Generator().manual_seed(7)
     random_bits = torch.randint(-(2**31), 2**31 - 1, (1 << 21,), generator=generator, dtype=torch.int64).to(torch.int32)
@@ -123,7 +183,9 @@ def test_lengths_and_unaligned_offsets(source, target, length, offsets, convert)
     assert_same_bits(got, torch_reference(x[src_offset:], target), x[src_offset:])
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn, torch.uint8, torch.float64, torch.int16])
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.bool, torch.float8_e4m3fn, torch.uint8, torch.float64, torch.int16]
+)
 def test_other_dtypes_are_copied_exactly(dtype):
     generator = torch.Generator().manual_seed(3)
     raw = torch.randint(0, 256, (8 * 1001,), generator=generator, dtype=torch.int64).to(torch.uint8)

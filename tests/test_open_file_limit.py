@@ -6,6 +6,7 @@ one process (fsdpfast.testing.many_ranks), each rank saving its real shards of a
 model built from a seed; the reference is that model before sharding. Each merge runs in a child
 whose soft and hard RLIMIT_NOFILE are set below the number of rank files, so it cannot raise them.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,25 @@ SEED = 31
 @pytest.fixture(scope="module")
 def many_ranks(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("many-ranks") / "ckpt")
-    subprocess.run([sys.executable, "-m", "fsdpfast.testing.many_ranks", folder, "--model", "tiny", "--world-size",
-                    str(WORLD), "--data", "values", "--seed", str(SEED)], check=True, timeout=900,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdpfast.testing.many_ranks",
+            folder,
+            "--model",
+            "tiny",
+            "--world-size",
+            str(WORLD),
+            "--data",
+            "values",
+            "--seed",
+            str(SEED),
+        ],
+        check=True,
+        timeout=900,
+        capture_output=True,
+    )
     assert len([n for n in os.listdir(folder) if n.endswith(".pt")]) == WORLD
     return folder
 
@@ -38,12 +55,18 @@ def many_ranks(tmp_path_factory) -> str:
 def _open_file_limit(limit: int):
     def apply():
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
     return apply
 
 
 def _run(*args, limit: int = LIMIT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, preexec_fn=_open_file_limit(limit))
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpfast", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_open_file_limit(limit),
+    )
 
 
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
@@ -75,8 +98,13 @@ sys.exit(main(["inspect", sys.argv[1], "--json"]))
 
 def test_planning_needs_one_file_at_a_time_and_says_when_there_is_none(many_ranks):
     def inspect(free: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", CHILD, many_ranks, str(free)], capture_output=True, text=True,
-                              timeout=600, preexec_fn=_open_file_limit(256))
+        return subprocess.run(
+            [sys.executable, "-c", CHILD, many_ranks, str(free)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            preexec_fn=_open_file_limit(256),
+        )
 
     with_one = inspect(1)
     assert with_one.returncode == 0, with_one.stderr

@@ -1,6 +1,7 @@
 """Where and how the output folder is published: its mode under the user's umask, an existing
 empty folder replaced in one rename, missing parents created (and removed again when nothing
 is published). Merges of real FSDP2 checkpoints, checked bit for bit."""
+
 from __future__ import annotations
 
 import os
@@ -10,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_bit_exact, load_reference, read_merged
+from test_bad_input import leftovers, run_cli, the_error_line, tree_digest
 
 import fsdpfast
 import fsdpfast.api as api
 import fsdpfast.execute.writer as writer
-from helpers import assert_bit_exact, load_reference, read_merged
-from test_bad_input import leftovers, run_cli, the_error_line, tree_digest
 
 
 def mode(path: Path) -> int:
@@ -30,8 +31,13 @@ def mkdir_mode(tmp_path: Path, umask: int) -> int:
 
 
 def merge_cli(*args, umask: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdpfast", "merge", *map(str, args), "--quiet"], capture_output=True,
-                          text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", *map(str, args), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(umask),
+    )
 
 
 def assert_is_the_model(checkpoints, out: Path, name: str = "w2-llama") -> None:

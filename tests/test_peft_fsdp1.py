@@ -6,6 +6,7 @@ fsdp_auto_wrap_policy with use_orig_params=False. FSDP1 saves no parameter names
 rebuilds the peft model (readers.fsdp1_peft); the references come from the live model: FSDP1's
 FULL_STATE_DICT, peft's own adapter state dict and merge_and_unload() of it, the training model's logits.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,26 @@ from fsdpfast.testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 pytest.importorskip("peft")
 
 # name -> (world size, spec). World 3 pads every flat parameter unevenly (and the 16-byte alignment of use_orig_params).
-SPECS = {spec.name: (world, spec) for world, spec in [
-    (2, PeftSpec("orig-w2", layout="fsdp1-orig", r=4, lora_alpha=8, seed=61)),
-    (2, PeftSpec("peft-policy-w2", layout="fsdp1-peft-policy", r=4, lora_alpha=8, meta=False, seed=62)),
-    (3, PeftSpec("orig-w3-bias", layout="fsdp1-orig", r=4, lora_alpha=16, targets=("q_proj", "k_proj", "o_proj", "up_proj"),
-                 sizes={"attention_bias": True, "mlp_bias": True}, extras={"lora_bias": True}, seed=63)),
-]}
+SPECS = {
+    spec.name: (world, spec)
+    for world, spec in [
+        (2, PeftSpec("orig-w2", layout="fsdp1-orig", r=4, lora_alpha=8, seed=61)),
+        (2, PeftSpec("peft-policy-w2", layout="fsdp1-peft-policy", r=4, lora_alpha=8, meta=False, seed=62)),
+        (
+            3,
+            PeftSpec(
+                "orig-w3-bias",
+                layout="fsdp1-orig",
+                r=4,
+                lora_alpha=16,
+                targets=("q_proj", "k_proj", "o_proj", "up_proj"),
+                sizes={"attention_bias": True, "mlp_bias": True},
+                extras={"lora_bias": True},
+                seed=63,
+            ),
+        ),
+    ]
+}
 
 
 class PeftFsdp1Checkpoints(CheckpointsByWorld):
@@ -104,8 +119,12 @@ def test_adapters_lora_b_trained_and_non_zero(fsdp1_lora):
 
 def _refused(folder, out, *extra) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *map(str, extra)],
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *map(str, extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("fsdpfast: error: "), result.stderr
     assert not os.path.exists(out)
@@ -116,7 +135,9 @@ def test_without_views_the_rank_must_be_recorded(fsdp1_lora, tmp_path):
     """peft's wrap policy with use_orig_params=False saves no parameter views: the rank comes from adapter_config.json,
     and without it from --lora-r (lora_alpha from --lora-alpha)."""
     folder = fsdp1_lora.copy("peft-policy-w2", tmp_path)
-    shutil.rmtree(os.path.join(folder, "lora_adapter"))  # the adapter_config.json the writer saved beside the rank files
+    shutil.rmtree(
+        os.path.join(folder, "lora_adapter")
+    )  # the adapter_config.json the writer saved beside the rank files
     error = _refused(folder, tmp_path / "out")
     assert "do not hold adapter default's LoRA rank" in error and "no adapter_config.json (looked in" in error
     assert "pass --lora-r R" in error
@@ -128,7 +149,9 @@ def test_without_views_the_rank_must_be_recorded(fsdp1_lora, tmp_path):
     ref = fsdp1_lora.reference("peft-policy-w2")
     fsdpfast.merge(folder, tmp_path / "out", lora_r=4)
     assert_same(read_merged(tmp_path / "out" / "lora_adapter"), ref["adapters"]["default"])
-    check = fsdpfast.verify(tmp_path / "out", against=folder)  # verify rebuilds the peft model with the recorded --lora-r
+    check = fsdpfast.verify(
+        tmp_path / "out", against=folder
+    )  # verify rebuilds the peft model with the recorded --lora-r
     assert check.ok, check.summary()
 
 
@@ -139,4 +162,7 @@ def test_inspect_shows_the_rebuilt_peft_model(fsdp1_lora):
     assert adapter["r"] == 4 and len(adapter["target_modules"]) == 8  # 4 modules in each of 2 layers
     assert "ranks read off the parameter views' sizes" in adapter["source"]
     units = {u["module"]: [p["name"] for p in u["params"]] for u in found["assumed"]["units"]}
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in units["base_model.model.model.layers.0"]
+    assert (
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+        in units["base_model.model.model.layers.0"]
+    )

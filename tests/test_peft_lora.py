@@ -4,6 +4,7 @@ Every checkpoint comes from a real peft model sharded by FSDP2 (or DeepSpeed ZeR
 step (fsdpfast.testing.peft_examples); the references are taken from that model by peft itself: the
 adapters' state dicts as peft saves them, the logits of the training model, merge_and_unload().
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,18 +27,40 @@ peft = pytest.importorskip("peft")
 
 DORA_SECOND = dict(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj"], use_dora=True)
 # name -> (world size, spec). World 3 splits r=8 unevenly (3, 3, 2 rows of lora_A).
-SPECS = {spec.name: (world, spec) for world, spec in [
-    (2, PeftSpec("verl", seed=41)),
-    (2, PeftSpec("verl-lora-only", lora_only=True, seed=42)),
-    (2, PeftSpec("two-adapters", second=DORA_SECOND, meta=False, seed=43)),
-    (2, PeftSpec("bf16-bias-copies", dtype="bfloat16", targets=("q_proj", "v_proj", "o_proj"), sizes={"attention_bias": True},
-                 extras={"lora_bias": True, "modules_to_save": ["lm_head"]}, seed=44)),
-    (2, PeftSpec("guide", layout="guide-ranks", r=4, lora_alpha=4, seed=45)),
-    (2, PeftSpec("dcp-hf", layout="dcp-hf", seed=46)),
-    (3, PeftSpec("dcp-tied-rslora-embedding", layout="dcp", model="llama-tied", targets=("q_proj", "embed_tokens", "up_proj"),
-                 extras={"use_rslora": True}, meta=False, seed=47)),
-    (3, PeftSpec("dcp-lora-only", layout="dcp", lora_only=True, seed=48)),
-]}
+SPECS = {
+    spec.name: (world, spec)
+    for world, spec in [
+        (2, PeftSpec("verl", seed=41)),
+        (2, PeftSpec("verl-lora-only", lora_only=True, seed=42)),
+        (2, PeftSpec("two-adapters", second=DORA_SECOND, meta=False, seed=43)),
+        (
+            2,
+            PeftSpec(
+                "bf16-bias-copies",
+                dtype="bfloat16",
+                targets=("q_proj", "v_proj", "o_proj"),
+                sizes={"attention_bias": True},
+                extras={"lora_bias": True, "modules_to_save": ["lm_head"]},
+                seed=44,
+            ),
+        ),
+        (2, PeftSpec("guide", layout="guide-ranks", r=4, lora_alpha=4, seed=45)),
+        (2, PeftSpec("dcp-hf", layout="dcp-hf", seed=46)),
+        (
+            3,
+            PeftSpec(
+                "dcp-tied-rslora-embedding",
+                layout="dcp",
+                model="llama-tied",
+                targets=("q_proj", "embed_tokens", "up_proj"),
+                extras={"use_rslora": True},
+                meta=False,
+                seed=47,
+            ),
+        ),
+        (3, PeftSpec("dcp-lora-only", layout="dcp", lora_only=True, seed=48)),
+    ]
+}
 if importlib.util.find_spec("deepspeed") is not None:  # the test extra installs it; merging never needs it
     SPECS["deepspeed-zero2"] = (2, PeftSpec("deepspeed-zero2", layout="deepspeed-zero2", seed=49))
 FULL = [n for n, (_, s) in SPECS.items() if not s.lora_only]
@@ -197,7 +220,9 @@ def test_command_line(lora, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, env=env
+        )
 
     shown = run("inspect", folder)
     assert shown.returncode == 0, shown.stderr
@@ -216,4 +241,8 @@ def test_command_line(lora, tmp_path):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     dry = run("merge", folder, "--out", tmp_path / "dry", "--dry-run", "--json")
     names = [f["name"] for f in json.loads(dry.stdout)["files"]]
-    assert names == ["model.safetensors", "lora_adapter/adapter_model.safetensors", "lora_adapter/second/adapter_model.safetensors"]
+    assert names == [
+        "model.safetensors",
+        "lora_adapter/adapter_model.safetensors",
+        "lora_adapter/second/adapter_model.safetensors",
+    ]

@@ -3,6 +3,7 @@ code on random shapes and meshes: the left-to-right reading against the `_split_
 and _StridedShard that distribute_tensor runs and `_compute_local_shape_and_global_offset` that
 DCP saves by; the shard-order reading against torch's decoding of split factors (what
 redistribute and full_tensor() follow, and FSDP2's own pieces)."""
+
 from __future__ import annotations
 
 import random
@@ -15,11 +16,18 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdpfast.errors import BadInput
 from fsdpfast._parsing.boxes import box_extents
-from fsdpfast.readers.placements import LEFT_TO_RIGHT, SHARD_ORDER, DTensorLayout, _shard_order, choose_reading, strided_pick
-from fsdpfast.plan.model import SourceBuffer
+from fsdpfast.errors import BadInput
 from fsdpfast.plan.checks import check_extents
+from fsdpfast.plan.model import SourceBuffer
+from fsdpfast.readers.placements import (
+    LEFT_TO_RIGHT,
+    SHARD_ORDER,
+    DTensorLayout,
+    _shard_order,
+    choose_reading,
+    strided_pick,
+)
 
 
 def _torch_local(tensor: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:
@@ -31,9 +39,14 @@ def _torch_local(tensor: torch.Tensor, placements, mesh_shape, coordinate) -> to
 
 
 def _ours(placements, mesh_shape, coordinate, shape) -> DTensorLayout:
-    kinds = tuple(("replicate", None, 1) if isinstance(p, Replicate)
-                  else ("strided", p.dim, p.split_factor) if isinstance(p, _StridedShard)
-                  else ("shard", p.dim, 1) for p in placements)
+    kinds = tuple(
+        ("replicate", None, 1)
+        if isinstance(p, Replicate)
+        else ("strided", p.dim, p.split_factor)
+        if isinstance(p, _StridedShard)
+        else ("shard", p.dim, 1)
+        for p in placements
+    )
     order = _shard_order(_NoSpec(), kinds, tuple(mesh_shape), "test")
     return DTensorLayout(tuple(shape), "int64", tuple(mesh_shape), tuple(coordinate), kinds, order)
 
@@ -49,7 +62,13 @@ def _random_case(rng: random.Random):
     placements = []
     for _ in mesh_shape:
         roll, dim = rng.random(), rng.randrange(len(shape))
-        placements.append(Replicate() if roll < 0.2 else Shard(dim) if roll < 0.5 else _StridedShard(dim, split_factor=rng.randint(2, 4)))
+        placements.append(
+            Replicate()
+            if roll < 0.2
+            else Shard(dim)
+            if roll < 0.5
+            else _StridedShard(dim, split_factor=rng.randint(2, 4))
+        )
     return shape, mesh_shape, placements
 
 
@@ -58,7 +77,7 @@ def _apply(extents, local: torch.Tensor, out: torch.Tensor) -> None:
     for e in extents:
         for run in range(e.runs):
             d, s = e.dst_offset + run * e.dst_stride, e.src_offset + run * e.src_stride
-            flat_out[d: d + e.count] = src[s: s + e.count]
+            flat_out[d : d + e.count] = src[s : s + e.count]
 
 
 def test_left_to_right_pieces_match_torch_for_random_placements():
@@ -72,7 +91,9 @@ def test_left_to_right_pieces_match_torch_for_random_placements():
             layout = _ours(placements, mesh_shape, coordinate, shape)
             local = _torch_local(full, placements, mesh_shape, coordinate).contiguous()
             assert layout.local_shape(LEFT_TO_RIGHT) == tuple(local.shape), (shape, mesh_shape, placements, coordinate)
-            torch_shape, torch_offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+            torch_shape, torch_offset = _compute_local_shape_and_global_offset(
+                shape, mesh_shape, list(coordinate), placements
+            )
             assert layout.local_shape(LEFT_TO_RIGHT) == tuple(torch_shape)
             boxes = layout.local_boxes(LEFT_TO_RIGHT)
             if local.numel():  # DCP records the first element's place: where our first box starts
@@ -81,7 +102,9 @@ def test_left_to_right_pieces_match_torch_for_random_placements():
                 continue
             piece = []
             for box in boxes:
-                piece += box_extents(len(sources), 0, shape, box.offsets, box.sizes, tuple(local.shape), box.local_offsets)
+                piece += box_extents(
+                    len(sources), 0, shape, box.offsets, box.sizes, tuple(local.shape), box.local_offsets
+                )
             _apply(piece, local, merged)
             extents += piece
             sources.append(SourceBuffer("local", 0, local.numel() * 8, "int64"))
@@ -91,7 +114,12 @@ def test_left_to_right_pieces_match_torch_for_random_placements():
 
 def test_strided_shard_of_fsdp2_over_tp_keeps_row_blocks_in_order():
     # torch's own example: 9 rows, _StridedShard(0, split_factor=2) over 4 ranks
-    assert [strided_pick(((0, 9),), 2, 4, r) for r in range(4)] == [((0, 2), (5, 1)), ((2, 2), (6, 1)), ((4, 1), (7, 1)), ((8, 1),)]
+    assert [strided_pick(((0, 9),), 2, 4, r) for r in range(4)] == [
+        ((0, 2), (5, 1)),
+        ((2, 2), (6, 1)),
+        ((4, 1), (7, 1)),
+        ((8, 1),),
+    ]
     # contiguous row-blocks merge into one range
     assert strided_pick(((0, 8),), 1, 2, 1) == ((4, 4),)
 
@@ -116,7 +144,9 @@ def test_split_factors_decode_to_torchs_shard_order():
         ours = _ours(placements, mesh_shape, [0] * len(mesh_shape), shape).shard_order
         if not any(isinstance(p, _StridedShard) for p in placements):
             continue
-        assert ours == (None if theirs is None else tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in theirs)), placements
+        assert ours == (None if theirs is None else tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in theirs)), (
+            placements
+        )
 
 
 def test_shard_order_reading_nests_torch_chunks_in_the_decoded_order():
@@ -146,6 +176,8 @@ def test_two_readings_that_fit_the_shapes_but_place_pieces_differently_are_refus
 
 
 def test_no_reading_that_fits_is_refused_naming_the_shape():
-    layouts = [_ours([_StridedShard(0, split_factor=2), Shard(0)], (2, 2), c, (8, 3)) for c in product(range(2), range(2))]
+    layouts = [
+        _ours([_StridedShard(0, split_factor=2), Shard(0)], (2, 2), c, (8, 3)) for c in product(range(2), range(2))
+    ]
     with pytest.raises(BadInput, match=r"rank 3: local shape \(1, 3\) but .* gives \(2, 3\) at coordinate \(1, 1\)"):
         choose_reading(layouts, [(2, 3), (2, 3), (2, 3), (1, 3)], [f"rank {i}" for i in range(4)])

@@ -4,6 +4,7 @@ Real DCP checkpoints whose .metadata is edited with torch's own classes (a chunk
 another, or out of the tensor, or dropped), and the plan check itself against a brute-force
 count of every element, on random tilings made by the readers' own box_extents.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -12,24 +13,25 @@ from math import prod
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
 import torch
 import torch.distributed.checkpoint  # noqa: F401  (the classes .metadata pickles)
+from helpers import copy_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_bad_input import cli_refuses
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from fsdpfast.errors import BadInput
 from fsdpfast._parsing.boxes import box_extents
-from fsdpfast.plan.model import Extent, SourceBuffer
+from fsdpfast.errors import BadInput
 from fsdpfast.plan.checks import check_extents
-from helpers import copy_checkpoint
-from test_bad_input import cli_refuses
+from fsdpfast.plan.model import Extent, SourceBuffer
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64), two chunks of 32 rows in w2-dcp
 BERT_QUERY = "model.bert.encoder.layer.0.attention.self.query.weight"  # DCP flat name; (48, 48), Shard(1) over 3 ranks
 
 
 # --- real checkpoints with edited metadata ----------------------------------------------------
+
 
 def edit_metadata(folder: Path, edit) -> None:
     path = folder / ".metadata"
@@ -41,8 +43,10 @@ def edit_metadata(folder: Path, edit) -> None:
 def move_chunk(metadata, fqn: str, old_offsets, new_offsets) -> None:
     """Say the chunk saved at `old_offsets` belongs at `new_offsets` (the bytes stay where they are)."""
     entry = metadata.state_dict_metadata[fqn]
-    entry.chunks = [ChunkStorageMetadata(torch.Size(new_offsets), c.sizes) if list(c.offsets) == list(old_offsets) else c
-                    for c in entry.chunks]
+    entry.chunks = [
+        ChunkStorageMetadata(torch.Size(new_offsets), c.sizes) if list(c.offsets) == list(old_offsets) else c
+        for c in entry.chunks
+    ]
     for index in [i for i in metadata.storage_data if i.fqn == fqn and list(i.offset) == list(old_offsets)]:
         info = metadata.storage_data.pop(index)
         metadata.storage_data[MetadataIndex(fqn, torch.Size(new_offsets), index.index)] = info
@@ -57,9 +61,16 @@ EDITS = {
     # chunk of rows 32..63 said to hold rows 16..47: the element count still matches
     "rows overlap": ("w2-dcp", lambda m: move_chunk(m, Q_PROJ, [32, 0], [16, 0]), [Q_PROJ, "overlap", "element 1024 "]),
     # Shard(1) columns 16..31 said to be 8..23: strided pieces interleave
-    "columns overlap": ("w3-dcp-nested-bert-dim1", lambda m: move_chunk(m, BERT_QUERY, [0, 16], [0, 8]),
-                        ["query.weight", "overlap"]),
-    "chunk outside the tensor": ("w2-dcp", lambda m: move_chunk(m, Q_PROJ, [32, 0], [48, 0]), [Q_PROJ, "reaches element"]),
+    "columns overlap": (
+        "w3-dcp-nested-bert-dim1",
+        lambda m: move_chunk(m, BERT_QUERY, [0, 16], [0, 8]),
+        ["query.weight", "overlap"],
+    ),
+    "chunk outside the tensor": (
+        "w2-dcp",
+        lambda m: move_chunk(m, Q_PROJ, [32, 0], [48, 0]),
+        [Q_PROJ, "reaches element"],
+    ),
     "chunk missing": ("w2-dcp", lambda m: drop_chunk(m, Q_PROJ, [32, 0]), [Q_PROJ, "2048 of its 4096"]),
 }
 
@@ -81,6 +92,7 @@ def test_bert_query_name_is_what_the_nested_checkpoint_holds(checkpoints):
 
 
 # --- the check against a brute-force count ----------------------------------------------------
+
 
 def element_counts(shape, extents: list[Extent]) -> list[int]:
     counts = [0] * prod(shape)
@@ -140,7 +152,7 @@ def test_a_moved_or_dropped_box_is_caught_exactly_when_an_element_is_not_written
     shape, boxes = tiling
     i = data.draw(st.integers(0, len(boxes) - 1))
     if data.draw(st.booleans()) and len(boxes) > 1:
-        extents, sources = plan_of(shape, boxes[:i] + boxes[i + 1:])
+        extents, sources = plan_of(shape, boxes[:i] + boxes[i + 1 :])
     else:
         nudge = (i, data.draw(st.integers(0, len(shape) - 1)), data.draw(st.integers(-3, 3)))
         extents, sources = plan_of(shape, boxes, nudge)

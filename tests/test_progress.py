@@ -1,4 +1,5 @@
 """The progress bar's delay setting: a bad FSDPFAST_PROGRESS_AFTER means the default, never a traceback."""
+
 from __future__ import annotations
 
 import io
@@ -16,10 +17,19 @@ class Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("value,delay", [
-    (None, DEFAULT_DELAY), ("0", 0.0), ("2.5", 2.5),
-    ("soon", DEFAULT_DELAY), ("", DEFAULT_DELAY), ("-1", DEFAULT_DELAY), ("nan", DEFAULT_DELAY), ("inf", DEFAULT_DELAY),
-])
+@pytest.mark.parametrize(
+    "value,delay",
+    [
+        (None, DEFAULT_DELAY),
+        ("0", 0.0),
+        ("2.5", 2.5),
+        ("soon", DEFAULT_DELAY),
+        ("", DEFAULT_DELAY),
+        ("-1", DEFAULT_DELAY),
+        ("nan", DEFAULT_DELAY),
+        ("inf", DEFAULT_DELAY),
+    ],
+)
 def test_the_delay_is_read_when_a_bar_is_made(monkeypatch, value, delay):
     if value is None:
         monkeypatch.delenv("FSDPFAST_PROGRESS_AFTER", raising=False)
@@ -36,7 +46,9 @@ def test_the_delay_is_read_when_a_bar_is_made(monkeypatch, value, delay):
 def test_a_bad_value_does_not_stop_any_command(checkpoints, tmp_path, monkeypatch):
     _, folder = checkpoints.get("w2-llama")
     monkeypatch.setenv("FSDPFAST_PROGRESS_AFTER", "one second")
-    version = subprocess.run([sys.executable, "-m", "fsdpfast", "--version"], capture_output=True, text=True, timeout=60)
+    version = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert version.returncode == 0 and version.stderr == "", version.stderr  # the setting was read at import once
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)  # a terminal, so the merge makes its bar and reads the setting

@@ -7,6 +7,7 @@ subprocess, with neither torch nor the native module, and must reach the plan th
 Python reaches, and refuse the same malicious pickles with the same error. Set
 FSDPFAST_REQUIRE_PYTHONS=1 (CI does) to fail rather than skip when an interpreter is missing.
 """
+
 from __future__ import annotations
 
 import glob
@@ -19,14 +20,21 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_unsafe_pickles import HAND_WRITTEN, LIVE_PAYLOADS
 
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
 ROOT = Path(__file__).resolve().parent.parent
 # The layouts whose planning needs no torch: every pickle-reading reader but fsdp1-flat (it rebuilds the model).
 DEEPSPEED = "ds-w2-z3-fp32-tied-frozen"  # DeepSpeed's optimizer pickles too
-CHECKPOINTS = ("w2-llama", "w3-bert-dim1", "w2-guide", "w4-hsdp-tied", "w2-dcp", "w3-dcp-nested-bert-dim1", "w2-verl-steps")
+CHECKPOINTS = (
+    "w2-llama",
+    "w3-bert-dim1",
+    "w2-guide",
+    "w4-hsdp-tied",
+    "w2-dcp",
+    "w3-dcp-nested-bert-dim1",
+    "w2-verl-steps",
+)
 
 # Runs under the other interpreter: plans (or refusals) as JSON on stdout.
 _SCRIPT = r"""
@@ -60,7 +68,9 @@ def interpreter(version: str) -> str | None:
     candidates = sorted(glob.glob(os.path.join(pyenv, "versions", f"{version}.*", "bin", "python")), reverse=True)
     candidates += [found for found in [shutil.which(f"python{version}")] if found]
     for python in candidates:
-        probe = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+        probe = subprocess.run(
+            [python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+        )
         if probe.returncode == 0 and probe.stdout.strip() == str(tuple(int(p) for p in version.split("."))):
             return python
     return None
@@ -68,8 +78,15 @@ def interpreter(version: str) -> str | None:
 
 def run_under(python: str, job: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONNOUSERSITE": "1"}
-    result = subprocess.run([python, "-S", "-c", _SCRIPT], input=json.dumps(job), capture_output=True,
-                            text=True, env=env, cwd=ROOT, timeout=300)
+    result = subprocess.run(
+        [python, "-S", "-c", _SCRIPT],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -90,8 +107,7 @@ def job(checkpoints, deepspeed_checkpoints, tmp_path_factory) -> dict:
         payloads[f"hand/{name}"] = str(path)
     folders = {name: str(checkpoints.get(name)[1]) for name in CHECKPOINTS}
     folders[DEEPSPEED] = str(deepspeed_checkpoints.get(DEEPSPEED)[1])
-    return {"folders": folders, "payloads": payloads,
-            "marker": str(marker)}
+    return {"folders": folders, "payloads": payloads, "marker": str(marker)}
 
 
 @pytest.fixture(scope="module")
@@ -111,5 +127,7 @@ def test_each_python_plans_and_refuses_as_this_one(version, job, here):
     assert there["plans"] == here["plans"]
     assert there["payloads"] == here["payloads"]
     assert all(plan["tensors"] for plan in here["plans"].values())
-    assert all(outcome.startswith(("UnsafeCheckpoint", "BadInput")) for outcome in here["payloads"].values()), here["payloads"]
+    assert all(outcome.startswith(("UnsafeCheckpoint", "BadInput")) for outcome in here["payloads"].values()), here[
+        "payloads"
+    ]
     assert not Path(job["marker"]).exists()

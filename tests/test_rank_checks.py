@@ -7,6 +7,7 @@ stale .distcp file. Every checkpoint is written by real gloo ranks (conftest.py)
 torch in a private copy; each case merges bit-exact or is refused in one line (exit 2, nothing
 written), and `verify --against` runs the same checks.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -16,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
 import fsdpfast
-from fsdpfast.plan import copies
 from fsdpfast.errors import BadInput
+from fsdpfast.plan import copies
 from fsdpfast.readers.placements import chunk_span
 from fsdpfast.readers.plain_pieces import _concatenate_to
-from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
-from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples
 BUFFER = "fsdpfast_probe_buffer"  # (3, 4), held whole by every rank (CheckpointSpec.buffer)
@@ -79,10 +80,13 @@ def add_one_at(state: dict, name: str, element: int) -> None:
 
 # --- 1. plain to_local() pieces -----------------------------------------------------------------
 
+
 def test_a_buffer_every_rank_holds_is_kept_once_beside_plain_pieces(checkpoints, tmp_path):
     # Was: the buffer's two copies concatenated as if they were dim-0 pieces ([6, 4]).
     _, folder = checkpoints.get("w2-guide-local-buffer")
-    report = merged_is_the_model(checkpoints, "w2-guide-local-buffer", folder, tmp_path / "out", allow_extra_tensors=True)
+    report = merged_is_the_model(
+        checkpoints, "w2-guide-local-buffer", folder, tmp_path / "out", allow_extra_tensors=True
+    )
     assert list(read_merged(tmp_path / "out")[BUFFER].shape) == [3, 4]
     assert any("1 tensors every rank holds whole" in note for note in report.notes), report.notes
 
@@ -111,14 +115,20 @@ def test_a_config_of_another_model_refuses_the_pieces(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-guide-local-bert-dim1", tmp_path)
     config = folder / "huggingface" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": 96}))
-    cli_refuses(folder, tmp_path / "out", mentions=["bert.embeddings.word_embeddings.weight", "[103, 96]", "--config DIR"])
+    cli_refuses(
+        folder, tmp_path / "out", mentions=["bert.embeddings.word_embeddings.weight", "[103, 96]", "--config DIR"]
+    )
 
 
 def test_buffer_copies_that_differ_are_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-guide-local-buffer", tmp_path)
     edit_state_dict(guide_file(folder, 1), lambda state: add_one_at(state, BUFFER, 5))
-    cli_refuses(folder, tmp_path / "out", "--allow-extra-tensors",
-                mentions=[BUFFER, "first at element 5", guide_file(folder, 0), guide_file(folder, 1)])
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        "--allow-extra-tensors",
+        mentions=[BUFFER, "first at element 5", guide_file(folder, 0), guide_file(folder, 1)],
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -136,6 +146,7 @@ def test_only_the_split_dimension_rebuilds_the_shape(shape, world, data):
 
 
 # --- 2. the guide layout's metadata: rank and step -------------------------------------------------
+
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3)))[1:])
 def test_renamed_guide_files_are_placed_by_the_rank_they_record(checkpoints, tmp_path, order):
@@ -178,6 +189,7 @@ def test_a_recorded_rank_outside_the_world_is_refused(checkpoints, tmp_path):
 
 # --- 3. every rank saved the whole model ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["w2-ddp", "w2-full-state"])
 def test_every_rank_holding_the_whole_model_merges_once(checkpoints, tmp_path, name):
     # Was: the two copies of every tensor concatenated along dim 0. w2-ddp's config.json names no
@@ -205,8 +217,10 @@ def test_whole_copies_that_differ_are_refused(checkpoints, tmp_path):
 
 # --- 6. ambiguous inputs ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,copy_as", [("w2-llama", "model_world_size_2_rank_01.pt"),
-                                          ("w2-guide", "model_pt_rank_01.pt")])
+
+@pytest.mark.parametrize(
+    "name,copy_as", [("w2-llama", "model_world_size_2_rank_01.pt"), ("w2-guide", "model_pt_rank_01.pt")]
+)
 def test_two_spellings_of_one_rank_are_refused(checkpoints, tmp_path, name, copy_as):
     folder = copy_checkpoint(checkpoints, name, tmp_path)
     original = next(folder.glob("*_rank_1.pt"))
@@ -225,8 +239,11 @@ def test_hsdp_replicas_that_differ_are_refused(checkpoints, tmp_path):
     # Was: replica group 0 read, group 1 never looked at.
     folder = copy_checkpoint(checkpoints, "w4-hsdp-tied", tmp_path)
     victim = damage_a_replica(folder, 7)
-    cli_refuses(folder, tmp_path / "out",
-                mentions=[Q_PROJ, victim, verl_file(folder, "model", 1, world=4), "first at element 7", "replica"])
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        mentions=[Q_PROJ, victim, verl_file(folder, "model", 1, world=4), "first at element 7", "replica"],
+    )
 
 
 def test_the_merge_samples_replicas_and_verify_compares_every_byte(checkpoints, tmp_path, monkeypatch):
@@ -267,8 +284,17 @@ def mix_in_the_next_step(checkpoints, folder: Path, kinds) -> None:
 def test_verl_files_of_two_steps_are_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-verl-steps", tmp_path)
     mix_in_the_next_step(checkpoints, folder, ["model", "optim", "extra_state"])
-    cli_refuses(folder, tmp_path / "out", mentions=[verl_file(folder, "extra_state", 0), verl_file(folder, "extra_state", 1),
-                                                     "last_epoch 1", "last_epoch 2", "two saves"])
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        mentions=[
+            verl_file(folder, "extra_state", 0),
+            verl_file(folder, "extra_state", 1),
+            "last_epoch 1",
+            "last_epoch 2",
+            "two saves",
+        ],
+    )
 
 
 def test_verl_files_of_two_steps_are_refused_by_the_optimizer_step(checkpoints, tmp_path):
@@ -276,7 +302,9 @@ def test_verl_files_of_two_steps_are_refused_by_the_optimizer_step(checkpoints, 
     mix_in_the_next_step(checkpoints, folder, ["model", "optim"])
     for rank in range(2):
         verl_file(folder, "extra_state", rank).unlink()
-    cli_refuses(folder, tmp_path / "out", mentions=[verl_file(folder, "optim", 1), "optimizer step 1", "optimizer step 2"])
+    cli_refuses(
+        folder, tmp_path / "out", mentions=[verl_file(folder, "optim", 1), "optimizer step 1", "optimizer step 2"]
+    )
 
 
 def test_verl_files_of_one_step_merge_with_a_note(checkpoints, tmp_path):
@@ -286,6 +314,7 @@ def test_verl_files_of_one_step_merge_with_a_note(checkpoints, tmp_path):
 
 
 # --- verify --against runs the same checks -----------------------------------------------------------
+
 
 def verify_refuses(out: Path, against: Path, mentions) -> None:
     line = the_error_line(run_cli("verify", out, "--against", against))

@@ -5,10 +5,10 @@ the usual way by the model's own save_pretrained), and its safetensors files mus
 those an offline merge of the same model's rank files writes; a rank whose writes fail publishes
 nothing, and every rank says so.
 """
+
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,9 +19,12 @@ import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
 
 SPECS = {
-    2: [LiveSpec("w2-fp32", seed=31), LiveSpec("w2-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=32),
+    2: [
+        LiveSpec("w2-fp32", seed=31),
+        LiveSpec("w2-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=32),
         LiveSpec("w2-dim1-to-bf16", shard_dim=1, save_dtype="bf16", max_shard_size="40KB", seed=34),
-        LiveSpec("w2-fails", fail_rank=1, seed=33)],
+        LiveSpec("w2-fails", fail_rank=1, seed=33),
+    ],
     3: [LiveSpec("w3-uneven-rows", seed=36)],  # 101 vocabulary rows over 3 ranks
     4: [LiveSpec("w4-hsdp-tied", model="llama-tied", hsdp=True, seed=35)],
 }
@@ -66,16 +69,22 @@ def test_the_folder_is_the_gathered_state_dict(saved, name):
     for key, want in reference.items():
         want = want.to(cast) if cast is not None and want.is_floating_point() else want
         assert live[key].dtype == want.dtype, key
-        assert torch.equal(live[key].view(torch.uint8) if live[key].ndim else live[key], want.view(torch.uint8) if want.ndim else want), key
+        assert torch.equal(
+            live[key].view(torch.uint8) if live[key].ndim else live[key], want.view(torch.uint8) if want.ndim else want
+        ), key
 
 
 @pytest.mark.parametrize("name", SAVED)
 def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
     _, spec = ALL[name]
     folder = saved / name
-    fsdpfast.merge(folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size)
+    fsdpfast.merge(
+        folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size
+    )
     weights = sorted(p.name for p in (folder / "live").iterdir() if p.name.endswith((".safetensors", ".index.json")))
-    assert weights == sorted(p.name for p in (tmp_path / "merged").iterdir() if p.name.endswith((".safetensors", ".index.json")))
+    assert weights == sorted(
+        p.name for p in (tmp_path / "merged").iterdir() if p.name.endswith((".safetensors", ".index.json"))
+    )
     for name_ in weights:
         assert (folder / "live" / name_).read_bytes() == (tmp_path / "merged" / name_).read_bytes(), name_
     if spec.max_shard_size != "5GB":

@@ -1,11 +1,12 @@
 """Windows over a plan's extents: the pieces that land in [lo, hi) are exactly those of the whole."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdpfast.plan.model import Extent
 from fsdpfast.io.tensor_bytes import runs_in_window
+from fsdpfast.plan.model import Extent
 
 
 def _elements(extent: Extent) -> dict[int, int]:

@@ -7,6 +7,7 @@ sub-mesh (embeddings, norms), whose pieces every tp rank holds a copy of. Each m
 unsharded model gathered with `full_tensor()` in the writing processes, and torch's own
 `dcp_to_torch_save` of a DCP save of the same state.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -14,26 +15,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.testing.tp_examples import TpSpec, write_tp_checkpoints
-from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
 
 HEADS_OVER_3 = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
 # name -> (world size, spec). Uneven on purpose: vocab 101 rows over tp and dp, 44 or 15 MLP rows
 # per tp rank over 3 or 2 dp ranks, 64 rows over 3.
-SPECS = {spec.name: (prod, spec) for prod, spec in [
-    (4, TpSpec("tp-2x2", tp_lm_head=True, seed=41)),
-    (4, TpSpec("tp-2x2-tied-bf16", model="llama-tied", dtype="bfloat16", seed=42)),
-    (6, TpSpec("tp-2x3", mesh=(2, 3), tp_lm_head=True, sizes=HEADS_OVER_3, seed=43)),
-    (6, TpSpec("tp-3x2", mesh=(3, 2), tp_lm_head=True, seed=44)),
-    # 13 lm_head rows: tp gives 7 and 6, dp 3 + 3 + 1 and 2 + 2 + 2: torch's two readings of
-    # _StridedShard differ here and DCP refuses to save it; FSDP2's pieces and full_tensor() agree
-    (6, TpSpec("tp-3x2-13-rows", mesh=(3, 2), tp_lm_head=True, sizes={"vocab_size": 13}, dcp=False, seed=46)),
-    (8, TpSpec("hsdp-tp-2x2x2", mesh=(2, 2, 2), tp_lm_head=True, seed=45)),
-]}
+SPECS = {
+    spec.name: (prod, spec)
+    for prod, spec in [
+        (4, TpSpec("tp-2x2", tp_lm_head=True, seed=41)),
+        (4, TpSpec("tp-2x2-tied-bf16", model="llama-tied", dtype="bfloat16", seed=42)),
+        (6, TpSpec("tp-2x3", mesh=(2, 3), tp_lm_head=True, sizes=HEADS_OVER_3, seed=43)),
+        (6, TpSpec("tp-3x2", mesh=(3, 2), tp_lm_head=True, seed=44)),
+        # 13 lm_head rows: tp gives 7 and 6, dp 3 + 3 + 1 and 2 + 2 + 2: torch's two readings of
+        # _StridedShard differ here and DCP refuses to save it; FSDP2's pieces and full_tensor() agree
+        (6, TpSpec("tp-3x2-13-rows", mesh=(3, 2), tp_lm_head=True, sizes={"vocab_size": 13}, dcp=False, seed=46)),
+        (8, TpSpec("hsdp-tp-2x2x2", mesh=(2, 2, 2), tp_lm_head=True, seed=45)),
+    ]
+}
 FORMS = ["ranks", "guide"]
 
 
@@ -57,9 +61,9 @@ def tp(tmp_path_factory) -> TpCheckpoints:
 
 def _placements(folder: Path) -> set[str]:
     """The placements found in rank 0's file, as fsdpfast reads them."""
-    from fsdpfast.readers.placements import read_layout
     from fsdpfast._parsing.safe_load import DTensorRef, safe_unpickle
     from fsdpfast._parsing.torch_zip import TorchZip
+    from fsdpfast.readers.placements import read_layout
 
     (path,) = folder.glob("*_rank_0.pt")
     with TorchZip(str(path)) as archive:
@@ -93,7 +97,12 @@ def test_merge_equals_torch_dcp_to_torch_save_and_fsdpfast_dcp(tp, tmp_path, nam
 
 def test_the_checkpoints_hold_every_placement_of_fsdp2_with_tp(tp):
     found = _placements(tp.folder("tp-2x2", "ranks"))
-    assert {"(_StridedShard(0, split_factor=2), Shard(0))", "(Shard(0), Shard(1))", "(Shard(0), Replicate())", "(Shard(0))"} <= found
+    assert {
+        "(_StridedShard(0, split_factor=2), Shard(0))",
+        "(Shard(0), Shard(1))",
+        "(Shard(0), Replicate())",
+        "(Shard(0))",
+    } <= found
     found = _placements(tp.folder("hsdp-tp-2x2x2", "ranks"))
     assert {"(Replicate(), _StridedShard(0, split_factor=2), Shard(0))", "(Replicate(), Shard(0))"} <= found
 
@@ -105,6 +114,7 @@ def test_bf16_cast_of_a_tp_checkpoint_equals_torch_to(tp, tmp_path):
 
 
 # --- refused -----------------------------------------------------------------------------------
+
 
 def _copy(tp, name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tp.folder(name, "ranks"), tmp_path / "ckpt"))
@@ -145,9 +155,18 @@ def test_a_piece_of_another_shape_is_refused(tp, tmp_path):
     from torch.distributed.tensor import DTensor
 
     weight = state[name]  # one row fewer than its placements give coordinate (2, 1)
-    state[name] = DTensor.from_local(weight.to_local()[1:].clone(), weight.device_mesh, weight.placements,
-                                     shape=weight.shape, stride=weight.stride(), run_check=False)
+    state[name] = DTensor.from_local(
+        weight.to_local()[1:].clone(),
+        weight.device_mesh,
+        weight.placements,
+        shape=weight.shape,
+        stride=weight.stride(),
+        run_check=False,
+    )
     torch.save(state, victim)
-    with pytest.raises(BadInput, match=r"rank_5.pt: model.layers.0.mlp.gate_proj.weight: local shape \(13, 64\) but "
-                                       r"\(_StridedShard\(0, split_factor=2\), Shard\(0\)\)"):
+    with pytest.raises(
+        BadInput,
+        match=r"rank_5.pt: model.layers.0.mlp.gate_proj.weight: local shape \(13, 64\) but "
+        r"\(_StridedShard\(0, split_factor=2\), Shard\(0\)\)",
+    ):
         fsdpfast.merge(folder, tmp_path / "merged")

@@ -4,6 +4,7 @@ Each payload's side effect would create a marker file; every test checks the mar
 absent afterwards. A control test shows that plain `pickle.loads` of the same bytes does
 create it, so the absence means fsdpfast refused the payload, not that the payload was inert.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,11 +21,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint  # noqa: F401  (the classes a real DCP .metadata pickles)
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
+from helpers import copy_checkpoint, rank_file
 
-from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
 from fsdpfast._parsing import safe_load
 from fsdpfast._parsing.safe_load import safe_unpickle
-from helpers import copy_checkpoint, rank_file
+from fsdpfast.errors import EXIT_BAD_INPUT, BadInput, UnsafeCheckpoint
 
 
 class Calls:
@@ -62,14 +63,20 @@ LIVE_PAYLOADS = {
     "os.system": (lambda m, p: pickled_call(os.system, touch_command(m), protocol=p), f"{os.system.__module__}.system"),
     "builtins.exec": (lambda m, p: pickled_call(exec, create_file_code(m), protocol=p), "builtins.exec"),
     "builtins.eval": (lambda m, p: pickled_call(eval, create_file_code(m), protocol=p), "builtins.eval"),
-    "subprocess.Popen": (lambda m, p: pickled_call(subprocess.Popen, ["touch", str(m)], protocol=p), "subprocess.Popen"),
+    "subprocess.Popen": (
+        lambda m, p: pickled_call(subprocess.Popen, ["touch", str(m)], protocol=p),
+        "subprocess.Popen",
+    ),
     "torch.save": (lambda m, p: pickled_call(torch.save, {}, str(m), protocol=p), "torch.serialization.save"),
 }
 # Torch internals a checkpoint never names; they have no side effect to observe, so the
 # proof is the refusal itself.
 TORCH_INTERNALS = {
     "torch.load": (lambda m, p: pickled_call(torch.load, str(m), protocol=p), "torch.serialization.load"),
-    "torch._C._get_tracing_state": (lambda m, p: pickled_global_call("torch._C", "_get_tracing_state"), "torch._C._get_tracing_state"),
+    "torch._C._get_tracing_state": (
+        lambda m, p: pickled_global_call("torch._C", "_get_tracing_state"),
+        "torch._C._get_tracing_state",
+    ),
 }
 ALL_PAYLOADS = {**LIVE_PAYLOADS, **TORCH_INTERNALS}
 PICKLED_CALLS = [name for name in ALL_PAYLOADS if name != "torch._C._get_tracing_state"]
@@ -91,6 +98,7 @@ def marker(tmp_path) -> Path:
 
 # --- the payloads are live ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", LIVE_PAYLOADS)
 def test_control_plain_pickle_runs_the_payload(marker, name):
     result = pickle.loads(payload_bytes(name, marker))
@@ -100,6 +108,7 @@ def test_control_plain_pickle_runs_the_payload(marker, name):
 
 
 # --- safe_unpickle on the raw payloads --------------------------------------------------------
+
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 @pytest.mark.parametrize("name", PICKLED_CALLS)
@@ -123,7 +132,10 @@ def test_safe_unpickle_refuses_a_payload_nested_among_tensors(marker):
 HAND_WRITTEN = {
     "python2 name for exec": (lambda m: f"c__builtin__\nexec\n(V{create_file_code(m)}\ntR.".encode(), True),
     "INST opcode": (lambda m: f"(V{touch_command(m)}\nios\nsystem\n.".encode(), True),
-    "copyreg._reconstructor": (lambda m: f"ccopyreg\n_reconstructor\n(cos\nsystem\nV{touch_command(m)}\ntR.".encode(), False),
+    "copyreg._reconstructor": (
+        lambda m: f"ccopyreg\n_reconstructor\n(cos\nsystem\nV{touch_command(m)}\ntR.".encode(),
+        False,
+    ),
     "builtins.getattr": (lambda m: b"cbuiltins\ngetattr\n(cos\nsystem\nVname\ntR.", False),
     "torch.storage._load_from_bytes": (lambda m: b"ctorch.storage\n_load_from_bytes\n(C\x00tR.", False),
 }
@@ -167,6 +179,7 @@ def test_safe_unpickle_turns_garbage_into_bad_input():
 
 # --- BUILD: pickled state may not change fsdpfast's shared stand-ins ----------------------------
 
+
 def _binunicode(text: str) -> bytes:
     return b"X" + len(text).to_bytes(4, "little") + text.encode()
 
@@ -176,12 +189,21 @@ def _binunicode(text: str) -> bytes:
 # whole process. name -> (pickle bytes, the allowed global it targets, the field it changes).
 STATE_PAYLOADS = {
     # the review's 60 bytes: every later bfloat16 storage would read as float16, silently
-    "bf16 storage reads as fp16": (b"ctorch\nBFloat16Storage\n}" + _binunicode("dtype") + _binunicode("float16") + b"sb0N.",
-                                   "torch.BFloat16Storage", "dtype"),
-    "DTensor class stand-in": (b"ctorch.distributed.tensor\nDTensor\n}" + _binunicode("qualname") + _binunicode("Tensor")
-                               + b"sb0N.", "torch.distributed.tensor.DTensor", "qualname"),
-    "dtype global via slot state": (b"ctorch\nbfloat16\n(N}" + _binunicode("planted") + _binunicode("yes") + b"stb0N.",
-                                    "torch.bfloat16", "planted"),
+    "bf16 storage reads as fp16": (
+        b"ctorch\nBFloat16Storage\n}" + _binunicode("dtype") + _binunicode("float16") + b"sb0N.",
+        "torch.BFloat16Storage",
+        "dtype",
+    ),
+    "DTensor class stand-in": (
+        b"ctorch.distributed.tensor\nDTensor\n}" + _binunicode("qualname") + _binunicode("Tensor") + b"sb0N.",
+        "torch.distributed.tensor.DTensor",
+        "qualname",
+    ),
+    "dtype global via slot state": (
+        b"ctorch\nbfloat16\n(N}" + _binunicode("planted") + _binunicode("yes") + b"stb0N.",
+        "torch.bfloat16",
+        "planted",
+    ),
 }
 
 
@@ -231,7 +253,9 @@ def test_build_onto_a_shared_stand_in_is_refused_and_changes_nothing(name):
     before = dict(vars(target))
     with pytest.raises(UnsafeCheckpoint, match="refusing to set the state of"):
         safe_unpickle(payload, "evil/data.pkl")
-    assert _stand_in(qualname) is target and vars(target) == before and getattr(target, field, None) == before.get(field)
+    assert (
+        _stand_in(qualname) is target and vars(target) == before and getattr(target, field, None) == before.get(field)
+    )
 
 
 def test_bfloat16_tensors_still_read_as_bfloat16_after_the_payload():
@@ -249,6 +273,7 @@ def test_build_still_sets_the_state_dict_metadata():
 
 
 # --- real rank files carrying a payload, through the CLI --------------------------------------
+
 
 def torch_data_pkl(value) -> bytes:
     """The data.pkl torch.save writes for `value` (read back from a real torch.save archive)."""
@@ -271,7 +296,10 @@ def rewrite_data_pkl(path: Path, payload: bytes) -> None:
 def merge_cli(src: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "fsdpfast", "merge", str(src), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
     )
 
 
@@ -324,6 +352,7 @@ def test_cli_refuses_a_payload_in_the_part_that_is_not_merged(checkpoints, tmp_p
 
 
 # --- DCP folders: the .metadata pickle and the chunk archives inside .distcp files -----------
+
 
 def load_dcp_metadata(folder: Path):
     return pickle.loads((folder / ".metadata").read_bytes())
@@ -378,18 +407,27 @@ def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(checkpoints, t
 # --- more globals a checkpoint never needs, and allowed ones called the wrong way -------------
 
 MORE_INTERNALS = {
-    "a model class (NEWOBJ)": (lambda: pickle.dumps(torch.nn.Linear(2, 2), protocol=2), "torch.nn.modules.linear.Linear"),
+    "a model class (NEWOBJ)": (
+        lambda: pickle.dumps(torch.nn.Linear(2, 2), protocol=2),
+        "torch.nn.modules.linear.Linear",
+    ),
     "torch._utils._rebuild_device_tensor_from_numpy": (
         lambda: pickled_global_call("torch._utils", "_rebuild_device_tensor_from_numpy"),
-        "torch._utils._rebuild_device_tensor_from_numpy"),
-    "torch._tensor._rebuild_from_type": (lambda: pickled_global_call("torch._tensor", "_rebuild_from_type"),
-                                         "torch._tensor._rebuild_from_type"),
+        "torch._utils._rebuild_device_tensor_from_numpy",
+    ),
+    "torch._tensor._rebuild_from_type": (
+        lambda: pickled_global_call("torch._tensor", "_rebuild_from_type"),
+        "torch._tensor._rebuild_from_type",
+    ),
     "torch.jit.load": (lambda: pickled_global_call("torch.jit", "load"), "torch.jit.load"),
-    "numpy reconstruct": (lambda: pickled_global_call("numpy.core.multiarray", "_reconstruct"),
-                          "numpy.core.multiarray._reconstruct"),
+    "numpy reconstruct": (
+        lambda: pickled_global_call("numpy.core.multiarray", "_reconstruct"),
+        "numpy.core.multiarray._reconstruct",
+    ),
     "a distributed class outside the allow-list": (
         lambda: pickled_global_call("torch.distributed.distributed_c10d", "init_process_group"),
-        "torch.distributed.distributed_c10d.init_process_group"),
+        "torch.distributed.distributed_c10d.init_process_group",
+    ),
 }
 
 

@@ -4,6 +4,7 @@ A fresh merge verifies clean (manifest, recomputed from the shards, reference, s
 flipped bit in an output file is caught and named by each check; a source touched after the
 merge is reported, and one changed during the merge aborts it with nothing published.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,22 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import copy_checkpoint, read_merged
 
 import fsdpfast
 from fsdpfast import _ops
-from fsdpfast.execute import writer
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
-from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
+from fsdpfast.execute import writer
 from fsdpfast.io.stored import read_folder
+from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
 from fsdpfast.verify import verify
-from helpers import copy_checkpoint, read_merged
 
 needs_native = pytest.mark.skipif(not _ops.native_cpu(), reason="checksums need the native extension")
 
 
 def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True, timeout=300, **kwargs
+    )
 
 
 def crc32c_reference(data: bytes) -> int:
@@ -58,10 +60,15 @@ def flip_bit(out_dir: Path, tensor: str, byte: int, bit: int = 3) -> None:
 
 # --- the checksum ---------------------------------------------------------------------------
 
+
 @needs_native
 def test_crc32c_known_answer_and_continuation():
     assert _ops.crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
-    data = torch.randint(0, 256, (100_003,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes()
+    data = (
+        torch.randint(0, 256, (100_003,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     whole = _ops.crc32c(data)
     assert whole == crc32c_reference(data)
     assert _ops.crc32c(data[40_001:], _ops.crc32c(data[:40_001])) == whole
@@ -72,10 +79,10 @@ def test_crc32c_known_answer_and_continuation():
 def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, chunk_bytes):
     """The native engine's per-chunk CRCs, combined, equal the torch engine's CRC of whole tensors."""
     from fsdpfast.execute.native import NativeCpuEngine
-    from fsdpfast.io.sources import SourceFiles
     from fsdpfast.execute.torch_ref import TorchEngine
-    from fsdpfast.plan.layout import plan_files
     from fsdpfast.execute.writer import write_file
+    from fsdpfast.io.sources import SourceFiles
+    from fsdpfast.plan.layout import plan_files
 
     _, folder = checkpoints.get("w3-bert-dim1")
     plan = fsdpfast.plan_merge(folder, dtype="bf16")
@@ -95,6 +102,7 @@ def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, c
 
 
 # --- a fresh merge verifies --------------------------------------------------------------------
+
 
 @needs_native
 @pytest.mark.parametrize("name,dtype", [("w2-tied-bf16", "keep"), ("w3-bert-dim1", "bf16"), ("w2-dcp", "fp16")])
@@ -135,6 +143,7 @@ def test_cli_verify_against_without_manifest_and_json(checkpoints, tmp_path):
 
 # --- one flipped bit is caught ---------------------------------------------------------------
 
+
 @needs_native
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 def test_a_flipped_bit_is_named_by_every_check(checkpoints, tmp_path, engine):
@@ -157,6 +166,7 @@ def test_a_flipped_bit_is_named_by_every_check(checkpoints, tmp_path, engine):
 
 
 # --- reference with tolerances, smoke ----------------------------------------------------------
+
 
 def test_reference_exact_by_default_tolerances_on_request(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
@@ -192,6 +202,7 @@ def test_smoke_passes_on_a_good_merge_and_fails_on_nan(checkpoints, tmp_path):
 
 
 # --- sources changed ----------------------------------------------------------------------------
+
 
 @needs_native
 def test_a_source_touched_after_the_merge_is_reported(checkpoints, tmp_path):
@@ -238,14 +249,20 @@ def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, mon
 
 # --- seeing the work: progress, -v, --json, --dry-run ----------------------------------------------
 
+
 def _merge_on_terminal(folder, out, *options) -> str:
     """Run a merge with a pseudo-terminal as stderr; what the terminal received."""
     import pty
 
     controller, terminal = pty.openpty()
     env = {**os.environ, "FSDPFAST_PROGRESS_AFTER": "0"}  # draw at once: the test merge is small
-    result = subprocess.run([sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *options],
-                            stdout=subprocess.PIPE, stderr=terminal, env=env, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), *options],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        env=env,
+        timeout=300,
+    )
     os.close(terminal)
     received = b""
     while True:
@@ -283,8 +300,9 @@ def test_verbose_logs_decisions_and_json_reports(checkpoints, tmp_path):
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-bert-dim1")
-    planned = run_cli("merge", folder, "--out", tmp_path / "out", "--dtype", "bf16", "--max-shard-size", "40KB",
-                      "--dry-run", "--json")
+    planned = run_cli(
+        "merge", folder, "--out", tmp_path / "out", "--dtype", "bf16", "--max-shard-size", "40KB", "--dry-run", "--json"
+    )
     assert planned.returncode == 0, planned.stderr
     assert os.listdir(tmp_path) == []  # no output folder, no staging folder
     text = run_cli("merge", folder, "--out", tmp_path / "out", "--dry-run")
@@ -292,11 +310,15 @@ def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
     plan = json.loads(planned.stdout)
     fsdpfast.merge(folder, tmp_path / "out", dtype="bf16", max_shard_size="40KB")
     stored = read_folder(str(tmp_path / "out"))
-    promised = {t["name"]: (f["name"], t["offset"], t["bytes"], t["dtype"], tuple(t["shape"]))
-                for f in plan["files"] for t in f["tensors"]}
+    promised = {
+        t["name"]: (f["name"], t["offset"], t["bytes"], t["dtype"], tuple(t["shape"]))
+        for f in plan["files"]
+        for t in f["tensors"]
+    }
     assert promised == {n: (s.file, s.byte_offset, s.nbytes, s.dtype, s.shape) for n, s in stored.items()}
     assert {f["name"]: f["bytes"] for f in plan["files"]} == {
-        f: (tmp_path / "out" / f).stat().st_size for f in {s.file for s in stored.values()}}
+        f: (tmp_path / "out" / f).stat().st_size for f in {s.file for s in stored.values()}
+    }
     for name in promised:
         assert name in text.stdout
 

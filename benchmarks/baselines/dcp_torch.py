@@ -1,12 +1,13 @@
 """Baseline, not fsdpfast: torch's own DCP conversion, then a safetensors save.
 
-  1. torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT_DIR, TMP.pt): torch
-     loads every chunk and writes one torch.save file of the whole state dict;
-  2. torch.load that file, cast floating tensors to bfloat16, and safetensors' save_file
-     into OUT_DIR/model.safetensors (with huggingface/config.json copied beside it).
+1. torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT_DIR, TMP.pt): torch
+   loads every chunk and writes one torch.save file of the whole state dict;
+2. torch.load that file, cast floating tensors to bfloat16, and safetensors' save_file
+   into OUT_DIR/model.safetensors (with huggingface/config.json copied beside it).
 
-    python benchmarks/baselines/dcp_torch.py CKPT_DIR OUT_DIR
+  python benchmarks/baselines/dcp_torch.py CKPT_DIR OUT_DIR
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ What it does, step by step, as the guide does it:
 
     python benchmarks/baselines/guide.py CKPT_DIR OUT_DIR
 """
+
 from __future__ import annotations
 
 import glob

@@ -9,6 +9,7 @@ kept (it cannot cast). huggingface/config.json is copied beside it.
 
     python benchmarks/baselines/hf_consolidate.py CKPT_DIR OUT_DIR [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt")
     parser.add_argument("out")
-    parser.add_argument("--threads", type=int, default=1, help="num_threads (torch parallelises over output files only)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="num_threads (torch parallelises over output files only)"
+    )
     args = parser.parse_args()
     names: dict[str, int] = {}
     for path in sorted(glob.glob(os.path.join(args.ckpt, "*.safetensors"))):

@@ -14,6 +14,7 @@ When the `verl` package is importable, benchmarks/compare.py runs verl's own mer
 
     python benchmarks/baselines/verl_style.py CKPT_DIR OUT_DIR
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,9 @@ def world_size(ckpt: str) -> int:
 
 
 def load_rank(ckpt: str, size: int, rank: int) -> dict:
-    return torch.load(os.path.join(ckpt, f"model_world_size_{size}_rank_{rank}.pt"), map_location="cpu", weights_only=False)
+    return torch.load(
+        os.path.join(ckpt, f"model_world_size_{size}_rank_{rank}.pt"), map_location="cpu", weights_only=False
+    )
 
 
 def merge_state_dicts(state_dicts: list[dict]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
 """Turn "this contiguous local piece fills this box of the global tensor" into extents."""
+
 from __future__ import annotations
 
 from itertools import product
@@ -7,7 +8,9 @@ from math import prod
 from ..plan.model import Extent
 
 
-def box_extents(source: int, src_offset: int, global_shape, offsets, sizes, local_shape=None, local_offsets=None) -> list[Extent]:
+def box_extents(
+    source: int, src_offset: int, global_shape, offsets, sizes, local_shape=None, local_offsets=None
+) -> list[Extent]:
     """Extents copying a box of shape `sizes` from a row-major local piece into the global box at `offsets`.
 
     The box is the whole local piece unless `local_shape` (the piece's shape) and `local_offsets`
@@ -79,8 +82,9 @@ def first_overlap(boxes: list[tuple[tuple, tuple]]) -> tuple[int, int] | None:
     return None
 
 
-def window_extents(source: int, src_offset: int, piece_offsets, piece_sizes, window_offsets, window_sizes,
-                   out_shape, out_offsets) -> list[Extent]:
+def window_extents(
+    source: int, src_offset: int, piece_offsets, piece_sizes, window_offsets, window_sizes, out_shape, out_offsets
+) -> list[Extent]:
     """Extents copying the part of a row-major piece that lies inside a window of a larger tensor.
 
     The piece fills the box (piece_offsets, piece_sizes) of that tensor; the window is the box
@@ -114,5 +118,7 @@ def window_extents(source: int, src_offset: int, piece_offsets, piece_sizes, win
     for index in product(*(range(sizes[d]) for d in range(dropped, outer))):
         shift_src = sum(i * p_strides[d] for d, i in zip(range(dropped, outer), index))
         shift_dst = sum(i * o_strides[d] for d, i in zip(range(dropped, outer), index))
-        extents.append(Extent(source, src + shift_src, count, dst + shift_dst, sizes[outer], p_strides[outer], o_strides[outer]))
+        extents.append(
+            Extent(source, src + shift_src, count, dst + shift_dst, sizes[outer], p_strides[outer], o_strides[outer])
+        )
     return extents

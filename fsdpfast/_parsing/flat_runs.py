@@ -1,4 +1,5 @@
 """Pieces laid end to end as one flat vector (DeepSpeed's partitions, FSDP1's shards), cut into extents."""
+
 from __future__ import annotations
 
 import bisect

@@ -8,6 +8,7 @@ a storage record, and any other global (os.system, builtins.exec, a model class,
 refused before anything runs. That is why reading a checkpoint's metadata needs neither
 torch.distributed nor the bulk bytes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..dtypes import DTYPES
-from ..errors import UnsafeCheckpoint, BadInput
+from ..errors import BadInput, UnsafeCheckpoint
 
 
 def _refuse_state(self, state):
@@ -26,8 +27,10 @@ def _refuse_state(self, state):
     the unpickler, and nothing it makes of what it reads, takes any: the Python unpickler refuses
     BUILD onto them before it gets here (_RestrictedUnpickler._load_build); the C unpickler, which
     reads plain pickles (see safe_unpickle), calls this and is refused the same way."""
-    raise UnsafeCheckpoint(f"refusing to set the state of {getattr(self, 'qualname', type(self).__name__)!s}: only "
-                           "records and dicts take pickled state; fsdpfast does not let a checkpoint change its own objects")
+    raise UnsafeCheckpoint(
+        f"refusing to set the state of {getattr(self, 'qualname', type(self).__name__)!s}: only "
+        "records and dicts take pickled state; fsdpfast does not let a checkpoint change its own objects"
+    )
 
 
 def _takes_no_state(cls):
@@ -69,7 +72,7 @@ class TensorRef:
 @dataclass(frozen=True, slots=True)
 class DTensorRef:
     local: TensorRef
-    spec: "Record"  # DTensorSpec stand-in; readers.placements interprets it
+    spec: Record  # DTensorSpec stand-in; readers.placements interprets it
 
 
 @_takes_no_state
@@ -161,10 +164,26 @@ _PLAIN_TENSOR = _TensorClass("Tensor")
 # DTensor and ShardedTensor metadata classes: any module under torch.distributed (they moved
 # between releases).
 _DISTRIBUTED_RECORDS = {
-    "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
-    "Shard", "Replicate", "Partial", "_StridedShard", "_NormPartial", "_Partial", "_MaskPartial",
-    "ShardMetadata", "ShardedTensorMetadata", "TensorProperties", "MEM_FORMAT_ENCODING", "_remote_device",
-    "EnumerableShardingSpec", "ChunkShardingSpec",
+    "DTensorSpec",
+    "TensorMeta",
+    "ShardOrderEntry",
+    "DeviceMesh",
+    "_MeshLayout",
+    "_FlatLayout",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "_StridedShard",
+    "_NormPartial",
+    "_Partial",
+    "_MaskPartial",
+    "ShardMetadata",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "MEM_FORMAT_ENCODING",
+    "_remote_device",
+    "EnumerableShardingSpec",
+    "ChunkShardingSpec",
 }
 
 
@@ -280,10 +299,18 @@ def _bytearray(data=b"", encoding=None):
 _PARAMETER = _TensorClass("Parameter")
 
 _STORAGE_CLASSES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
 }
 
 # What each allowed global is to the unpickler: types, stand-ins, and functions wrapped (_allowed).
@@ -314,7 +341,9 @@ _ALLOWED: dict[str, Any] = {
     "__builtin__.getattr": _allowed(_getattr),  # protocol 2 names builtins this way
 }
 _ALLOWED.update({f"torch.{name}": _StorageKind(dtype) for name, dtype in _STORAGE_CLASSES.items()})
-_ALLOWED.update({f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]})
+_ALLOWED.update(
+    {f"torch.{name}": _DType(name) for name in [*DTYPES, "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz"]}
+)
 
 _RECORD_CLASSES: dict[str, type] = {}
 
@@ -355,9 +384,11 @@ class _RestrictedUnpickler(pickle._Unpickler):
         # Only fresh records and the state dict (torch pickles `_metadata` onto it) take state.
         if len(self.stack) >= 2 and not isinstance(self.stack[-2], (Record, dict)):
             target = self.stack[-2]
-            raise UnsafeCheckpoint(f"{self.where}: refusing to set the state of "
-                                   f"{getattr(target, 'qualname', type(target).__name__)!s}: only records and dicts "
-                                   "take pickled state; fsdpfast does not let a checkpoint change its own objects")
+            raise UnsafeCheckpoint(
+                f"{self.where}: refusing to set the state of "
+                f"{getattr(target, 'qualname', type(target).__name__)!s}: only records and dicts "
+                "take pickled state; fsdpfast does not let a checkpoint change its own objects"
+            )
         pickle._Unpickler.load_build(self)
 
     dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _load_build}
@@ -483,4 +514,3 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 
 
 _LEAVES = (int, float, str, bytes, type(None), TensorRef, StorageRef)  # nothing below them to walk
-

@@ -3,6 +3,7 @@
 Only the header is read; a tensor is located as a byte range of the file, checked against its
 dtype, shape and the file's size so a truncated or corrupt file is refused before any data moves.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,10 @@ def read_header(path: str) -> SafetensorsHeader:
             file_size = os.fstat(f.fileno()).st_size
             size = int.from_bytes(head, "little") if len(head) == 8 else -1
             if size > MAX_HEADER:
-                raise BadInput(f"{path}: safetensors header length {size} is over the {MAX_HEADER >> 20} MB limit; "
-                               "the file is corrupt")
+                raise BadInput(
+                    f"{path}: safetensors header length {size} is over the {MAX_HEADER >> 20} MB limit; "
+                    "the file is corrupt"
+                )
             if size < 0 or size > file_size - 8:
                 raise BadInput(f"{path}: safetensors header runs past the end of the file; the file is truncated")
             raw = f.read(size)
@@ -93,8 +96,10 @@ def stored_tensor(header: SafetensorsHeader, name: str) -> StoredTensor:
     dtype, (begin, end) = _DTYPE_BY_CODE[code], offsets
     expected = prod(shape) * itemsize(dtype)
     if end - begin != expected:
-        raise BadInput(f"{path}: {name} is {code}{list(shape)} ({expected} bytes) but its data_offsets "
-                       f"[{begin}, {end}] span {end - begin}; the header is corrupt")
+        raise BadInput(
+            f"{path}: {name} is {code}{list(shape)} ({expected} bytes) but its data_offsets "
+            f"[{begin}, {end}] span {end - begin}; the header is corrupt"
+        )
     if header.data_start + end > header.file_size:
         raise BadInput(f"{path}: the bytes of {name} run past the end of the file; the file is truncated")
     return StoredTensor(name, path, dtype, tuple(shape), header.data_start + begin, expected)

@@ -18,6 +18,7 @@ again at once: a planner reading a thousand rank files never holds more than one
   readers do. The local headers of data.pkl and the small records after it are read with it,
   and checked, in one read.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,14 @@ class _Record:
     __slots__ = ("name", "header", "size", "flags", "method", "name_len", "start", "bound")
 
     def __init__(self, name: str, header: int, size: int, flags: int, method: int, name_len: int):
-        self.name, self.header, self.size, self.flags, self.method, self.name_len = name, header, size, flags, method, name_len
+        self.name, self.header, self.size, self.flags, self.method, self.name_len = (
+            name,
+            header,
+            size,
+            flags,
+            method,
+            name_len,
+        )
         self.start = -1  # where its data starts, once known
         self.bound = 0  # where the next record (or the zip directory) starts
 
@@ -60,8 +68,9 @@ class TorchZip:
     caller closes it), and `file_size` its size. Else the file is opened and closed before the constructor returns. Either
     way `pickle_bytes` and every storage record's span stay available (`close()` drops the pickle)."""
 
-    def __init__(self, path: str, base: int = 0, length: int | None = None, fd: int | None = None,
-                 file_size: int | None = None):
+    def __init__(
+        self, path: str, base: int = 0, length: int | None = None, fd: int | None = None, file_size: int | None = None
+    ):
         self.path = path
         self.base = base
         self.where = path if length is None else f"{path} (bytes {base}..{base + length})"
@@ -80,8 +89,10 @@ class TorchZip:
         except OSError as exc:
             raise out_of_files(exc, path) or BadInput(f"{self.where}: unreadable ({exc.strerror or exc})") from None
         except (struct.error, ValueError, OverflowError, IndexError) as exc:
-            raise BadInput(f"{self.where}: not a readable torch.save archive ({type(exc).__name__}: {exc}; "
-                           "the file is truncated or corrupt)") from None
+            raise BadInput(
+                f"{self.where}: not a readable torch.save archive ({type(exc).__name__}: {exc}; "
+                "the file is truncated or corrupt)"
+            ) from None
         finally:
             self._close_file()
 
@@ -93,7 +104,7 @@ class TorchZip:
         if offset < 0 or size == 0:
             return b""
         if self._tail_start <= offset:  # small files: everything is in the tail read first
-            return self._tail[offset - self._tail_start: offset - self._tail_start + size]
+            return self._tail[offset - self._tail_start : offset - self._tail_start + size]
         return os.pread(self._fd, size, self.base + offset)
 
     def _open(self) -> None:
@@ -104,10 +115,12 @@ class TorchZip:
             raise BadInput(f"{self.where}: not a readable torch.save archive ({self._not_zip()})")
         count, cd_size, cd_offset, end = self._end_record(tail, tail_start)
         if cd_offset + cd_size > end:
-            raise BadInput(f"{self.where}: not a readable torch.save archive (the zip directory lies past its end "
-                           "record; the file is truncated or corrupt)")
+            raise BadInput(
+                f"{self.where}: not a readable torch.save archive (the zip directory lies past its end "
+                "record; the file is truncated or corrupt)"
+            )
         if cd_offset >= tail_start:
-            directory = tail[cd_offset - tail_start: cd_offset - tail_start + cd_size]
+            directory = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
         else:
             directory = self._read(cd_offset, cd_size)
         self._records = self._central_directory(directory, count, cd_offset)
@@ -118,14 +131,17 @@ class TorchZip:
         self._place_records(pickles[0], cd_offset)
         storages = self.prefix + "data/"
         # what is kept once read: (data start, size, method) of each storage record, by key
-        self._storages = {name[len(storages):]: (record.start, record.size, record.method)
-                          for name, record in self._records.items() if name.startswith(storages)}
+        self._storages = {
+            name[len(storages) :]: (record.start, record.size, record.method)
+            for name, record in self._records.items()
+            if name.startswith(storages)
+        }
         self._records = None
 
     def _end_record(self, tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
         """(entries, directory size, directory offset, where the end records begin)."""
         at = len(tail) - _EOCD.size
-        if tail[at: at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
+        if tail[at : at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
             at = tail.rfind(_EOCD_MAGIC, max(0, len(tail) - _EOCD.size - 0xFFFF))
             if at < 0:
                 raise BadInput(f"{self.where}: not a readable torch.save archive ({self._not_zip()})")
@@ -133,17 +149,21 @@ class TorchZip:
         count, cd_size, cd_offset = fields[4], fields[5], fields[6]
         end = tail_start + at
         locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator: locator + 4] == _ZIP64_LOCATOR_MAGIC:
+        if locator >= 0 and tail[locator : locator + 4] == _ZIP64_LOCATOR_MAGIC:
             record = locator - _ZIP64_EOCD.size  # the zip64 end record sits right before its locator
-            if record < 0 or tail[record: record + 4] != _ZIP64_EOCD_MAGIC:
-                raise BadInput(f"{self.where}: not a readable torch.save archive (damaged zip64 end record; "
-                               "the file is truncated or corrupt)")
+            if record < 0 or tail[record : record + 4] != _ZIP64_EOCD_MAGIC:
+                raise BadInput(
+                    f"{self.where}: not a readable torch.save archive (damaged zip64 end record; "
+                    "the file is truncated or corrupt)"
+                )
             zip64 = _ZIP64_EOCD.unpack_from(tail, record)
             count, cd_size, cd_offset = zip64[7], zip64[8], zip64[9]
             end = tail_start + record
         elif _MAX32 in (cd_size, cd_offset) or count == 0xFFFF:
-            raise BadInput(f"{self.where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
-                           "the file is truncated or corrupt)")
+            raise BadInput(
+                f"{self.where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
+                "the file is truncated or corrupt)"
+            )
         return count, cd_size, cd_offset, end
 
     def _central_directory(self, directory: bytes, count: int, cd_offset: int) -> dict[str, _Record]:
@@ -152,22 +172,28 @@ class TorchZip:
         for _ in range(count):
             fields = _CENTRAL.unpack_from(directory, at)
             if fields[0] != _CENTRAL_MAGIC:
-                raise BadInput(f"{self.where}: not a readable torch.save archive (damaged zip directory; the file is "
-                               "truncated or corrupt)")
+                raise BadInput(
+                    f"{self.where}: not a readable torch.save archive (damaged zip directory; the file is "
+                    "truncated or corrupt)"
+                )
             flags, method, csize, size = fields[5], fields[6], fields[10], fields[11]
             name_len, extra_len, comment_len, header = fields[12], fields[13], fields[14], fields[18]
-            raw = directory[at + _CENTRAL.size: at + _CENTRAL.size + name_len]
-            extra = directory[at + _CENTRAL.size + name_len: at + _CENTRAL.size + name_len + extra_len]
+            raw = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
+            extra = directory[at + _CENTRAL.size + name_len : at + _CENTRAL.size + name_len + extra_len]
             at += _CENTRAL.size + name_len + extra_len + comment_len
             if len(raw) != name_len or at > len(directory):
-                raise BadInput(f"{self.where}: not a readable torch.save archive (the zip directory is cut short; the "
-                               "file is truncated or corrupt)")
+                raise BadInput(
+                    f"{self.where}: not a readable torch.save archive (the zip directory is cut short; the "
+                    "file is truncated or corrupt)"
+                )
             if _MAX32 in (csize, size, header):
                 size, csize, header = _zip64_values(extra, size, csize, header)
             try:
                 name = raw.decode("utf-8" if flags & 0x800 else "cp437")
             except UnicodeDecodeError:
-                raise BadInput(f"{self.where}: a record name in the zip directory is not UTF-8; the file is corrupt") from None
+                raise BadInput(
+                    f"{self.where}: a record name in the zip directory is not UTF-8; the file is corrupt"
+                ) from None
             if name in records:
                 raise BadInput(f"{self.where}: two records named {name!r}; the file is corrupt")
             if flags & 0x1 or (method == 0 and csize != size):
@@ -188,7 +214,7 @@ class TorchZip:
         head = self._read(pickle.header, head_end - pickle.header)
         for record in ordered:
             if pickle.header <= record.header and record.header + _LOCAL.size <= head_end:
-                local = head[record.header - pickle.header: record.header - pickle.header + _LOCAL.size]
+                local = head[record.header - pickle.header : record.header - pickle.header + _LOCAL.size]
                 self._from_local_header(record, local, record.bound)
         self._check_stored(pickle)
         if pickle.start < 0:
@@ -196,19 +222,21 @@ class TorchZip:
         if pickle.start + pickle.size > head_end:  # a long local extra field: not torch's
             head_end = pickle.start + pickle.size
             head = self._read(pickle.header, head_end - pickle.header)
-        self.pickle_bytes = head[pickle.start - pickle.header: pickle.start - pickle.header + pickle.size]
+        self.pickle_bytes = head[pickle.start - pickle.header : pickle.start - pickle.header + pickle.size]
         small = {}
         for key in ("byteorder", ".storage_alignment"):
             record = self._records.get(self.prefix + key)
             if record is not None and record.size <= 64:  # a few bytes in any torch.save archive
                 if record.start >= 0 and record.start + record.size <= head_end:
-                    small[key] = head[record.start - pickle.header: record.start - pickle.header + record.size]
+                    small[key] = head[record.start - pickle.header : record.start - pickle.header + record.size]
                 else:
                     self._locate(record)
                     small[key] = self._read(record.start, record.size)
         byteorder = small.get("byteorder")
         if byteorder is not None and byteorder.strip() != b"little":
-            raise BadInput(f"{self.where}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported")
+            raise BadInput(
+                f"{self.where}: stored big-endian ({byteorder!r}); only little-endian checkpoints are supported"
+            )
         alignment = small.get(".storage_alignment", b"").strip()
         alignment = int(alignment) if alignment.isdigit() and 0 < int(alignment) <= 1 << 20 else _DEFAULT_ALIGNMENT
         for record in ordered:
@@ -231,7 +259,9 @@ class TorchZip:
             raise BadInput(f"{self.where}: zip header of {record.name!r} is damaged; the file is corrupt")
         fields = _LOCAL.unpack(local)
         if fields[10] != record.name_len:
-            raise BadInput(f"{self.where}: zip header of {record.name!r} disagrees with the zip directory; the file is corrupt")
+            raise BadInput(
+                f"{self.where}: zip header of {record.name!r} disagrees with the zip directory; the file is corrupt"
+            )
         start = record.header + _LOCAL.size + fields[10] + fields[11]
         if start + record.size > bound:
             raise BadInput(f"{self.where}: record {record.name!r} runs past the end of the file; the file is truncated")
@@ -239,8 +269,10 @@ class TorchZip:
 
     def _check_stored(self, record: _Record) -> None:
         if record.method != 0:  # torch.save never compresses (and no zip bombs)
-            raise BadInput(f"{self.where}: record {record.name!r} is compressed, encrypted or damaged; torch.save never "
-                           "writes that")
+            raise BadInput(
+                f"{self.where}: record {record.name!r} is compressed, encrypted or damaged; torch.save never "
+                "writes that"
+            )
 
     def _close_file(self) -> None:
         if self._fd is not None and self._own:
@@ -274,7 +306,9 @@ class TorchZip:
         if record is None or record[2] != 0:
             name = f"{self.prefix}data/{key}"
             if record is None:
-                raise BadInput(f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt")
+                raise BadInput(
+                    f"{self.where}: storage record {name!r} named by the pickle is missing; the file is corrupt"
+                )
             raise BadInput(f"{self.where}: storage record {name!r} is compressed; torch.save never does that")
         return self.base + record[0], record[1]
 
@@ -285,7 +319,9 @@ class TorchZip:
         offset, length = self.storage_span(storage.key)
         nbytes = storage.numel * itemsize(storage.dtype)
         if length < nbytes:
-            raise BadInput(f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt")
+            raise BadInput(
+                f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt"
+            )
         return SourceBuffer(self.path, offset, nbytes, storage.dtype)
 
 
@@ -315,4 +351,3 @@ def _zip64_values(extra: bytes, size: int, csize: int, header: int) -> tuple[int
             return size, csize, header
         at += 4 + length
     raise ValueError("zip64 sizes without their extra field")
-

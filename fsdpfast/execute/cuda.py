@@ -6,6 +6,7 @@ once, not per batch or per merge, and freed at exit. Each call uses buffers only
 conversions need (a tiny job pins a little), up to STAGING_BYTES each. Plain copies never visit
 the GPU; the op copies them on the CPU threads.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -15,10 +16,10 @@ import torch
 
 from .. import _ops
 from ..dtypes import itemsize
+from ..io.sources import Source
 from ..plan.model import TensorPlan
 from .outputs import MappedOutput
 from .rows import build_rows, native_pair
-from ..io.sources import Source
 from .torch_ref import TorchEngine
 
 STAGING_BYTES = 64 << 20  # the most each of a slot's four buffers holds
@@ -29,8 +30,11 @@ ALIGN = 256  # buffers start at multiples of this in their allocation (the kerne
 
 def staging_needed(tensors: list[TensorPlan]) -> int:
     """Bytes of staging the conversions among `tensors` fill: a slot holds max(in, out) bytes per element."""
-    return sum(t.numel * max(itemsize(t.source_dtype), itemsize(t.target_dtype))
-               for t in tensors if t.source_dtype != t.target_dtype)
+    return sum(
+        t.numel * max(itemsize(t.source_dtype), itemsize(t.target_dtype))
+        for t in tensors
+        if t.source_dtype != t.target_dtype
+    )
 
 
 def slot_bytes(needed: int, slots: int, cap: int) -> int:
@@ -60,7 +64,7 @@ class _Staging:
         stride = _round_up(size, ALIGN)
 
         def cut(allocation: torch.Tensor, first: int) -> list[torch.Tensor]:
-            return [allocation[(first + k) * stride:(first + k) * stride + size] for k in range(slots)]
+            return [allocation[(first + k) * stride : (first + k) * stride + size] for k in range(slots)]
 
         return cut(self.pinned, 0), cut(self.pinned, slots), cut(self.on_device, 0), cut(self.on_device, slots)
 
@@ -106,7 +110,11 @@ class CudaEngine:
             views, rows = build_rows(tensors, sources)
             source_tensors = [torch.frombuffer(view, dtype=torch.uint8) for view in views]
             destinations = [torch.frombuffer(view, dtype=torch.uint8) for _, view in native]
-            plan = torch.frombuffer(rows, dtype=torch.int64).view(-1, _ops.COLUMNS) if rows else torch.zeros((0, _ops.COLUMNS), dtype=torch.int64)
+            plan = (
+                torch.frombuffer(rows, dtype=torch.int64).view(-1, _ops.COLUMNS)
+                if rows
+                else torch.zeros((0, _ops.COLUMNS), dtype=torch.int64)
+            )
             size = slot_bytes(staging_needed(tensors), self.slots, self.staging_bytes)
             with _staging_lock, torch.cuda.device(self.device):
                 staging = _staging_for(self.device, _Staging.nbytes(self.slots, size))

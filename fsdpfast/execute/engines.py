@@ -11,6 +11,7 @@ auto:  the engine measured fastest on this machine for the job's kind of convers
 torch and the compiled ops are imported only when an engine is chosen, so reading and
 checking a checkpoint stays quick; auto without a record naming cuda never imports torch.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,8 +46,10 @@ def auto_engine(kind: str | None = None) -> str:
 
     measured = measurements.recorded_engine(kind)
     if measured == "cuda" and not _ops.native_cuda():
-        _say_once(f"the cuda engine, measured fastest here for {kind}, cannot run ({_ops.cuda_unavailable()}); "
-                  f"using the {'cpu' if _ops.native_cpu() else 'torch'} engine")
+        _say_once(
+            f"the cuda engine, measured fastest here for {kind}, cannot run ({_ops.cuda_unavailable()}); "
+            f"using the {'cpu' if _ops.native_cpu() else 'torch'} engine"
+        )
         measured = None
     if measured in ("cuda", "torch") or (measured == "cpu" and _ops.native_cpu()):
         return measured
@@ -66,13 +69,17 @@ def select_engine(name: str = "auto", kind: str | None = None, threads_share: in
         name = auto_engine(kind)
     if name == "cuda":
         if not _ops.native_cuda():
-            raise BadInput(f"{option('engine', 'cuda')}: {_ops.cuda_unavailable()}; use {option('engine', 'cpu')} or auto")
+            raise BadInput(
+                f"{option('engine', 'cuda')}: {_ops.cuda_unavailable()}; use {option('engine', 'cpu')} or auto"
+            )
         from .cuda import CudaEngine
 
         return CudaEngine()
     if name == "cpu":
         if not _ops.native_cpu():
-            raise BadInput(f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}")
+            raise BadInput(
+                f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}"
+            )
         from .native import NativeCpuEngine
 
         return NativeCpuEngine(threads=max(1, _ops.cpu_threads() // threads_share))

@@ -11,6 +11,7 @@ The record is a JSON file: $FSDPFAST_MEASUREMENTS, else $XDG_CACHE_HOME/fsdpfast
 (~/.cache/...). A job's kind is the dtype conversion that moves most of its bytes: "copy"
 (--dtype keep, or a cast to the dtype already stored) or "float32->bfloat16" and the like.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,13 @@ def fastest(seconds: dict[str, float]) -> str:
 def record(seconds: dict[str, dict[str, float]], gpu: str | None, where: str | None = None) -> str:
     """Write the record: `seconds[kind][engine]` measured on this machine (with the GPU named `gpu`)."""
     where = where or path()
-    data = {"version": VERSION, "recorded": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": this_machine(gpu),
-            "seconds": seconds, "fastest": {kind: fastest(times) for kind, times in seconds.items() if times}}
+    data = {
+        "version": VERSION,
+        "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": this_machine(gpu),
+        "seconds": seconds,
+        "fastest": {kind: fastest(times) for kind, times in seconds.items() if times},
+    }
     os.makedirs(os.path.dirname(os.path.abspath(where)), exist_ok=True)
     temporary = f"{where}.{os.getpid()}.tmp"
     with open(temporary, "w") as f:

@@ -4,16 +4,17 @@ Each thread assembles chunks of the output in a buffer of its own and writes the
 final offset, so output pages are written once and never zero-filled first. The kernels come
 from fsdpfast._native, which needs no torch: a merge with this engine never imports it.
 """
+
 from __future__ import annotations
 
 from array import array
 
 from .. import _ops
 from ..errors import FsdpfastError
+from ..io.sources import Source
 from ..plan.layout import PlacedTensor
 from .outputs import write_through_buffer
 from .rows import build_rows, native_pair
-from ..io.sources import Source
 
 CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
 
@@ -38,7 +39,9 @@ class FileOutput:
     def write(self, placed: list[PlacedTensor], sources: Source) -> list[int]:
         """Write the pieces; their CRC-32Cs, combined from the chunks the threads wrote."""
         crcs: dict[int, int] = {}
-        native = [p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype) and p.tensor.compute is None]
+        native = [
+            p for p in placed if native_pair(p.tensor.source_dtype, p.tensor.target_dtype) and p.tensor.compute is None
+        ]
         if native:
             views, rows = build_rows([p.tensor for p in native], sources)
             offsets = array("q", (p.offset for p in native))
@@ -46,9 +49,19 @@ class FileOutput:
             try:
                 # The views are private, never-written mappings of the input files (SourceFiles),
                 # so their pages can be dropped as soon as they are read.
-                written = _ops.native().gather_convert_to_file(views, rows, offsets, sizes, self.fd, self.engine.chunk_bytes,
-                                                               self.engine.threads, release_sources=True)
-            except RuntimeError as exc:  # the kernels' I/O errors, e.g. "writing the output file: No space left on device"
+                written = _ops.native().gather_convert_to_file(
+                    views,
+                    rows,
+                    offsets,
+                    sizes,
+                    self.fd,
+                    self.engine.chunk_bytes,
+                    self.engine.threads,
+                    release_sources=True,
+                )
+            except (
+                RuntimeError
+            ) as exc:  # the kernels' I/O errors, e.g. "writing the output file: No space left on device"
                 raise FsdpfastError(str(exc)) from None
             finally:
                 for view in views:

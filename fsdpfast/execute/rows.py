@@ -1,12 +1,13 @@
 """Turn tensor plans into the int64 plan rows the kernels take (csrc/plan_rows.h)."""
+
 from __future__ import annotations
 
 from array import array
 
 from .. import _ops
 from ..dtypes import itemsize
-from ..plan.model import TensorPlan
 from ..io.sources import SourceFiles
+from ..plan.model import TensorPlan
 
 
 def native_pair(source: str, target: str) -> bool:
@@ -28,6 +29,20 @@ def build_rows(tensors: list[TensorPlan], sources: SourceFiles) -> tuple[list[me
             if e.source not in source_index:
                 source_index[e.source] = len(views)
                 views.append(sources.view(e.source))
-            rows.extend((source_index[e.source], dst_index, src_code, dst_code, src_size, dst_size,
-                         e.src_offset, e.count, e.dst_offset, e.runs, e.src_stride, e.dst_stride))
+            rows.extend(
+                (
+                    source_index[e.source],
+                    dst_index,
+                    src_code,
+                    dst_code,
+                    src_size,
+                    dst_size,
+                    e.src_offset,
+                    e.count,
+                    e.dst_offset,
+                    e.runs,
+                    e.src_stride,
+                    e.dst_stride,
+                )
+            )
     return views, rows

@@ -1,10 +1,11 @@
 """The pure-torch engine: copy_ between zero-copy views, the reference the others must match."""
+
 from __future__ import annotations
 
 from ..dtypes import torch_dtype
+from ..io.sources import Source
 from ..plan.model import TensorPlan
 from .outputs import MappedOutput
-from ..io.sources import Source
 
 
 class TorchEngine:
@@ -24,7 +25,9 @@ class TorchEngine:
             views = {}
             for extent in tensor.extents:
                 if extent.source not in views:
-                    views[extent.source] = torch.frombuffer(sources.view(extent.source), dtype=torch_dtype(tensor.source_dtype))
+                    views[extent.source] = torch.frombuffer(
+                        sources.view(extent.source), dtype=torch_dtype(tensor.source_dtype)
+                    )
                 src = views[extent.source]
                 # copy_ converts dtypes with round-to-nearest-even, exactly like Tensor.to()
                 runs, count = extent.runs, extent.count

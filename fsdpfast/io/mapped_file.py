@@ -11,6 +11,7 @@ Mappings are private and writable (copy-on-write), as mmap.ACCESS_COPY: views ar
 torch.frombuffer stays quiet, and nothing is ever written, so no page is copied and the file is
 never modified.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -83,7 +84,14 @@ def _libc():
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        libc.mmap.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        )
         libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         _LIBC = libc

@@ -8,6 +8,7 @@ folders (`.OUT.fsdpfast-*`) and, from an interrupted --overwrite swap, `.OUT.old
 previous OUT_DIR is put back first. Only folders whose marker file names this very OUT_DIR
 are touched, so nothing a user made and no other output's leftovers can be removed.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -35,13 +36,17 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise BadInput(f"cannot write in {parent} ({exc.strerror}); choose an output folder where you can write") from None
+                raise BadInput(
+                    f"cannot write in {parent} ({exc.strerror}); choose an output folder where you can write"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise BadInput(f"{out_dir}: another fsdpfast merge into this folder is running (it holds {self.path}); "
-                               "wait for it to finish or choose another output folder") from None
+                raise BadInput(
+                    f"{out_dir}: another fsdpfast merge into this folder is running (it holds {self.path}); "
+                    "wait for it to finish or choose another output folder"
+                ) from None
             # The holder we waited on may have unlinked the file before we locked it: only a lock
             # on the file that is still at `path` counts.
             try:

@@ -3,6 +3,7 @@
 SourceFiles is the local Source: input files mapped once, read-only in effect. Another kind of
 source (a remote store, read in ranges) implements the same three calls.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,6 +24,7 @@ class Source(Protocol):
         """The buffer has been consumed: its memory may be given back (it can still be viewed again)."""
 
     def close(self) -> None: ...
+
 
 _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped together on a read fault
 
@@ -73,7 +75,6 @@ class SourceFiles:
 
     def __exit__(self, *exc):
         self.close()
-
 
 
 def rebased(buffers: list[SourceBuffer], old_root: str, new_root: str) -> list[SourceBuffer]:

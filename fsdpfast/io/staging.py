@@ -6,6 +6,7 @@ killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an ear
 output, nothing else. Other processes of a merge under torchrun write into the same staging
 folder through `LocalTarget.join` (a shared filesystem).
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,8 +23,19 @@ from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftove
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model), nor
 # pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp", ".index.json",
-                    ".pkl")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".distcp",
+    ".index.json",
+    ".pkl",
+)
 _TRAINING_STATE = ("trainer_state.json",)
 
 
@@ -65,12 +77,16 @@ class LocalTarget:
             raise BadInput(f"{out_dir} exists and is not a folder; it will not be replaced")
         if not overwrite:
             held = "is a link to a folder" if os.path.islink(self.out_dir) else "is not empty"
-            raise BadInput(f"{out_dir} already exists and {held}; choose another output folder, or pass "
-                           f"{option('overwrite', True)} to replace an earlier merge")
+            raise BadInput(
+                f"{out_dir} already exists and {held}; choose another output folder, or pass "
+                f"{option('overwrite', True)} to replace an earlier merge"
+            )
         if not replaceable(self.out_dir):
-            raise BadInput(f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
-                           f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
-                           "remove it yourself or choose another folder")
+            raise BadInput(
+                f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
+                f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
+                "remove it yourself or choose another folder"
+            )
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -122,8 +138,9 @@ class LocalTarget:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-                raise BadInput(f"{self.out_dir}: files appeared in the empty output folder during the merge; "
-                               "nothing was published") from None
+                raise BadInput(
+                    f"{self.out_dir}: files appeared in the empty output folder during the merge; nothing was published"
+                ) from None
             self.published = True
         except BaseException:
             self.published = not os.path.lexists(self.path)  # the rename into place had happened
@@ -165,8 +182,10 @@ class JoinedTarget:
         self.token = token
         self.path = os.path.join(os.path.dirname(self.out_dir), token)
         if not os.path.isfile(os.path.join(self.path, STAGING_MARKER)):
-            raise BadInput(f"{self.path}: the staging folder rank 0 made beside its output folder is not there on "
-                           "this rank; every rank's --out must be the same folder of a filesystem they share")
+            raise BadInput(
+                f"{self.path}: the staging folder rank 0 made beside its output folder is not there on "
+                "this rank; every rank's --out must be the same folder of a filesystem they share"
+            )
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -230,7 +249,9 @@ def make_parents(folder: str) -> list[str]:
                 raise BadInput(f"{path} is not a folder; the output folder cannot be made inside it") from None
         except OSError as exc:
             remove_empty(missing)
-            raise BadInput(f"cannot create {path} ({exc.strerror}); choose an output folder where you can write") from None
+            raise BadInput(
+                f"cannot create {path} ({exc.strerror}); choose an output folder where you can write"
+            ) from None
     return missing
 
 
@@ -274,11 +295,15 @@ def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> Non
             continue
         source = os.path.realpath(folder)
         if _within(source, out):
-            raise BadInput(f"{out_dir}: the output folder would replace or contain the {role} folder {folder}; "
-                           "fsdpfast never writes into its inputs, choose a folder outside it")
+            raise BadInput(
+                f"{out_dir}: the output folder would replace or contain the {role} folder {folder}; "
+                "fsdpfast never writes into its inputs, choose a folder outside it"
+            )
         if _within(out, source):
-            raise BadInput(f"{out_dir}: the output folder is inside the {role} folder {folder}; "
-                           "fsdpfast never writes into its inputs, choose a folder outside it")
+            raise BadInput(
+                f"{out_dir}: the output folder is inside the {role} folder {folder}; "
+                "fsdpfast never writes into its inputs, choose a folder outside it"
+            )
 
 
 def _within(path: str, folder: str) -> bool:
@@ -309,8 +334,12 @@ def copy_config_files(config_dir: str, target, torch_dtype: str | None) -> list[
     copied = []
     for entry in sorted(os.listdir(config_dir)):
         source = os.path.join(config_dir, entry)
-        if (not os.path.isfile(source) or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".")
-                or entry in (MANIFEST_NAME, *_TRAINING_STATE)):
+        if (
+            not os.path.isfile(source)
+            or entry.endswith(_WEIGHT_SUFFIXES)
+            or entry.startswith(".")
+            or entry in (MANIFEST_NAME, *_TRAINING_STATE)
+        ):
             continue
         if entry == "config.json" and torch_dtype:
             target.write_json(entry, _config_with_dtype(source, torch_dtype))

@@ -4,15 +4,16 @@ The headers are read and checked by _parsing/safetensors_header.py, the one read
 safetensors input goes through; here a damaged file becomes DamagedFile, which verify reports
 as a failed check of the output rather than a usage error.
 """
+
 from __future__ import annotations
 
 import glob
 import os
 
-from .sources import SourceFiles
-from ..errors import BadInput
 from .._parsing.safetensors_header import StoredTensor, read_header, stored_tensor
+from ..errors import BadInput
 from ..plan.model import SourceBuffer
+from .sources import SourceFiles
 
 __all__ = ["DamagedFile", "MappedFiles", "StoredTensor", "read_folder"]
 

@@ -6,13 +6,14 @@ replicas, whole-model saves) must agree before one is read. These reads go throu
 own extents, in the source dtype, a window of elements at a time, so memory stays bounded
 whatever the tensor's size. Pure Python over memory-mapped sources: no torch, no native module.
 """
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..dtypes import itemsize
-from .sources import SourceFiles
 from ..plan.model import Extent, TensorPlan
+from .sources import SourceFiles
 
 WINDOW_BYTES = 16 << 20  # bytes of one tensor held at once
 
@@ -43,7 +44,7 @@ def read_window(tensor: TensorPlan, lo: int, hi: int, sources: SourceFiles) -> b
         for src, dst, count in runs_in_window(extent, lo, hi):
             if view is None:
                 view = sources.view(extent.source)
-            out[(dst - lo) * size: (dst - lo + count) * size] = view[src * size: (src + count) * size]
+            out[(dst - lo) * size : (dst - lo + count) * size] = view[src * size : (src + count) * size]
         if view is not None:
             view.release()
     return out
@@ -67,6 +68,6 @@ def first_difference(a: TensorPlan, b: TensorPlan, sources: SourceFiles) -> int 
 def _first_differing_byte(x: bytearray, y: bytearray) -> int:
     block = 4096
     for start in range(0, len(x), block):
-        if x[start: start + block] != y[start: start + block]:
+        if x[start : start + block] != y[start : start + block]:
             return start + next(i for i in range(block) if x[start + i] != y[start + i])
     return -1

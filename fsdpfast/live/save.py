@@ -7,6 +7,7 @@ its own rows at their final offsets (live.write) and hands rank 0 their checksum
 writes the index, config and manifest and publishes after all have succeeded: a failure on any
 rank publishes nothing (group.MergeGroup). Host memory per rank is two tensors' shards at most.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,17 @@ class SaveReport:
     tied: dict[str, list[str]] = field(default_factory=dict)
 
 
-def save_pretrained(model, out_dir: str, *, dtype: str | None = None, config=None, tokenizer=None,
-                    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, group=None, overwrite: bool = False) -> SaveReport:
+def save_pretrained(
+    model,
+    out_dir: str,
+    *,
+    dtype: str | None = None,
+    config=None,
+    tokenizer=None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    group=None,
+    overwrite: bool = False,
+) -> SaveReport:
     """Write `model` (FSDP2-sharded: DTensor parameters on a 1-D or HSDP mesh) as a Hugging Face folder.
 
     Call it on every rank of the process group, as the model's forward is called. The folder is
@@ -62,8 +72,21 @@ def save_pretrained(model, out_dir: str, *, dtype: str | None = None, config=Non
         if target is None:
             target = JoinedTarget(out_dir, output.token)
         pieces = processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank))
-        return processes.lead(lambda: _finish(target, plan, files, [p for share in pieces for p in share], wanted,
-                                              config_dict, model, tokenizer, start, processes.size, out_dir))
+        return processes.lead(
+            lambda: _finish(
+                target,
+                plan,
+                files,
+                [p for share in pieces for p in share],
+                wanted,
+                config_dict,
+                model,
+                tokenizer,
+                start,
+                processes.size,
+                out_dir,
+            )
+        )
     finally:
         if target is not None:
             target.discard()
@@ -113,8 +136,15 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
     manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against
     target.write_json(MANIFEST_NAME, manifest)
     target.publish()
-    return SaveReport(out_dir, len(plan.tensors), sum(p.nbytes for f in files for p in f.tensors), [f.name for f in files],
-                      time.perf_counter() - start, processes, {t.name: list(t.aliases) for t in plan.tensors if t.aliases})
+    return SaveReport(
+        out_dir,
+        len(plan.tensors),
+        sum(p.nbytes for f in files for p in f.tensors),
+        [f.name for f in files],
+        time.perf_counter() - start,
+        processes,
+        {t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+    )
 
 
 def _dtype_of(plan) -> str:

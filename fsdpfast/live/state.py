@@ -12,15 +12,16 @@ is one contiguous run of its elements in row-major order:
 * a plain tensor (a buffer every rank holds) is written by rank 0 alone.
 Meshes that shard one tensor over several mesh dims (FSDP2 + tensor parallel) are refused for now.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
 
+from ..dtypes import target_dtype
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
-from ..dtypes import target_dtype
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
 
@@ -54,14 +55,19 @@ def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[Merg
     dropped = {}
     for kept, other in tied_pairs(tensors, None, config or {}):
         if not _same_values(state[seen[kept]], state[seen[other]]):
-            raise BadInput(f"config.json ties {other} to {kept}, but the model holds different values under the two names; "
-                           "if they were trained untied, set tie_word_embeddings to false in the config")
+            raise BadInput(
+                f"config.json ties {other} to {kept}, but the model holds different values under the two names; "
+                "if they were trained untied, set tie_word_embeddings to false in the config"
+            )
         dropped[other] = kept
     aliases: dict[str, list[str]] = {}
     for other, kept in dropped.items():
         aliases.setdefault(kept, []).append(other)
-    tensors = [TensorPlan(t.name, t.shape, t.source_dtype, t.target_dtype, (), tuple(aliases.get(t.name, ())))
-               for t in tensors if t.name not in dropped]
+    tensors = [
+        TensorPlan(t.name, t.shape, t.source_dtype, t.target_dtype, (), tuple(aliases.get(t.name, ())))
+        for t in tensors
+        if t.name not in dropped
+    ]
     live = [t for t in live if t.name not in dropped]
     return MergePlan(LAYOUT, _world(state), (), tensors), live
 
@@ -78,9 +84,11 @@ def local_run(value, rank: int) -> tuple[int, object] | None:
     placements = value.placements
     sharding = [(mesh_dim, p) for mesh_dim, p in enumerate(placements) if not isinstance(p, Replicate)]
     if len(sharding) > 1 or any(type(p) is not Shard for _, p in sharding):
-        raise BadInput(f"save_pretrained: a tensor placed as {tuple(placements)} (sharded over several mesh dims, or "
-                       "strided): only FSDP2's Shard(d) on one mesh dim, with HSDP replicas, is written live for now; "
-                       "save a checkpoint and merge it instead")
+        raise BadInput(
+            f"save_pretrained: a tensor placed as {tuple(placements)} (sharded over several mesh dims, or "
+            "strided): only FSDP2's Shard(d) on one mesh dim, with HSDP replicas, is written live for now; "
+            "save a checkpoint and merge it instead"
+        )
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not part of this tensor's mesh
@@ -97,8 +105,10 @@ def local_run(value, rank: int) -> tuple[int, object] | None:
     mesh_dim = sharding[0][0]
     rows = _chunk_start(value.shape[0], mesh.size(mesh_dim), coordinate[mesh_dim])
     if local.shape[1:] != value.shape[1:] or rows + local.shape[0] > value.shape[0]:
-        raise BadInput(f"save_pretrained: a local shard of shape {tuple(local.shape)} does not fit rows from {rows} of "
-                       f"{tuple(value.shape)}: not torch.chunk's split; save a checkpoint and merge it instead")
+        raise BadInput(
+            f"save_pretrained: a local shard of shape {tuple(local.shape)} does not fit rows from {rows} of "
+            f"{tuple(value.shape)}: not torch.chunk's split; save a checkpoint and merge it instead"
+        )
     return rows * prod(value.shape[1:]), local
 
 

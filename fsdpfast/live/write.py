@@ -5,6 +5,7 @@ the rounding an offline merge uses), copied to host memory, and written with pwr
 thread while the next tensor is cast: two buffers in flight at most, so host memory stays at
 two tensors' shards, never the model. Each run's CRC-32C is returned (a Piece) for the manifest.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,7 +42,9 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
                 if file.name not in fds:
                     fds[file.name] = open_file(file.name, file.size)
                 offset = start * itemsize(placed.tensor.target_dtype)
-                pending.append(writer.submit(_write, fds[file.name], host, placed.offset + offset, file.name, tensor.name, offset))
+                pending.append(
+                    writer.submit(_write, fds[file.name], host, placed.offset + offset, file.name, tensor.name, offset)
+                )
                 while len(pending) >= IN_FLIGHT:
                     pieces.append(pending.pop(0).result())
             pieces += [future.result() for future in pending]

@@ -4,14 +4,15 @@ Only the safetensors headers are read here; the bytes are read by the engines li
 source (each tensor one extent of its file). config.json and the tokenizer come from HF_DIR
 too unless the checkpoint or --config has them.
 """
+
 from __future__ import annotations
 
 import os
 from math import prod
 
 from ..errors import BadInput
-from ..plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 from ..io.stored import read_folder
+from ..plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 
 
 def add_base(plan: MergePlan, base_dir: str) -> MergePlan:
@@ -29,4 +30,5 @@ def add_base(plan: MergePlan, base_dir: str) -> MergePlan:
         tensors.append(TensorPlan(name, tuple(tensor.shape), tensor.dtype, tensor.dtype, extents))
     has_config = plan.config_dir is None and os.path.isfile(os.path.join(base_dir, "config.json"))
     return plan.but(sources=sources, tensors=tensors, config_dir=base_dir if has_config else plan.config_dir).noted(
-        f"base weights: {len(stored)} tensors from --base {base_dir}")
+        f"base weights: {len(stored)} tensors from --base {base_dir}"
+    )

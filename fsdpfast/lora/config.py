@@ -10,6 +10,7 @@ modules_to_save. What was inferred, and from what, is said in one note per adapt
 lora_alpha is recorded as a problem (an error when the adapter is written or fused), never a
 silent 0: verl records 0 when alpha was not set.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,24 @@ from .split import ADAPTER_ROOT, AdapterPlan, LoraModule
 
 META_NAME = "lora_train_meta.json"  # verl
 CONFIG_NAME = "adapter_config.json"  # peft
-_TASKS = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
-          "ForQuestionAnswering": "QUESTION_ANS", "ForSeq2SeqLM": "SEQ_2_SEQ_LM", "Model": "FEATURE_EXTRACTION"}
+_TASKS = {
+    "ForCausalLM": "CAUSAL_LM",
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+    "ForSeq2SeqLM": "SEQ_2_SEQ_LM",
+    "Model": "FEATURE_EXTRACTION",
+}
 
 
-def resolve(adapters: list[AdapterPlan], folder: str, config_dir: str | None, lora_alpha: float | None,
-            lora_r: int | None, notes: list[str]) -> None:
+def resolve(
+    adapters: list[AdapterPlan],
+    folder: str,
+    config_dir: str | None,
+    lora_alpha: float | None,
+    lora_r: int | None,
+    notes: list[str],
+) -> None:
     """Fill every adapter's `config` (and `problems`); one note per adapter says where each value came from."""
     meta, meta_path = train_meta(folder)
     architecture = _architecture(config_dir)
@@ -44,7 +57,9 @@ def resolve(adapters: list[AdapterPlan], folder: str, config_dir: str | None, lo
         for key, flag, value in (("r", "--lora-r", lora_r), ("lora_alpha", "--lora-alpha", lora_alpha)):
             if value is not None:
                 if key in recorded and recorded[key] != value:
-                    notes.append(f"adapter {adapter.name}: {flag} {value} replaces {key} {recorded[key]} of {origin[key]}")
+                    notes.append(
+                        f"adapter {adapter.name}: {flag} {value} replaces {key} {recorded[key]} of {origin[key]}"
+                    )
                 recorded[key], origin[key] = value, flag
         adapter.config = _config(adapter, recorded, origin, architecture, saved_path or meta_path)
         notes.append(f"LoRA adapter {adapter.name} -> {adapter.folder}: {_origins(adapter.config, origin)}")
@@ -87,8 +102,14 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, architecture: st
     config["r"], config["rank_pattern"] = r, pattern
     alpha = recorded.get("lora_alpha")
     if alpha is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        said = f"{origin['lora_alpha']} records lora_alpha {alpha!r}" if "lora_alpha" in origin else "no lora_alpha is recorded"
-        adapter.problems.append(f"{where}: {said} (verl records 0 when it was not set): give the training's --lora-alpha")
+        said = (
+            f"{origin['lora_alpha']} records lora_alpha {alpha!r}"
+            if "lora_alpha" in origin
+            else "no lora_alpha is recorded"
+        )
+        adapter.problems.append(
+            f"{where}: {said} (verl records 0 when it was not set): give the training's --lora-alpha"
+        )
         config["lora_alpha"] = None
         origin["lora_alpha"] = "missing"
     else:
@@ -108,8 +129,10 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, architecture: st
         if task:
             origin["task_type"] = f"from config.json's {architecture}"
     config["task_type"] = task
-    for key, found in (("use_dora", any(m.magnitude is not None for m in modules)),
-                       ("lora_bias", any(m.lora_bias is not None for m in modules))):
+    for key, found in (
+        ("use_dora", any(m.magnitude is not None for m in modules)),
+        ("lora_bias", any(m.lora_bias is not None for m in modules)),
+    ):
         if recorded.get(key, found) != found:
             origin[key] = f"from the tensors; {origin[key]} said {recorded[key]}"
         elif found and key not in origin:
@@ -148,7 +171,9 @@ def _targets_cover(targets, modules: list[str]) -> bool:
 
 def config_folders(folder: str, config_dir: str | None) -> list[str]:
     """Where a saved adapter_config.json is looked for, in order."""
-    return [folder, os.path.join(folder, "huggingface"), os.path.join(folder, ADAPTER_ROOT)] + ([config_dir] if config_dir else [])
+    return [folder, os.path.join(folder, "huggingface"), os.path.join(folder, ADAPTER_ROOT)] + (
+        [config_dir] if config_dir else []
+    )
 
 
 def saved_config(folders: list[str], adapter: str) -> tuple[dict, str | None]:
@@ -177,8 +202,18 @@ def _architecture(config_dir: str | None) -> str | None:
     return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
-_SHOWN = ("r", "lora_alpha", "task_type", "target_modules", "rank_pattern", "use_dora", "use_rslora", "fan_in_fan_out",
-          "lora_bias", "modules_to_save")
+_SHOWN = (
+    "r",
+    "lora_alpha",
+    "task_type",
+    "target_modules",
+    "rank_pattern",
+    "use_dora",
+    "use_rslora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "modules_to_save",
+)
 
 
 def _origins(config: dict, origin: dict) -> str:

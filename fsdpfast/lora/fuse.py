@@ -11,6 +11,7 @@ other tensor, and written. Memory holds a few tensors of one weight at a time, n
 The op runs on the GPU when the merge's engine is the CUDA one, on the CPU otherwise; either
 way it computes what peft computes for a model on that device.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,9 @@ from dataclasses import dataclass, replace
 
 from .. import _ops
 from ..errors import BadInput
+from ..plan.model import MergePlan, TensorPlan
 from .config import scaling
 from .split import AdapterPlan, find_adapter
-from ..plan.model import MergePlan, TensorPlan
 
 _OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "decoder.weight")  # what tie_word_embeddings ties
 
@@ -47,8 +48,9 @@ class FusedWeight:
 
     def sources(self) -> set[int]:
         """The plan sources computing it reads (released by the runner once it is written)."""
-        tensors = [self.base] + [t for s in self.steps
-                                 for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))]
+        tensors = [self.base] + [
+            t for s in self.steps for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))
+        ]
         return {e.source for t in tensors for e in t.extents}
 
 
@@ -57,8 +59,10 @@ def adapter_names(plan: MergePlan, wanted) -> list[str]:
     if wanted is True:
         if len(plan.adapters) != 1:
             names = ", ".join(a.name for a in plan.adapters)
-            raise BadInput(f"the checkpoint has {len(plan.adapters)} LoRA adapters ({names}): name those to fuse, "
-                           f"in order, with --merge-lora {names.replace(', ', ',')}")
+            raise BadInput(
+                f"the checkpoint has {len(plan.adapters)} LoRA adapters ({names}): name those to fuse, "
+                f"in order, with --merge-lora {names.replace(', ', ',')}"
+            )
         return [plan.adapters[0].name]
     names = wanted.split(",") if isinstance(wanted, str) else list(wanted)
     for name in names:
@@ -79,8 +83,13 @@ def fuse(plan: MergePlan, names: list[str]) -> MergePlan:
         for module in adapter.modules.values():
             _check_fusable(adapter, module)
             weight = _base_tensor(by_name, f"{module.module}.weight", adapter)
-            step = LoraStep(module.lora_A, module.lora_B, scaling(adapter.config, module),
-                            bool(adapter.config.get("fan_in_fan_out")), module.kind == "embedding")
+            step = LoraStep(
+                module.lora_A,
+                module.lora_B,
+                scaling(adapter.config, module),
+                bool(adapter.config.get("fan_in_fan_out")),
+                module.kind == "embedding",
+            )
             _check_shapes(weight, step, adapter.name)
             by_name[weight.name] = _with_step(weight, step)
             if module.lora_bias is not None:
@@ -91,15 +100,20 @@ def fuse(plan: MergePlan, names: list[str]) -> MergePlan:
             target = _base_tensor(by_name, name, adapter)
             _check_untied(plan, by_name, target, adapter.name)
             if name in copied:
-                raise BadInput(f"--merge-lora: adapters {copied[name]} and {adapter.name} both train their own copy of {name}")
+                raise BadInput(
+                    f"--merge-lora: adapters {copied[name]} and {adapter.name} both train their own copy of {name}"
+                )
             if (target.shape, target.source_dtype) != (trained.shape, trained.source_dtype):
-                raise BadInput(f"adapter {adapter.name}: its copy of {name} is {trained.source_dtype}{list(trained.shape)}, "
-                               f"the model's is {target.source_dtype}{list(target.shape)}")
+                raise BadInput(
+                    f"adapter {adapter.name}: its copy of {name} is {trained.source_dtype}{list(trained.shape)}, "
+                    f"the model's is {target.source_dtype}{list(target.shape)}"
+                )
             by_name[name], copied[name] = replace(target, extents=trained.extents), adapter.name
     tensors = _share_with_tied([by_name[t.name] for t in plan.tensors])
     return plan.but(tensors=tensors).noted(
         f"--merge-lora: adapter{'s' if len(names) > 1 else ''} {', '.join(names)} fused into {count} weights "
-        "(W + scaling * B @ A, computed as peft's merge_and_unload)")
+        "(W + scaling * B @ A, computed as peft's merge_and_unload)"
+    )
 
 
 def _check_untied(plan: MergePlan, by_name: dict[str, TensorPlan], target: TensorPlan, adapter: str) -> None:
@@ -111,17 +125,23 @@ def _check_untied(plan: MergePlan, by_name: dict[str, TensorPlan], target: Tenso
 
         config = load_config(os.path.join(plan.config_dir, "config.json"))
     if shared or (config.get("tie_word_embeddings") and target.name.endswith(_OUTPUT_EMBEDDINGS)):
-        raise BadInput(f"--merge-lora: adapter {adapter} trains its own copy of {target.name}, which the model ties to "
-                       "another weight; the fused model cannot keep both: merge without --merge-lora and use the adapter")
+        raise BadInput(
+            f"--merge-lora: adapter {adapter} trains its own copy of {target.name}, which the model ties to "
+            "another weight; the fused model cannot keep both: merge without --merge-lora and use the adapter"
+        )
 
 
 def _check_fusable(adapter: AdapterPlan, module) -> None:
     if module.magnitude is not None:
-        raise BadInput(f"--merge-lora: adapter {adapter.name} is DoRA ({module.module} has a magnitude vector); fusing DoRA "
-                       "is not supported: merge without --merge-lora and call peft's merge_and_unload() on the adapter folder")
+        raise BadInput(
+            f"--merge-lora: adapter {adapter.name} is DoRA ({module.module} has a magnitude vector); fusing DoRA "
+            "is not supported: merge without --merge-lora and call peft's merge_and_unload() on the adapter folder"
+        )
     if module.kind == "conv":
-        raise BadInput(f"--merge-lora: {module.module} of adapter {adapter.name} is a convolution LoRA; only Linear and "
-                       "Embedding LoRA layers are fused")
+        raise BadInput(
+            f"--merge-lora: {module.module} of adapter {adapter.name} is a convolution LoRA; only Linear and "
+            "Embedding LoRA layers are fused"
+        )
 
 
 def _base_tensor(by_name: dict[str, TensorPlan], name: str, adapter: AdapterPlan) -> TensorPlan:
@@ -135,8 +155,10 @@ def _check_shapes(weight: TensorPlan, step: LoraStep, adapter: str) -> None:
     _, inputs = step.lora_A.shape
     want = (inputs, out) if step.embedding or step.fan_in_fan_out else (out, inputs)
     if weight.shape != want:
-        raise BadInput(f"adapter {adapter}: {weight.name} is {list(weight.shape)} but lora_B @ lora_A gives {list(want)}"
-                       f"{' transposed' if want != (out, inputs) else ''}; wrong base model or fan_in_fan_out")
+        raise BadInput(
+            f"adapter {adapter}: {weight.name} is {list(weight.shape)} but lora_B @ lora_A gives {list(want)}"
+            f"{' transposed' if want != (out, inputs) else ''}; wrong base model or fan_in_fan_out"
+        )
 
 
 def _with_step(tensor: TensorPlan, step) -> TensorPlan:
@@ -147,11 +169,16 @@ def _with_step(tensor: TensorPlan, step) -> TensorPlan:
 def _share_with_tied(tensors: list[TensorPlan]) -> list[TensorPlan]:
     """peft merges in place: a weight tied to a fused one (one storage, e.g. lm_head and embed_tokens) changes too."""
     fused = {(t.shape, t.source_dtype, t.compute.base.extents): t.compute for t in tensors if t.compute}
-    return [replace(t, compute=fused[(t.shape, t.source_dtype, t.extents)])
-            if t.compute is None and t.extents and (t.shape, t.source_dtype, t.extents) in fused else t for t in tensors]
+    return [
+        replace(t, compute=fused[(t.shape, t.source_dtype, t.extents)])
+        if t.compute is None and t.extents and (t.shape, t.source_dtype, t.extents) in fused
+        else t
+        for t in tensors
+    ]
 
 
 # --- computing a fused tensor ---------------------------------------------------------------------
+
 
 def device_for(engine_name: str) -> str:
     return "cuda" if engine_name == "cuda" else "cpu"
@@ -162,17 +189,24 @@ def compute(tensor: TensorPlan, sources, device: str = "cpu"):
     import torch
 
     if not _ops.torch_ops():
-        raise BadInput(f"--merge-lora needs fsdpfast's torch ops (torch.ops.fsdpfast.lora_merge), which did not load "
-                       f"({_ops.torch_ops_error()}); build the extension")
+        raise BadInput(
+            f"--merge-lora needs fsdpfast's torch ops (torch.ops.fsdpfast.lora_merge), which did not load "
+            f"({_ops.torch_ops_error()}); build the extension"
+        )
     fused: FusedWeight = tensor.compute
     weight = _read(fused.base, sources).to(device)
     for step in fused.steps:
         if isinstance(step, BiasStep):
             weight = torch.ops.fsdpfast.lora_merge_bias(weight, _read(step.lora_bias, sources).to(device), step.scaling)
         else:
-            weight = torch.ops.fsdpfast.lora_merge(weight, _read(step.lora_A, sources).to(device),
-                                                   _read(step.lora_B, sources).to(device), step.scaling,
-                                                   step.fan_in_fan_out, step.embedding)
+            weight = torch.ops.fsdpfast.lora_merge(
+                weight,
+                _read(step.lora_A, sources).to(device),
+                _read(step.lora_B, sources).to(device),
+                step.scaling,
+                step.fan_in_fan_out,
+                step.embedding,
+            )
     return weight.cpu().to(getattr(torch, tensor.target_dtype)).contiguous()  # .to(): the cast every engine makes
 
 
@@ -193,5 +227,7 @@ def _read(tensor: TensorPlan, sources):
     if not tensor.numel:
         return torch.empty(tensor.shape, dtype=dtype)
     buffer = bytearray(tensor.numel * torch.empty(0, dtype=dtype).element_size())
-    TorchEngine().execute([(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer))], sources)
+    TorchEngine().execute(
+        [(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer))], sources
+    )
     return torch.frombuffer(buffer, dtype=dtype).reshape(tensor.shape)

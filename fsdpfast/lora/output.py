@@ -8,6 +8,7 @@ model's (`adapter_outputs`, named by their place inside OUT); `write_adapter_fil
 each folder's config and manifest into the merge's target, so OUT is published with its
 adapters complete, or not at all. OUT's manifest lists the adapter folders.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,10 @@ import sys
 from dataclasses import replace
 
 from ..errors import BadInput
-from ..plan.layout import OutputFile, plan_files
 from ..manifest import MANIFEST_NAME, build_manifest
-from .split import AdapterPlan
+from ..plan.layout import OutputFile, plan_files
 from ..plan.model import MergePlan
+from .split import AdapterPlan
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -42,8 +43,16 @@ def adapter_outputs(plan: MergePlan) -> list[OutputFile]:
     return [replace(adapter_file(adapter), name=f"{adapter.folder}/{ADAPTER_FILE}") for adapter in plan.adapters]
 
 
-def write_adapter_files(plan: MergePlan, target, checksums: dict[str, dict], checkpoint: str, identity: list[dict],
-                        engine: str, dtype: str | None, out_dir: str) -> tuple[list[str], list[str]]:
+def write_adapter_files(
+    plan: MergePlan,
+    target,
+    checksums: dict[str, dict],
+    checkpoint: str,
+    identity: list[dict],
+    engine: str,
+    dtype: str | None,
+    out_dir: str,
+) -> tuple[list[str], list[str]]:
     """Each adapter folder's config and manifest, once its file is written (`checksums`: by output file
     name, then tensor name); (folders written, notes)."""
     folders, notes = [], []
@@ -55,9 +64,18 @@ def write_adapter_files(plan: MergePlan, target, checksums: dict[str, dict], che
             if note:
                 notes.append(note)
         target.write_json(f"{adapter.folder}/{CONFIG_FILE}", config)
-        target.write_json(f"{adapter.folder}/{MANIFEST_NAME}",
-                          build_manifest(checkpoint, adapter.plan, [planned], checksums[f"{adapter.folder}/{ADAPTER_FILE}"],
-                                         identity, engine, dtype))
+        target.write_json(
+            f"{adapter.folder}/{MANIFEST_NAME}",
+            build_manifest(
+                checkpoint,
+                adapter.plan,
+                [planned],
+                checksums[f"{adapter.folder}/{ADAPTER_FILE}"],
+                identity,
+                engine,
+                dtype,
+            ),
+        )
         folders.append(adapter.folder)
     return folders, notes
 
@@ -68,8 +86,10 @@ def _base_path(plan: MergePlan, out_dir: str, adapter: AdapterPlan) -> tuple[str
         return plan.options["base"], None
     if plan.tensors and not plan.options.get("merge_lora"):
         return os.path.abspath(out_dir), None
-    return None, (f"{adapter.folder}/{CONFIG_FILE}: base_model_name_or_path is null (not recorded, and no base model "
-                  "written); set it, or load with PeftModel.from_pretrained(base_model, folder)")
+    return None, (
+        f"{adapter.folder}/{CONFIG_FILE}: base_model_name_or_path is null (not recorded, and no base model "
+        "written); set it, or load with PeftModel.from_pretrained(base_model, folder)"
+    )
 
 
 def written_files(folders: list[str]) -> list[str]:

@@ -3,22 +3,30 @@
 Applied right after the reader (any layout), before prepare. What the user chose is recorded in
 the plan's options, so the manifest lets `verify --against` plan the same output again.
 """
+
 from __future__ import annotations
 
 import os
 
 from ..errors import BadInput
-from .base import add_base
-from .fuse import adapter_names, fuse
-from .config import resolve
-from .split import is_peft, split
 from ..plan.model import MergePlan, TensorPlan
+from .base import add_base
+from .config import resolve
+from .fuse import adapter_names, fuse
+from .split import is_peft, split
 
 _FLAGS = ("merge_lora", "lora_alpha", "lora_r", "base")
 
 
-def apply(plan: MergePlan, src: str, *, merge_lora=None, lora_alpha: float | None = None, lora_r: int | None = None,
-          base: str | None = None) -> MergePlan:
+def apply(
+    plan: MergePlan,
+    src: str,
+    *,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
+) -> MergePlan:
     given = {k: v for k, v in zip(_FLAGS, (merge_lora, lora_alpha, lora_r, base)) if v not in (None, False, "")}
     if not is_peft(plan):
         if given:
@@ -29,8 +37,10 @@ def apply(plan: MergePlan, src: str, *, merge_lora=None, lora_alpha: float | Non
     plan = split(plan)
     lora_only = not plan.tensors
     if base and not lora_only:
-        raise BadInput(f"--base {base}: {src} holds its own base weights ({len(plan.tensors)} tensors); "
-                       "--base is for LoRA-only checkpoints (save_lora_only)")
+        raise BadInput(
+            f"--base {base}: {src} holds its own base weights ({len(plan.tensors)} tensors); "
+            "--base is for LoRA-only checkpoints (save_lora_only)"
+        )
     if base:
         plan = add_base(plan, os.fspath(base))
     notes: list[str] = []
@@ -40,10 +50,14 @@ def apply(plan: MergePlan, src: str, *, merge_lora=None, lora_alpha: float | Non
     keep_adapters = not merge_lora
     if lora_only and not base:
         if merge_lora:
-            raise BadInput(f"--merge-lora: {src} holds only LoRA tensors (save_lora_only), no base weights to fuse them "
-                           "into; give the base model with --base HF_DIR")
-        plan = plan.noted("LoRA-only checkpoint (save_lora_only): only the adapter folder is written; "
-                          "--base HF_DIR also writes the base model with the adapter fused in")
+            raise BadInput(
+                f"--merge-lora: {src} holds only LoRA tensors (save_lora_only), no base weights to fuse them "
+                "into; give the base model with --base HF_DIR"
+            )
+        plan = plan.noted(
+            "LoRA-only checkpoint (save_lora_only): only the adapter folder is written; "
+            "--base HF_DIR also writes the base model with the adapter fused in"
+        )
     elif lora_only:  # with --base: the fused model, and the adapter the checkpoint holds
         merge_lora = merge_lora or True
         keep_adapters = True
@@ -63,12 +77,22 @@ def apply(plan: MergePlan, src: str, *, merge_lora=None, lora_alpha: float | Non
 
 def describe(plan: MergePlan) -> list[dict]:
     """What `inspect` shows of each adapter."""
-    return [{
-        "adapter": a.name, "folder": a.folder, "r": a.config.get("r"), "lora_alpha": a.config.get("lora_alpha"),
-        "target_modules": a.config.get("target_modules"), "task_type": a.config.get("task_type"),
-        "use_dora": a.config.get("use_dora"), "modules": len(a.modules), "tensors": len(a.plan.tensors),
-        "bytes": sum(_nbytes(t) for t in a.plan.tensors), "problems": list(a.problems),
-    } for a in plan.adapters]
+    return [
+        {
+            "adapter": a.name,
+            "folder": a.folder,
+            "r": a.config.get("r"),
+            "lora_alpha": a.config.get("lora_alpha"),
+            "target_modules": a.config.get("target_modules"),
+            "task_type": a.config.get("task_type"),
+            "use_dora": a.config.get("use_dora"),
+            "modules": len(a.modules),
+            "tensors": len(a.plan.tensors),
+            "bytes": sum(_nbytes(t) for t in a.plan.tensors),
+            "problems": list(a.problems),
+        }
+        for a in plan.adapters
+    ]
 
 
 def _nbytes(tensor: TensorPlan) -> int:
@@ -78,8 +102,9 @@ def _nbytes(tensor: TensorPlan) -> int:
 
 
 def _check_numbers(lora_alpha, lora_r) -> None:
-    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
-                                   or not 0 < lora_alpha < float("inf")):
+    if lora_alpha is not None and (
+        isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not 0 < lora_alpha < float("inf")
+    ):
         raise BadInput(f"--lora-alpha {lora_alpha!r} is not a positive number")
     if lora_r is not None and (isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r <= 0):
         raise BadInput(f"--lora-r {lora_r!r} is not a positive whole number")

@@ -11,6 +11,7 @@ the names peft's save_pretrained writes (`base_model.model.` kept, the adapter n
 
 Only names are read: this works the same for every layout a reader turns into a plan.
 """
+
 from __future__ import annotations
 
 import re
@@ -71,7 +72,7 @@ def lora_role(name: str) -> tuple[str, str | None, str, str]:
 def _inner(name: str) -> tuple[list[str], bool]:
     """The name's parts without wrapper prefixes (FSDP1, torch.compile, DDP) and peft's, and whether peft's was there."""
     full = clean_name(name)
-    return (full[len(PREFIX):] if full.startswith(PREFIX) else full).split("."), full.startswith(PREFIX)
+    return (full[len(PREFIX) :] if full.startswith(PREFIX) else full).split("."), full.startswith(PREFIX)
 
 
 def split(plan: MergePlan) -> MergePlan:
@@ -82,13 +83,19 @@ def split(plan: MergePlan) -> MergePlan:
         role, adapter, module, part = _role(*_inner(tensor.name))
         if role == "base":
             if module in base:
-                raise BadInput(f"{tensor.name} and {base[module].name} are both the base model's {module}; "
-                               "the checkpoint holds two copies of one weight")
+                raise BadInput(
+                    f"{tensor.name} and {base[module].name} are both the base model's {module}; "
+                    "the checkpoint holds two copies of one weight"
+                )
             base[module] = tensor
             continue
         if not _ADAPTER_NAME.fullmatch(adapter):
-            raise BadInput(f"{tensor.name}: adapter name {adapter[:40]!r} is not a plain name (letters, digits, _ or -)")
-        found = adapters.setdefault(adapter, AdapterPlan(adapter, MergePlan(plan.layout, plan.world_size, plan.sources, [])))
+            raise BadInput(
+                f"{tensor.name}: adapter name {adapter[:40]!r} is not a plain name (letters, digits, _ or -)"
+            )
+        found = adapters.setdefault(
+            adapter, AdapterPlan(adapter, MergePlan(plan.layout, plan.world_size, plan.sources, []))
+        )
         if role == "copy":  # modules_to_save: saved without the adapter name, under the module's own
             found.copies[f"{module}.{part}"] = _renamed(tensor, f"{PREFIX}{module}.{part}", found)
             continue
@@ -97,15 +104,17 @@ def split(plan: MergePlan) -> MergePlan:
     for found in adapters.values():
         for entry in found.modules.values():
             _check_module(entry, found.name)
-    return plan.but(tensors=[replace(tensor, name=name) for name, tensor in base.items()],
-                    adapters=sorted(adapters.values(), key=lambda a: (a.name != "default", a.name)))
+    return plan.but(
+        tensors=[replace(tensor, name=name) for name, tensor in base.items()],
+        adapters=sorted(adapters.values(), key=lambda a: (a.name != "default", a.name)),
+    )
 
 
 def _role(parts: list[str], prefixed: bool = True) -> tuple[str, str | None, str, str]:
     """(base | lora | copy, adapter, module or base name, part) for a name split at its dots. Another `lora_*`
     part under peft's prefix is a PEFT tensor fsdpfast does not know (AdaLoRA's lora_E...): refused."""
     for i, part in enumerate(parts):
-        rest = parts[i + 1:]
+        rest = parts[i + 1 :]
         module = ".".join(parts[:i])
         if part in _PAIRS and len(rest) == 2 and rest[1] in ("weight", "bias"):
             return "lora", rest[0], module, part + ("_bias" if rest[1] == "bias" else "")
@@ -118,8 +127,10 @@ def _role(parts: list[str], prefixed: bool = True) -> tuple[str, str | None, str
         if part in (_BASE_LAYER, _ORIGINAL):  # the wrapped module's own parameters
             return "base", None, ".".join(parts[:i] + [p for p in rest if p != _BASE_LAYER]), ""
         if prefixed and (part.startswith("lora_") or part == _COPIES):
-            raise BadInput(f"{'.'.join(parts)}: a PEFT tensor of a kind fsdpfast does not know ({part}); "
-                           "only LoRA (lora_A/B, lora_embedding_A/B, DoRA magnitudes, modules_to_save) is understood")
+            raise BadInput(
+                f"{'.'.join(parts)}: a PEFT tensor of a kind fsdpfast does not know ({part}); "
+                "only LoRA (lora_A/B, lora_embedding_A/B, DoRA magnitudes, modules_to_save) is understood"
+            )
     return "base", None, ".".join(parts), ""
 
 
@@ -128,7 +139,7 @@ def _saved_name(module: str, part: str) -> str:
     if part in _PAIRS:
         return f"{PREFIX}{module}.{part}.weight"
     if part.endswith("_bias"):
-        return f"{PREFIX}{module}.{part[:-len('_bias')]}.bias"
+        return f"{PREFIX}{module}.{part[: -len('_bias')]}.bias"
     return f"{PREFIX}{module}.{part}"
 
 
@@ -139,8 +150,14 @@ def _renamed(tensor: TensorPlan, name: str, adapter: AdapterPlan) -> TensorPlan:
 
 
 def _place(entry: LoraModule, part: str, tensor: TensorPlan, original: str) -> None:
-    slot = {"lora_A": "lora_A", "lora_embedding_A": "lora_A", "lora_B": "lora_B", "lora_embedding_B": "lora_B",
-            "lora_B_bias": "lora_bias", _MAGNITUDE: "magnitude"}[part]
+    slot = {
+        "lora_A": "lora_A",
+        "lora_embedding_A": "lora_A",
+        "lora_B": "lora_B",
+        "lora_embedding_B": "lora_B",
+        "lora_B_bias": "lora_bias",
+        _MAGNITUDE: "magnitude",
+    }[part]
     if getattr(entry, slot) is not None:
         raise BadInput(f"{original}: the checkpoint holds this adapter tensor twice")
     setattr(entry, slot, tensor)
@@ -151,8 +168,10 @@ def _place(entry: LoraModule, part: str, tensor: TensorPlan, original: str) -> N
 def _check_module(entry: LoraModule, adapter: str) -> None:
     where = f"adapter {adapter!r}, module {entry.module}"
     if entry.lora_A is None or entry.lora_B is None:
-        raise BadInput(f"{where}: has {'lora_B' if entry.lora_A is None else 'lora_A'} but not "
-                       f"{'lora_A' if entry.lora_A is None else 'lora_B'}; the checkpoint is incomplete")
+        raise BadInput(
+            f"{where}: has {'lora_B' if entry.lora_A is None else 'lora_A'} but not "
+            f"{'lora_A' if entry.lora_A is None else 'lora_B'}; the checkpoint is incomplete"
+        )
     a, b = entry.lora_A.shape, entry.lora_B.shape
     if len(a) == 4 and len(b) == 4 and entry.kind == "linear":
         entry.kind = "conv"

@@ -7,6 +7,7 @@ of a reference (`--reference REF`: REF/lora_adapter, e.g. verl's merger output).
 are named `lora_adapter/<tensor>`. `--smoke` loads each adapter onto the merged base model with
 peft (when installed): every tensor of the file must be loaded and the forward pass finite.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,20 @@ def is_adapter_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, CONFIG_FILE)) and not os.path.isfile(os.path.join(folder, "config.json"))
 
 
-def check_adapters(report, out_dir: str, folders: list[str], *, against, reference, rtol, atol, layout, options) -> None:
+def check_adapters(
+    report, out_dir: str, folders: list[str], *, against, reference, rtol, atol, layout, options
+) -> None:
     """Verify each adapter folder as `verify` verifies OUT, adding its findings to `report`."""
     from ..verify import Mismatch, verify
 
     for folder in folders:
         if not (isinstance(folder, str) and _plain(folder)):
-            report.mismatches.append(Mismatch("(manifest)", f"adapters lists {str(folder)[:80]!r}, not a folder inside the "
-                                              "output; the manifest is damaged"))
+            report.mismatches.append(
+                Mismatch(
+                    "(manifest)",
+                    f"adapters lists {str(folder)[:80]!r}, not a folder inside the output; the manifest is damaged",
+                )
+            )
             continue
         path = os.path.join(out_dir, folder)
         theirs = os.path.join(reference, folder) if reference is not None else None
@@ -57,8 +64,15 @@ def check_adapters(report, out_dir: str, folders: list[str], *, against, referen
             report.notes.append(f"{reference} has no {folder}: that adapter was checked against its manifest only")
             theirs = None
         try:
-            sub = verify(path, against=against, reference=theirs, rtol=rtol if theirs else None,
-                         atol=atol if theirs else None, layout=layout, **options)
+            sub = verify(
+                path,
+                against=against,
+                reference=theirs,
+                rtol=rtol if theirs else None,
+                atol=atol if theirs else None,
+                layout=layout,
+                **options,
+            )
         except BadInput as exc:
             report.mismatches.append(Mismatch(folder, str(exc)))
             continue
@@ -74,7 +88,9 @@ def smoke_adapters(base_dir: str, folders: list[str], notes: list[str]) -> list[
     try:
         import peft  # noqa: F401
     except ImportError:
-        notes.append(f"peft is not installed: --smoke did not load the adapters ({', '.join(folders)}); pip install peft")
+        notes.append(
+            f"peft is not installed: --smoke did not load the adapters ({', '.join(folders)}); pip install peft"
+        )
         return []
     problems = []
     for folder in (f for f in folders if isinstance(f, str) and _plain(f)):
@@ -87,8 +103,10 @@ def smoke_adapter_folder(folder: str, notes: list[str]) -> list[str]:
     with open(os.path.join(folder, CONFIG_FILE)) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not isinstance(base, str) or not os.path.isfile(os.path.join(base, "config.json")):
-        raise BadInput(f"{folder}: --smoke of an adapter folder loads its base model from base_model_name_or_path, "
-                       f"which is {base!r}, not a local model folder; verify the folder above it instead")
+        raise BadInput(
+            f"{folder}: --smoke of an adapter folder loads its base model from base_model_name_or_path, "
+            f"which is {base!r}, not a local model folder; verify the folder above it instead"
+        )
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -114,8 +132,11 @@ def smoke_adapter(base_dir: str, folder: str) -> list[str]:
     loaded = peft.get_peft_model_state_dict(model, save_embedding_layers=False)
     problems = [f"{name}: in the file but not loaded by peft" for name in sorted(set(saved) - set(loaded))]
     problems += [f"{name}: the model has it but the file does not" for name in sorted(set(loaded) - set(saved))]
-    problems += [f"{name}: loaded values differ from the file's" for name in sorted(set(saved) & set(loaded))
-                 if not torch.equal(saved[name].to(loaded[name].dtype), loaded[name])]
+    problems += [
+        f"{name}: loaded values differ from the file's"
+        for name in sorted(set(saved) & set(loaded))
+        if not torch.equal(saved[name].to(loaded[name].dtype), loaded[name])
+    ]
     vocab = getattr(config, "vocab_size", None) or 1
     model.eval()
     with torch.no_grad():

@@ -11,6 +11,7 @@ stride S never collide when their runs, taken modulo S, do not collide, which ch
 well-formed plan in O(E log E) for E extents however many rows they span; only a group that
 fails that test is expanded run by run to find (or rule out) a real overlap.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -40,33 +41,45 @@ def check_extents(name: str, shape, dtype: str, extents: list[Extent], sources: 
     for group in _overlapping_groups(spans):
         where = _first_overlap(group)
         if where is not None:
-            raise BadInput(f"{name}: two pieces of the checkpoint both hold element {where} of this {list(shape)} tensor; "
-                           "its shards overlap, so the metadata is damaged or comes from different checkpoints")
+            raise BadInput(
+                f"{name}: two pieces of the checkpoint both hold element {where} of this {list(shape)} tensor; "
+                "its shards overlap, so the metadata is damaged or comes from different checkpoints"
+            )
     if covered != total:
-        raise BadInput(f"{name}: the pieces of the checkpoint cover {covered} of the {total} elements of this {list(shape)} "
-                       "tensor; shards are missing or the metadata is damaged")
+        raise BadInput(
+            f"{name}: the pieces of the checkpoint cover {covered} of the {total} elements of this {list(shape)} "
+            "tensor; shards are missing or the metadata is damaged"
+        )
 
 
 def _check_bounds(name, shape, total: int, size: int, e: Extent, sources: list[SourceBuffer]) -> int:
     """The end (exclusive) of the extent's last run in the tensor; an error if it leaves its tensor or source."""
     if min(e.src_offset, e.dst_offset, e.count, e.src_stride, e.dst_stride) < 0 or e.runs < 0:
-        raise BadInput(f"{name}: the checkpoint describes a piece of it with negative offsets or sizes; the metadata is damaged")
+        raise BadInput(
+            f"{name}: the checkpoint describes a piece of it with negative offsets or sizes; the metadata is damaged"
+        )
     if not e.numel:
         return e.dst_offset
     if e.runs > 1 and e.dst_stride < e.count:
-        raise BadInput(f"{name}: a piece of it overlaps itself (runs of {e.count} elements {e.dst_stride} apart); "
-                       "the metadata is damaged")
+        raise BadInput(
+            f"{name}: a piece of it overlaps itself (runs of {e.count} elements {e.dst_stride} apart); "
+            "the metadata is damaged"
+        )
     end = e.dst_offset + (e.runs - 1) * e.dst_stride + e.count
     if end > total:
-        raise BadInput(f"{name}: a piece of it reaches element {end - 1} of a {list(shape)} tensor of {total}; "
-                       "the metadata is damaged")
+        raise BadInput(
+            f"{name}: a piece of it reaches element {end - 1} of a {list(shape)} tensor of {total}; "
+            "the metadata is damaged"
+        )
     if not 0 <= e.source < len(sources):
         raise BadInput(f"{name}: a piece of it names no input file; the metadata is damaged")
     source = sources[e.source]
     src_end = (e.src_offset + (e.runs - 1) * e.src_stride + e.count) * size
     if src_end > source.nbytes:
-        raise BadInput(f"{source.path}: {name} reads {src_end} bytes from a record of {source.nbytes}; "
-                       "the file is truncated or its metadata is damaged")
+        raise BadInput(
+            f"{source.path}: {name} reads {src_end} bytes from a record of {source.nbytes}; "
+            "the file is truncated or its metadata is damaged"
+        )
     return end
 
 

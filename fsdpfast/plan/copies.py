@@ -10,13 +10,14 @@ middle and last SAMPLE_BYTES. Copies from another step or another replica's traj
 almost everywhere, so the sample finds them; comparing every byte would read every copy in full
 (an HSDP checkpoint twice over), which `verify --against` does (full=True).
 """
+
 from __future__ import annotations
 
 from ..dtypes import itemsize
-from ..io.sources import SourceFiles
 from ..errors import BadInput
-from .model import Copy, MergePlan
+from ..io.sources import SourceFiles
 from ..io.tensor_bytes import first_difference, read_window
+from .model import Copy, MergePlan
 
 SAMPLE_BYTES = 64 << 10  # bytes compared at each of a large copy's three places during a merge
 
@@ -31,14 +32,18 @@ def check_copies(plan: MergePlan, full: bool = False) -> MergePlan:
         for copy in plan.copies:
             where = first_difference(copy.kept, copy.other, sources) if full else _sampled_difference(copy, sources)
             if where is not None:
-                raise BadInput(f"{copy.name}: {copy.other_at} differs from {copy.kept_at} "
-                               f"(first at element {where}); {copy.problem}")
+                raise BadInput(
+                    f"{copy.name}: {copy.other_at} differs from {copy.kept_at} "
+                    f"(first at element {where}); {copy.problem}"
+                )
             sampled += not full and _is_sampled(copy)
     if not sampled:
         return plan
-    return plan.noted(f"{sampled} of {len(plan.copies)} copies held twice (buffers on every rank, HSDP replicas) "
-                      f"were compared at their first, middle and last {SAMPLE_BYTES >> 10} KB, the rest in full; "
-                      "verify --against compares every byte")
+    return plan.noted(
+        f"{sampled} of {len(plan.copies)} copies held twice (buffers on every rank, HSDP replicas) "
+        f"were compared at their first, middle and last {SAMPLE_BYTES >> 10} KB, the rest in full; "
+        "verify --against compares every byte"
+    )
 
 
 def _is_sampled(copy: Copy) -> bool:
@@ -54,5 +59,5 @@ def _sampled_difference(copy: Copy, sources: SourceFiles) -> int | None:
         x, y = read_window(a, lo, lo + step, sources), read_window(b, lo, lo + step, sources)
         if x != y:
             size = itemsize(a.source_dtype)
-            return lo + next(i for i in range(0, len(x), size) if x[i: i + size] != y[i: i + size]) // size
+            return lo + next(i for i in range(0, len(x), size) if x[i : i + size] != y[i : i + size]) // size
     return None

@@ -5,6 +5,7 @@ new file when the next tensor would pass max_shard_size, and give a tensor large
 the limit a file of its own. Inside a file, tensors are ordered by element size (largest
 first) so every tensor starts aligned to its element size.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,18 @@ from ..errors import BadInput, option
 from .model import MergePlan, TensorPlan
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass

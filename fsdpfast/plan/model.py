@@ -7,9 +7,10 @@ returns a new one (`dataclasses.replace`, `MergePlan.noted`), so what a stage wa
 true. Dtypes are torch dtype names ("float32", "bfloat16", ...) so the plan can be printed and
 compared without torch.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from math import prod
 
 
@@ -114,11 +115,13 @@ class MergePlan:
     def __post_init__(self):
         _freeze(self, ("sources", "tensors", "notes", "left_out", "warnings", "copies", "adapters"))
 
-    def noted(self, *notes: str, first: bool = False, warnings: tuple[str, ...] = ()) -> "MergePlan":
+    def noted(self, *notes: str, first: bool = False, warnings: tuple[str, ...] = ()) -> MergePlan:
         """The same plan with more notes (at the front with `first`) and warnings."""
         kept = tuple(note for note in notes if note)
-        return replace(self, notes=kept + self.notes if first else self.notes + kept, warnings=self.warnings + tuple(warnings))
+        return replace(
+            self, notes=kept + self.notes if first else self.notes + kept, warnings=self.warnings + tuple(warnings)
+        )
 
-    def but(self, **changes) -> "MergePlan":
+    def but(self, **changes) -> MergePlan:
         """The same plan with some fields replaced."""
         return replace(self, **changes)

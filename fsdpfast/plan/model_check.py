@@ -7,6 +7,7 @@ device (no memory, no weights, no code from the checkpoint: only classes transfo
 ships) and the merge's tensors are checked against its state dict before any byte is written.
 The same model tells which names transformers ties on load (written once).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,21 +60,32 @@ def load_expected_model(config_dir: str | None, built: dict | None = None) -> tu
     if named:
         cls = getattr(transformers, architectures[0], None)
         if not isinstance(cls, type) or not hasattr(cls, "config_class"):
-            return None, (f"{path} names {architectures[0]}, which this transformers ({transformers.__version__}) "
-                          "does not ship (custom model code is never run)")
+            return None, (
+                f"{path} names {architectures[0]}, which this transformers ({transformers.__version__}) "
+                "does not ship (custom model code is never run)"
+            )
     else:
         cls = _base_model_class(transformers, config["model_type"])
         if cls is None:
-            return None, (f"{path} has no 'architectures' field and transformers ({transformers.__version__}) "
-                          f"knows no model_type {config['model_type']!r}")
+            return None, (
+                f"{path} has no 'architectures' field and transformers ({transformers.__version__}) "
+                f"knows no model_type {config['model_type']!r}"
+            )
     try:
         model = _build_on_meta(torch, transformers, cls, config)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the check cannot run, said in a note
         return None, f"{cls.__name__} could not be built from {path} ({type(exc).__name__}: {str(exc)[:200]})"
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    return ExpectedModel(cls.__name__, path, shapes, _tied_names(model), getattr(model, "base_model_prefix", "") or "",
-                         _patterns(model, "_keys_to_ignore_on_load_missing"),
-                         _patterns(model, "_keys_to_ignore_on_load_unexpected"), base_only=not named), ""
+    return ExpectedModel(
+        cls.__name__,
+        path,
+        shapes,
+        _tied_names(model),
+        getattr(model, "base_model_prefix", "") or "",
+        _patterns(model, "_keys_to_ignore_on_load_missing"),
+        _patterns(model, "_keys_to_ignore_on_load_unexpected"),
+        base_only=not named,
+    ), ""
 
 
 def _base_model_class(transformers, model_type: str):
@@ -120,12 +132,13 @@ def match_names(names: list[str], expected: ExpectedModel) -> dict[str, str]:
     candidates = [{n: n for n in names}]
     if prefix:
         candidates.append({n: n if n.startswith(prefix) else prefix + n for n in names})
-        candidates.append({n: n[len(prefix):] if n.startswith(prefix) else n for n in names})
+        candidates.append({n: n[len(prefix) :] if n.startswith(prefix) else n for n in names})
     return max(candidates, key=lambda mapping: sum(v in expected.shapes for v in mapping.values()))
 
 
-def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedModel, allow_extra: bool,
-                        left_out: tuple[str, ...] = ()) -> list[str]:
+def check_against_model(
+    shapes: dict[str, tuple[int, ...]], expected: ExpectedModel, allow_extra: bool, left_out: tuple[str, ...] = ()
+) -> list[str]:
     """Refuse a merge that would not load as `expected` with every weight; notes about what was accepted.
     `left_out`: names the user asked to leave out (they may be missing)."""
     mapping = match_names(list(shapes) + list(left_out), expected)
@@ -133,12 +146,24 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedMo
     head = sorted(name for name, mapped in mapping.items() if expected.base_only and mapped not in expected.shapes)
     mapping = {name: mapped for name, mapped in mapping.items() if name not in head}
     present = set(mapping.values())
-    missing = sorted(name for name in expected.shapes if name not in present and name not in omitted
-                     and expected.tied.get(name) not in present and not _ignored(name, expected.ignore_missing))
-    extra = sorted(name for name, mapped in mapping.items()
-                   if mapped not in expected.shapes and not _ignored(mapped, expected.ignore_unexpected))
-    wrong = [f"{name} {list(shapes[name])} (the model: {list(expected.shapes[mapped])})"
-             for name, mapped in mapping.items() if mapped in expected.shapes and shapes[name] != expected.shapes[mapped]]
+    missing = sorted(
+        name
+        for name in expected.shapes
+        if name not in present
+        and name not in omitted
+        and expected.tied.get(name) not in present
+        and not _ignored(name, expected.ignore_missing)
+    )
+    extra = sorted(
+        name
+        for name, mapped in mapping.items()
+        if mapped not in expected.shapes and not _ignored(mapped, expected.ignore_unexpected)
+    )
+    wrong = [
+        f"{name} {list(shapes[name])} (the model: {list(expected.shapes[mapped])})"
+        for name, mapped in mapping.items()
+        if mapped in expected.shapes and shapes[name] != expected.shapes[mapped]
+    ]
     problems = []
     if missing:
         problems.append(f"{len(missing)} weights missing ({_listed(missing)})")
@@ -150,18 +175,28 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], expected: ExpectedMo
         hint = f"check that config.json describes the trained model ({option('config', meta='DIR')})"
         if extra and not missing and not wrong:
             hint += f", or pass {option('allow_extra_tensors', True)} to keep tensors the model class does not have (e.g. a value head)"
-        raise ModelMismatch(f"the merged tensors do not match {expected.architecture} built from {expected.config_path}: "
-                            f"{'; '.join(problems)}; {hint}")
-    notes = [f"checked against {expected.architecture} built from {expected.config_path} on the meta device: "
-             f"every weight present with the model's shape"]
+        raise ModelMismatch(
+            f"the merged tensors do not match {expected.architecture} built from {expected.config_path}: "
+            f"{'; '.join(problems)}; {hint}"
+        )
+    notes = [
+        f"checked against {expected.architecture} built from {expected.config_path} on the meta device: "
+        f"every weight present with the model's shape"
+    ]
     if head:
-        notes.append(f"{expected.config_path} has no 'architectures' field, so only the base model was checked; "
-                     f"{len(head)} tensors outside it were not ({_listed(head)}); add 'architectures' for the full check")
+        notes.append(
+            f"{expected.config_path} has no 'architectures' field, so only the base model was checked; "
+            f"{len(head)} tensors outside it were not ({_listed(head)}); add 'architectures' for the full check"
+        )
     if extra:
-        notes.append(f"kept {len(extra)} tensors {expected.architecture} does not have ({option('allow_extra_tensors', True)}): {_listed(extra)}")
+        notes.append(
+            f"kept {len(extra)} tensors {expected.architecture} does not have ({option('allow_extra_tensors', True)}): {_listed(extra)}"
+        )
     renamed = sum(1 for name, mapped in mapping.items() if name != mapped)
     if renamed and not expected.base_only:
-        notes.append(f"{renamed} names differ from the model's by its '{expected.prefix}.' prefix; transformers maps them on load")
+        notes.append(
+            f"{renamed} names differ from the model's by its '{expected.prefix}.' prefix; transformers maps them on load"
+        )
     return notes
 
 

@@ -1,4 +1,5 @@
 """Turn a reader's plan into what gets written: clean names, tied weights once, target dtypes."""
+
 from __future__ import annotations
 
 import os
@@ -6,11 +7,11 @@ from dataclasses import replace
 
 from ..configs import load_config
 from ..dtypes import TARGET_ALIASES, target_dtype
-from ..io.sources import SourceFiles
 from ..errors import BadInput, ModelMismatch, option
-from .model_check import ExpectedModel, match_names
-from .model import MergePlan, TensorPlan
+from ..io.sources import SourceFiles
 from ..io.tensor_bytes import first_difference
+from .model import MergePlan, TensorPlan
+from .model_check import ExpectedModel, match_names
 
 # Components that wrappers (FSDP1, torch.compile, activation checkpointing) add to names.
 _WRAPPER_COMPONENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
@@ -33,7 +34,9 @@ def parse_dtype(wanted: str | None) -> str | None:
     return TARGET_ALIASES[key]
 
 
-def prepare(plan: MergePlan, dtype: str | None, config_dir: str | None, expected: ExpectedModel | None = None) -> MergePlan:
+def prepare(
+    plan: MergePlan, dtype: str | None, config_dir: str | None, expected: ExpectedModel | None = None
+) -> MergePlan:
     """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
 
     `expected`: the model config.json describes (model_check), which says which names are tied;
@@ -65,7 +68,9 @@ def tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config
     names = [t.name for t in tensors]
     if expected is not None and not expected.base_only:
         ours = {model_name: name for name, model_name in match_names(names, expected).items()}
-        return [(ours[kept], ours[dropped]) for dropped, kept in expected.tied.items() if kept in ours and dropped in ours]
+        return [
+            (ours[kept], ours[dropped]) for dropped, kept in expected.tied.items() if kept in ours and dropped in ours
+        ]
     if config.get("tie_word_embeddings") is not True:
         return []
     by_name = {t.name: t for t in tensors}
@@ -81,7 +86,9 @@ def tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config
     return pairs
 
 
-def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan) -> tuple[list[TensorPlan], list[str]]:
+def _drop_tied(
+    tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan
+) -> tuple[list[TensorPlan], list[str]]:
     """Write each tied name once, after checking that the checkpoint holds the same bytes under both;
     one storage under two names that transformers will not re-tie is written under both (said in
     the notes returned)."""
@@ -91,13 +98,17 @@ def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: Me
         for kept, other in pairs:
             a, b = by_name[kept], by_name[other]
             if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
-                raise ModelMismatch(f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
-                               f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})")
+                raise ModelMismatch(
+                    f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
+                    f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})"
+                )
             where = first_difference(a, b, sources)
             if where is not None:
-                raise ModelMismatch(f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
-                               f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
-                               f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})")
+                raise ModelMismatch(
+                    f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
+                    f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
+                    f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})"
+                )
             aliases.setdefault(kept, []).append(other)
             dropped.add(other)
     tied_names = {name for pair in pairs for name in pair}
@@ -105,11 +116,16 @@ def _drop_tied(tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: Me
     for tensor in tensors:
         key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
         if tensor.extents and key in shared and tensor.name not in tied_names:
-            notes.append(f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
-                         "config does not tie them: both are written")
+            notes.append(
+                f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
+                "config does not tie them: both are written"
+            )
         shared.setdefault(key, tensor.name)
-    kept = [replace(t, aliases=t.aliases + tuple(aliases[t.name])) if t.name in aliases else t
-            for t in tensors if t.name not in dropped]
+    kept = [
+        replace(t, aliases=t.aliases + tuple(aliases[t.name])) if t.name in aliases else t
+        for t in tensors
+        if t.name not in dropped
+    ]
     return kept, notes
 
 

@@ -1,6 +1,7 @@
 """Stage 1, the readers: each turns a checkpoint folder of its layout into a MergePlan, reading metadata only.
 
 This module is the registry (READERS), detection, and the one entry point `read_plan`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,10 @@ from . import (
 from .reader import Reader, ReaderOption
 
 # The registry: every layout fsdpfast reads, in the order detection tries them.
-READERS: dict[str, Reader] = {module.READER.name: module.READER for module in (
-    fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks, megatron)}
+READERS: dict[str, Reader] = {
+    module.READER.name: module.READER
+    for module in (fsdp_ranks, guide_ranks, dcp, dcp_hf, deepspeed_zero, fsdp1_flat, accelerate_ranks, megatron)
+}
 
 # Options a user may give beyond the folder, and the one layout each belongs to.
 LAYOUT_OPTIONS: dict[str, str] = {opt.name: reader.name for reader in READERS.values() for opt in reader.options}
@@ -47,14 +50,22 @@ def detect(folder: str) -> str:
     if not found:
         below = framework_folders.checkpoints_below(folder, _holds_layout)
         if below:
-            shown = ", ".join(f"{entry}/" for entry in below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
-            what = f"sub-folder {shown} holds a checkpoint" if len(below) == 1 else f"sub-folders {shown} hold checkpoints"
-            raise BadInput(f"{folder}: no checkpoint files here, but its {what}: merge "
-                           f"{'it' if len(below) == 1 else 'one'} (fsdpfast merge {os.path.join(folder, below[-1])} --out OUT)")
+            shown = ", ".join(f"{entry}/" for entry in below[:5]) + (
+                f" and {len(below) - 5} more" if len(below) > 5 else ""
+            )
+            what = (
+                f"sub-folder {shown} holds a checkpoint" if len(below) == 1 else f"sub-folders {shown} hold checkpoints"
+            )
+            raise BadInput(
+                f"{folder}: no checkpoint files here, but its {what}: merge "
+                f"{'it' if len(below) == 1 else 'one'} (fsdpfast merge {os.path.join(folder, below[-1])} --out OUT)"
+            )
         known = "; ".join(reader.description for reader in READERS.values())
         raise BadInput(f"{folder}: no known checkpoint layout found (looked for {known})")
     if len(found) > 1:
-        raise BadInput(f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with {option('layout')}")
+        raise BadInput(
+            f"{folder}: holds files of several layouts ({', '.join(found)}); choose one with {option('layout')}"
+        )
     return found[0]
 
 
@@ -80,8 +91,9 @@ def collector_paused():
             gc.enable()
 
 
-def read_plan(folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None,
-              **options) -> MergePlan:
+def read_plan(
+    folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None, **options
+) -> MergePlan:
     """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
     one given for another layout is an error. `config` is passed to readers that rebuild the model,
     `lora_r` to those that rebuild a PEFT model (elsewhere lora.plan uses it)."""

@@ -6,25 +6,28 @@ it is read from rank 0's DTensor mesh or ShardedTensor process group, so a missi
 is named. FSDP1 LOCAL_STATE_DICT files of a model other than the first have the same names;
 those hold flat parameters and are readers.fsdp1_flat's.
 """
+
 from __future__ import annotations
 
 import os
 import re
 from math import prod
 
+from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
 from ..plan.model import MergePlan
 from .discover import complete_ranks, rank_files
 from .placements import read_layout
 from .rank_files import RankState, load_rank_states, plan_from_ranks, plan_replicated, whole_state_dict
-from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .reader import Reader
 from .sharded_tensors import plan_sharded, recorded_world
 from .storage_sources import StorageSources
-from .._parsing.torch_zip import TorchZip
-from .reader import Reader
 
 NAME = "accelerate-ranks"
-DESCRIPTION = "pytorch_model_fsdp_{i}_rank{r}.bin: accelerate save_fsdp_model(use_dcp=False) SHARDED_STATE_DICT rank files"
+DESCRIPTION = (
+    "pytorch_model_fsdp_{i}_rank{r}.bin: accelerate save_fsdp_model(use_dcp=False) SHARDED_STATE_DICT rank files"
+)
 _PATTERN = re.compile(r"pytorch_model_fsdp_(\d+)_rank(\d+)\.bin")
 
 
@@ -50,9 +53,11 @@ def read(folder: str) -> MergePlan:
     models = _models(folder)
     if len(models) > 1:
         shown = ", ".join(f"pytorch_model_fsdp_{i}_rank*.bin" for i in sorted(models))
-        raise BadInput(f"{folder}: rank files of {len(models)} accelerate models ({shown}); "
-                       "move one model's files into a folder of their own and merge that")
-    (index, ranks), = models.items()
+        raise BadInput(
+            f"{folder}: rank files of {len(models)} accelerate models ({shown}); "
+            "move one model's files into a folder of their own and merge that"
+        )
+    ((index, ranks),) = models.items()
     first = ranks[min(ranks)]
     with TorchZip(first) as archive:
         whole = safe_unpickle(archive.pickle_bytes, first)
@@ -92,7 +97,9 @@ def _plan_fsdp1(states: list[RankState], world: int) -> MergePlan:
         for name in names:
             for state in states[1:]:
                 if name not in state.whole:
-                    raise BadInput(f"{state.path}: lacks {name}, which {first.path} holds; all rank files must come from one checkpoint")
+                    raise BadInput(
+                        f"{state.path}: lacks {name}, which {first.path} holds; all rank files must come from one checkpoint"
+                    )
             pieces = [(s, s.whole[name]) for s in states]
             value = pieces[0][1]
             if isinstance(value, ShardedTensorRef):
@@ -100,17 +107,23 @@ def _plan_fsdp1(states: list[RankState], world: int) -> MergePlan:
             elif all(isinstance(v, TensorRef) for _, v in pieces):
                 tensors.append(plan_replicated(name, pieces, sources))
             else:
-                raise BadInput(f"{first.path}: {name} is a {type(value).__name__} beside FSDP1 ShardedTensors; not a file "
-                               "accelerate writes")
+                raise BadInput(
+                    f"{first.path}: {name} is a {type(value).__name__} beside FSDP1 ShardedTensors; not a file "
+                    "accelerate writes"
+                )
         extra = sorted({str(k) for s in states[1:] for k in s.whole} - set(names) - set(skipped))
         if extra:
-            raise BadInput(f"{states[0].path}: lacks {extra[0]}, which another rank's file holds; all rank files must come from one checkpoint")
+            raise BadInput(
+                f"{states[0].path}: lacks {extra[0]}, which another rank's file holds; all rank files must come from one checkpoint"
+            )
     finally:
         for state in states:
             state.archive.close()
     plan = MergePlan(NAME, world, sources.buffers, tensors)
     if skipped:
-        plan = plan.noted(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+        plan = plan.noted(
+            f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+        )
     return plan
 
 

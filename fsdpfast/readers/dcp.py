@@ -12,6 +12,7 @@ Either way the engine maps the chunk's bytes straight from the .distcp file.
 A nested state dict ({"model": ..., "optim": ...}) is flattened by DCP with "." and recorded
 in planner_data; the model part is picked automatically, or by `prefix`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,37 +24,57 @@ import reprlib
 from dataclasses import dataclass
 from math import prod
 
+from .._parsing.boxes import box_extents
+from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
+from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
+from .._parsing.torch_zip import TorchZip
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput, UnsafeCheckpoint, option
 from ..open_files import out_of_files
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
-from .._parsing.boxes import box_extents
 from .discover import check_not_broken_link
 from .megatron_folder import is_torch_dist
-from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpickle
-from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
-from .._parsing.torch_zip import TorchZip
 from .reader import Reader, ReaderOption
 
 NAME = "dcp"
 DESCRIPTION = ".metadata + __{r}_{i}.distcp: torch.distributed.checkpoint folders"
-_METADATA_CLASSES = frozenset({
-    *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    # Megatron-Core's planner keeps every rank's save plan in .metadata (all_local_plans); not read
-    *(f"torch.distributed.checkpoint.planner.{name}" for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
-    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
-})
+_METADATA_CLASSES = frozenset(
+    {
+        *(
+            f"torch.distributed.checkpoint.metadata.{name}"
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "BytesStorageMetadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        # Megatron-Core's planner keeps every rank's save plan in .metadata (all_local_plans); not read
+        *(
+            f"torch.distributed.checkpoint.planner.{name}"
+            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+        ),
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+    }
+)
 _MODEL_PREFIXES = ("model", "module", "state_dict")
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
 def matches(folder: str) -> bool:
     # a Megatron-Core torch_dist folder is a DCP folder too; readers.megatron reads it under its own names
-    return (os.path.isfile(os.path.join(folder, ".metadata")) and bool(glob.glob(os.path.join(folder, "*.distcp")))
-            and not is_torch_dist(folder))
+    return (
+        os.path.isfile(os.path.join(folder, ".metadata"))
+        and bool(glob.glob(os.path.join(folder, "*.distcp")))
+        and not is_torch_dist(folder)
+    )
 
 
 @dataclass(frozen=True)
@@ -83,21 +104,30 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     archives = _archives(folder, metadata, names, headers)  # where every chunk is, checked, before any file is read
     tensors = []
     for flat_name, name in names.items():
-        tensors.append(_plan_tensor(folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers,
-                                    archives))
+        tensors.append(
+            _plan_tensor(
+                folder, flat_name, name, metadata.tensors[flat_name], metadata.storage, sources, headers, archives
+            )
+        )
     skipped = [k for k in metadata.entries if k not in names]
     plan = MergePlan(NAME, len(_ranks(metadata.referenced)) or 1, sources, tensors)
     nested = any(len(path) > 1 for path in metadata.paths.values())
     if prefix is None and nested and all(len(metadata.paths[k]) == 1 for k in names):
         parts = list(dict.fromkeys(metadata.tops[k] for k in skipped))
-        plan = plan.noted(f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
-                          f"it); not merged: {', '.join(parts)} (--prefix picks a nested part instead)")
+        plan = plan.noted(
+            f"the model: the {len(names)} tensors at the top level of the state dict (as torchtitan saves "
+            f"it); not merged: {', '.join(parts)} (--prefix picks a nested part instead)"
+        )
     if skipped:
-        plan = plan.noted(f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
+        plan = plan.noted(
+            f"not merged: {len(skipped)} other entries ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})"
+        )
     stale = sorted(f for f in os.listdir(folder) if f.endswith(".distcp") and f not in metadata.referenced)
     if stale:  # a leftover of an earlier save into the folder: not part of this checkpoint
-        plan = plan.noted(f"not read: {len(stale)} .distcp files that .metadata does not reference "
-                          f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones")
+        plan = plan.noted(
+            f"not read: {len(stale)} .distcp files that .metadata does not reference "
+            f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones"
+        )
     hf = os.path.join(folder, "huggingface")
     plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     return plan
@@ -128,8 +158,10 @@ def _parse(metadata: Record, folder: str) -> _Metadata:
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
         # .metadata is a pickle: any object can sit where torch writes a list of ints or a record.
         # The parser checks what torch always writes; this catches what slips past it, and only here.
-        raise BadInput(f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
-                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
+        raise BadInput(
+            f"{folder}/.metadata: does not have the structure torch.distributed.checkpoint writes "
+            f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged"
+        ) from None
 
 
 def _parse_structure(metadata: Record, where: str) -> _Metadata:
@@ -145,7 +177,9 @@ def _parse_structure(metadata: Record, where: str) -> _Metadata:
     for flat_name in tensors:
         path = planner_data.get(flat_name, (flat_name,))
         if not isinstance(path, (tuple, list)) or not all(isinstance(part, (str, int)) for part in path):
-            raise BadInput(f"{where}: the planner_data path of {flat_name} is {reprlib.repr(path)}, not a list of keys; the file is damaged")
+            raise BadInput(
+                f"{where}: the planner_data path of {flat_name} is {reprlib.repr(path)}, not a list of keys; the file is damaged"
+            )
         paths[flat_name] = tuple(path)
     storage = _storage_index(metadata, where)
     referenced = frozenset(str(info.args[0] if info.args else info.get("relative_path")) for info in storage.values())
@@ -171,14 +205,18 @@ def _tensor_entry(flat_name: str, entry: Record, where: str) -> _Entry:
         raise BadInput(f"{where}: {flat_name} has shape {reprlib.repr(size)}, not a list of whole numbers")
     chunks = entry.get("chunks") or ()
     if not isinstance(chunks, (list, tuple)):
-        raise BadInput(f"{where}: the chunks of {flat_name} are a {type(chunks).__name__}, not a list; the file is damaged")
+        raise BadInput(
+            f"{where}: the chunks of {flat_name} are a {type(chunks).__name__}, not a list; the file is damaged"
+        )
     boxes = []
     for chunk in chunks:
         raw = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, Record) else (None, None)
         offsets, sizes = as_dims(raw[0]), as_dims(raw[1])
         if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape):
-            raise BadInput(f"{where}: a chunk of {flat_name} has offsets {reprlib.repr(raw[0])} and sizes "
-                           f"{reprlib.repr(raw[1])}, which do not fit its shape {list(shape)}")
+            raise BadInput(
+                f"{where}: a chunk of {flat_name} has offsets {reprlib.repr(raw[0])} and sizes "
+                f"{reprlib.repr(raw[1])}, which do not fit its shape {list(shape)}"
+            )
         boxes.append((offsets, sizes))
     return _Entry(shape, _dtype(entry.get("properties")), boxes)
 
@@ -192,7 +230,9 @@ def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, .
         fqn, offset = key.args[:2] if len(key.args) >= 2 else (key.get("fqn"), key.get("offset"))
         offsets = as_dims(offset if offset is not None else ())
         if not isinstance(fqn, str) or offsets is None:
-            raise BadInput(f"{where}: a storage key names {reprlib.repr(fqn)} at {reprlib.repr(offset)}; the file is damaged")
+            raise BadInput(
+                f"{where}: a storage key names {reprlib.repr(fqn)} at {reprlib.repr(offset)}; the file is damaged"
+            )
         if not isinstance(info, Record):
             raise BadInput(f"{where}: storage entry of {fqn} is not a file range")
         index[(fqn, offsets)] = info
@@ -212,11 +252,17 @@ def _model_names(paths: dict[str, tuple], prefix: str | None, folder: str) -> di
             # `optimizer`, `lr_scheduler`, `dataloader` and `train_state`
             return top_level
         if len(candidates) != 1:
-            raise BadInput(f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with {option('prefix')}")
+            raise BadInput(
+                f"{folder}: the checkpoint nests {sorted(map(str, tops))}; choose the model part with {option('prefix')}"
+            )
         prefix = candidates[0]
-    chosen = {k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix}
+    chosen = {
+        k: ".".join(str(part) for part in path[1:]) for k, path in paths.items() if len(path) > 1 and path[0] == prefix
+    }
     if not chosen:
-        raise BadInput(f"{folder}: no tensors under {option('prefix', prefix)} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})")
+        raise BadInput(
+            f"{folder}: no tensors under {option('prefix', prefix)} (the checkpoint holds {sorted(map(str, tops)) or 'a flat state dict'})"
+        )
     return chosen
 
 
@@ -255,9 +301,15 @@ def read_chunks(folder: str) -> ChunkedFolder:
     sources: list[SourceBuffer] = []
     headers: dict[str, SafetensorsHeader | None] = {}
     archives = _archives(folder, metadata, metadata.tensors, headers)
-    tensors = {name: ChunkedTensor(name, entry.shape, entry.dtype,
-                                   tuple(_chunks(folder, name, entry, metadata.storage, sources, headers, archives)))
-               for name, entry in metadata.tensors.items()}
+    tensors = {
+        name: ChunkedTensor(
+            name,
+            entry.shape,
+            entry.dtype,
+            tuple(_chunks(folder, name, entry, metadata.storage, sources, headers, archives)),
+        )
+        for name, entry in metadata.tensors.items()
+    }
     others = [k for k in metadata.entries if k not in metadata.tensors]
     return ChunkedFolder(tensors, others, sources, len(_ranks(metadata.referenced)) or 1)
 
@@ -274,8 +326,9 @@ def _archives(folder: str, metadata, names, headers) -> _Chunks:
     return archives
 
 
-def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers,
-            archives: _Chunks) -> list[Chunk]:
+def _chunks(
+    folder, flat_name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers, archives: _Chunks
+) -> list[Chunk]:
     if entry.dtype not in DTYPES:
         raise BadInput(f"{folder}/.metadata: {flat_name} has dtype {entry.dtype}, which is not supported")
     chunks = []
@@ -288,14 +341,17 @@ def _chunks(folder, flat_name: str, entry: _Entry, storage, sources: list[Source
     return chunks
 
 
-def _plan_tensor(folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers,
-                 archives: _Chunks) -> TensorPlan:
+def _plan_tensor(
+    folder, flat_name: str, name: str, entry: _Entry, storage, sources: list[SourceBuffer], headers, archives: _Chunks
+) -> TensorPlan:
     shape, dtype = entry.shape, entry.dtype
     extents = []
     for chunk in _chunks(folder, flat_name, entry, storage, sources, headers, archives):
         extents += box_extents(chunk.source, chunk.element_offset, shape, chunk.offsets, chunk.sizes)
     if sum(e.numel for e in extents) != prod(shape):
-        raise BadInput(f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
+        raise BadInput(
+            f"{folder}: the chunks of {flat_name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements"
+        )
     return TensorPlan(name, shape, dtype, dtype, extents)
 
 
@@ -311,18 +367,25 @@ def _dtype(properties) -> str:
 
 def _file_range(folder, flat_name, info: Record) -> tuple[str, int, int]:
     """(path, offset, length) of one chunk's bytes, as .metadata places them, checked."""
-    relative, offset, length = (info.args[:3] if len(info.args) >= 3
-                                else (info.get("relative_path"), info.get("offset"), info.get("length")))
+    relative, offset, length = (
+        info.args[:3] if len(info.args) >= 3 else (info.get("relative_path"), info.get("offset"), info.get("length"))
+    )
     if info.get("transform_descriptors"):
-        raise BadInput(f"{folder}: {flat_name} was saved with transforms {reprlib.repr(info.get('transform_descriptors'))}; "
-                       "not supported yet")
+        raise BadInput(
+            f"{folder}: {flat_name} was saved with transforms {reprlib.repr(info.get('transform_descriptors'))}; "
+            "not supported yet"
+        )
     if not isinstance(relative, str) or not is_count(offset) or not is_count(length):
         # (reprlib: a pickle can nest a value deeper than repr can walk)
-        raise BadInput(f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}")
+        raise BadInput(
+            f"{folder}/.metadata: the file range of {flat_name} is {', '.join(map(reprlib.repr, (relative, offset, length)))}"
+        )
     path = _inside(folder, relative)
     if path is None:
         # else a crafted .metadata could copy any readable file (a key, a password file) into the output
-        raise UnsafeCheckpoint(f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused")
+        raise UnsafeCheckpoint(
+            f"{folder}/.metadata: places {flat_name} in {relative!r}, outside the checkpoint folder; refused"
+        )
     return path, int(offset), int(length)
 
 
@@ -343,7 +406,9 @@ class _Chunks:
     def __init__(self, folder: str):
         self.folder = folder
         self.files: dict[str, dict[tuple[int, int], str]] = {}  # path -> {(offset, length): a tensor it holds}
-        self.read: dict[tuple[str, int, int], tuple] = {}  # (path, offset, length) -> (TensorRef, byte offset, byte length, where)
+        self.read: dict[
+            tuple[str, int, int], tuple
+        ] = {}  # (path, offset, length) -> (TensorRef, byte offset, byte length, where)
 
     def place(self, flat_name: str, info: Record, headers) -> None:
         path, offset, length = _file_range(self.folder, flat_name, info)
@@ -367,7 +432,9 @@ class _Chunks:
                     if tensor is None:
                         tensor = pickles[data] = safe_unpickle(data, archive.where)
                     if not isinstance(tensor, TensorRef):
-                        raise BadInput(f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}")
+                        raise BadInput(
+                            f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}"
+                        )
                     byte_offset, byte_length = archive.storage_span(tensor.storage.key)
                     self.read[(path, offset, length)] = (tensor, byte_offset, byte_length, archive.where)
 
@@ -386,32 +453,42 @@ def _opened(path: str):
         os.close(fd)
 
 
-def _chunk_source(folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers,
-                  chunks: _Chunks) -> tuple[int, int]:
+def _chunk_source(
+    folder, flat_name, info: Record, dtype: str, sizes, sources: list[SourceBuffer], headers, chunks: _Chunks
+) -> tuple[int, int]:
     """The source buffer holding one chunk's elements (in place in the .distcp file) and its element offset."""
     path, offset, length = _file_range(folder, flat_name, info)
     if headers[path] is not None:  # every chunk was placed (and its file read) before the tensors are planned
         return _safetensors_chunk(headers[path], flat_name, dtype, sizes, sources), 0
     tensor, byte_offset, byte_length, where = chunks.read[(path, offset, length)]
     if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes) or not tensor.is_contiguous():
-        raise BadInput(f"{where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, "
-                       f".metadata says {dtype}{list(sizes)}")
+        raise BadInput(
+            f"{where}: chunk of {flat_name} is {tensor.dtype}{list(tensor.shape)}, .metadata says {dtype}{list(sizes)}"
+        )
     if (tensor.offset + prod(sizes)) * itemsize(dtype) > byte_length:
         raise BadInput(f"{path}: the chunk of {flat_name} runs past its storage; the file is corrupt")
     sources.append(SourceBuffer(path, byte_offset, byte_length, dtype))
     return len(sources) - 1, tensor.offset
 
 
-def _safetensors_chunk(header: SafetensorsHeader, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]) -> int:
+def _safetensors_chunk(
+    header: SafetensorsHeader, flat_name: str, dtype: str, sizes, sources: list[SourceBuffer]
+) -> int:
     if flat_name not in header.entries:
         raise BadInput(f"{header.path}: holds no tensor {flat_name}, which .metadata places there")
     stored = stored_tensor(header, flat_name)
     if stored.dtype != dtype or stored.shape != tuple(sizes):
-        raise BadInput(f"{header.path}: {flat_name} is {stored.dtype}{list(stored.shape)}, .metadata says {dtype}{list(sizes)}")
+        raise BadInput(
+            f"{header.path}: {flat_name} is {stored.dtype}{list(stored.shape)}, .metadata says {dtype}{list(sizes)}"
+        )
     sources.append(SourceBuffer(header.path, stored.byte_offset, stored.nbytes, dtype))
     return len(sources) - 1
 
 
-READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, options=(
-    ReaderOption("prefix", "the part of a nested state dict that is the model (default: found)"),
-))
+READER = Reader(
+    NAME,
+    DESCRIPTION,
+    sniff=matches,
+    read=read,
+    options=(ReaderOption("prefix", "the part of a nested state dict that is the model (default: found)"),),
+)

@@ -12,6 +12,7 @@ So a checkpoint missing its last shard file (all of the last rank's chunks) leav
 the numbering and merges into a smaller model; the model's config.json, when present, catches
 that: the embeddings' inferred shapes must reach its vocab_size and hidden size.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,11 @@ import os
 import re
 from math import prod
 
+from .._parsing.boxes import box_extents, first_overlap
+from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from ..configs import load_config
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
-from .._parsing.boxes import box_extents, first_overlap
-from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .reader import Reader
 
 NAME = "dcp-hf"
@@ -49,7 +50,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         for name, offsets in _saved_offsets(header).items():
             stored = stored_tensor(header, name)
             if len(offsets) != len(stored.shape):
-                raise BadInput(f"{path}: {_SHARDING_KEY} places {name} at {offsets}, which does not fit its shape {list(stored.shape)}")
+                raise BadInput(
+                    f"{path}: {_SHARDING_KEY} places {name} at {offsets}, which does not fit its shape {list(stored.shape)}"
+                )
             sources.append(SourceBuffer(path, stored.byte_offset, stored.nbytes, stored.dtype))
             chunks.setdefault(name, []).append((tuple(offsets), stored.shape, len(sources) - 1))
     tensors = [_plan_tensor(folder, name, pieces, sources) for name, pieces in chunks.items()]
@@ -57,10 +60,15 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     hf = os.path.join(folder, "huggingface")
     plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
     checked = _check_against_config(folder, tensors, config or plan.config_dir)
-    plan = plan.noted(f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
-                      "none), so a missing last shard file cannot be detected from them" +
-                      (f"; the embeddings' shapes agree with {checked}" if checked else
-                       f"; no config.json to check the embeddings' shapes against (give one with {option('config')})"))
+    plan = plan.noted(
+        f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "
+        "none), so a missing last shard file cannot be detected from them"
+        + (
+            f"; the embeddings' shapes agree with {checked}"
+            if checked
+            else f"; no config.json to check the embeddings' shapes against (give one with {option('config')})"
+        )
+    )
     return plan
 
 
@@ -71,15 +79,24 @@ def _check_against_config(folder: str, tensors: list[TensorPlan], config_dir: st
         return None
     config = load_config(path)
     vocab = config.get("vocab_size")
-    width = next((config[k] for k in ("embedding_size", "hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), None)
+    width = next(
+        (config[k] for k in ("embedding_size", "hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)),
+        None,
+    )
     if not isinstance(vocab, int) or width is None:
         return None
     for tensor in tensors:
         # Only smaller is a lost shard; larger (a padded vocabulary) is the model's own business.
-        if _EMBEDDING.search(tensor.name) and len(tensor.shape) == 2 and (tensor.shape[0] < vocab or tensor.shape[1] < width):
-            raise BadInput(f"{folder}: {tensor.name} is {list(tensor.shape)} by its chunks' offsets but {path} gives vocab_size "
-                           f"{vocab} and width {width}: a shard file is missing (the last one leaves no gap in the numbering) "
-                           "or config.json is another model's")
+        if (
+            _EMBEDDING.search(tensor.name)
+            and len(tensor.shape) == 2
+            and (tensor.shape[0] < vocab or tensor.shape[1] < width)
+        ):
+            raise BadInput(
+                f"{folder}: {tensor.name} is {list(tensor.shape)} by its chunks' offsets but {path} gives vocab_size "
+                f"{vocab} and width {width}: a shard file is missing (the last one leaves no gap in the numbering) "
+                "or config.json is another model's"
+            )
     return path
 
 
@@ -104,15 +121,22 @@ def _check_numbering(folder: str, files: list[str]) -> int:
         return 0
     totals = {n for _, _, n in numbers}
     if len(totals) > 1:
-        raise BadInput(f"{folder}: the shard files disagree on the number of model files ({sorted(totals)}); "
-                       "they come from different checkpoints")
+        raise BadInput(
+            f"{folder}: the shard files disagree on the number of model files ({sorted(totals)}); "
+            "they come from different checkpoints"
+        )
     (total,) = totals
-    for kind, present, last in (("shard", {s for s, _, _ in numbers}, max(s for s, _, _ in numbers)),
-                                ("model", {m for _, m, _ in numbers}, total)):
+    for kind, present, last in (
+        ("shard", {s for s, _, _ in numbers}, max(s for s, _, _ in numbers)),
+        ("model", {m for _, m, _ in numbers}, total),
+    ):
         missing = [i for i in range(1, last + 1) if i not in present]
         if missing:
-            pattern = (f"shard-{missing[0]:05d}-model-*-of-{total:05d}.safetensors" if kind == "shard"
-                       else f"shard-*-model-{missing[0]:05d}-of-{total:05d}.safetensors")
+            pattern = (
+                f"shard-{missing[0]:05d}-model-*-of-{total:05d}.safetensors"
+                if kind == "shard"
+                else f"shard-*-model-{missing[0]:05d}-of-{total:05d}.safetensors"
+            )
             raise BadInput(f"{os.path.join(folder, pattern)} is missing: the files are numbered up to {kind} {last}")
     return len({s for s, _, _ in numbers})
 
@@ -122,8 +146,10 @@ def _saved_offsets(header: SafetensorsHeader) -> dict[str, list[int]]:
     path = header.path
     text = header.metadata.get(_SHARDING_KEY)
     if text is None:
-        raise BadInput(f"{path}: no {_SHARDING_KEY} in its header, so it was not written by HuggingFaceStorageWriter; "
-                       "move it out of the checkpoint folder")
+        raise BadInput(
+            f"{path}: no {_SHARDING_KEY} in its header, so it was not written by HuggingFaceStorageWriter; "
+            "move it out of the checkpoint folder"
+        )
     try:
         info = json.loads(text)
     except (TypeError, ValueError):
@@ -143,20 +169,26 @@ def _plan_tensor(folder: str, name: str, pieces, sources: list[SourceBuffer]) ->
     dtypes = {sources[source].dtype for _, _, source in pieces}
     ranks = {len(sizes) for _, sizes, _ in pieces}
     if len(dtypes) > 1 or len(ranks) > 1:
-        raise BadInput(f"{folder}: the chunks of {name} disagree on dtype or number of dimensions "
-                       f"({sorted(dtypes)}, {sorted(ranks)}); the files come from different checkpoints")
+        raise BadInput(
+            f"{folder}: the chunks of {name} disagree on dtype or number of dimensions "
+            f"({sorted(dtypes)}, {sorted(ranks)}); the files come from different checkpoints"
+        )
     sized = [piece for piece in pieces if prod(piece[1])] or pieces  # where an empty chunk claims to start is no size
     shape = tuple(max(o[d] + s[d] for o, s, _ in sized) for d in range(ranks.pop()))
     overlap = first_overlap([(offsets, sizes) for offsets, sizes, _ in pieces])
     if overlap is not None:
         first, second = (pieces[i] for i in overlap)
-        raise BadInput(f"{sources[second[2]].path}: its chunk of {name} at {list(second[0])} overlaps the one at "
-                       f"{list(first[0])} in {os.path.basename(sources[first[2]].path)}; the offsets are wrong")
+        raise BadInput(
+            f"{sources[second[2]].path}: its chunk of {name} at {list(second[0])} overlaps the one at "
+            f"{list(first[0])} in {os.path.basename(sources[first[2]].path)}; the offsets are wrong"
+        )
     extents = [e for offsets, sizes, source in pieces for e in box_extents(source, 0, shape, offsets, sizes)]
     covered = sum(e.numel for e in extents)
     if covered != prod(shape):
-        raise BadInput(f"{folder}: the chunks of {name} cover {covered} of the {prod(shape)} elements of its shape "
-                       f"{list(shape)}; a shard file is missing or its offsets are wrong")
+        raise BadInput(
+            f"{folder}: the chunks of {name} cover {covered} of the {prod(shape)} elements of its shape "
+            f"{list(shape)}; a shard file is missing or its offsets are wrong"
+        )
     dtype = dtypes.pop()
     return TensorPlan(name, shape, dtype, dtype, extents)
 

@@ -9,6 +9,7 @@
 The optimizer pickles name a few DeepSpeed classes (the loss scaler, the ZeRO stage enum, fragment
 addresses); they become inert records, so DeepSpeed is never imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,17 +17,19 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadInput, option
-from .discover import complete_ranks
 from .._parsing.safe_load import Record, TensorRef, is_count, safe_unpickle
 from .._parsing.torch_zip import TorchZip
+from ..errors import BadInput, option
+from .discover import complete_ranks
 
-DEEPSPEED_RECORDS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
+DEEPSPEED_RECORDS = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 
@@ -40,7 +43,9 @@ def is_tag_folder(folder: str) -> bool:
 
 
 def tags_in(root: str) -> list[str]:
-    return sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)) and is_tag_folder(os.path.join(root, e)))
+    return sorted(
+        e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)) and is_tag_folder(os.path.join(root, e))
+    )
 
 
 def resolve_tag(folder: str, tag: str | None) -> tuple[str, str, str]:
@@ -48,8 +53,10 @@ def resolve_tag(folder: str, tag: str | None) -> tuple[str, str, str]:
     if is_tag_folder(folder):
         name = os.path.basename(os.path.normpath(folder))
         if tag is not None and tag != name:
-            raise BadInput(f"{folder} is the checkpoint of tag {name!r}; {option('tag', tag)} picks a tag in a checkpoint root "
-                           f"(the folder holding `latest`): give {os.path.dirname(os.path.normpath(folder)) or '.'}")
+            raise BadInput(
+                f"{folder} is the checkpoint of tag {name!r}; {option('tag', tag)} picks a tag in a checkpoint root "
+                f"(the folder holding `latest`): give {os.path.dirname(os.path.normpath(folder)) or '.'}"
+            )
         return folder, name, "the folder given"
     tags = tags_in(folder)
     present = f"tags present: {', '.join(tags)}" if tags else "no tag folder holds DeepSpeed files"
@@ -63,12 +70,16 @@ def resolve_tag(folder: str, tag: str | None) -> tuple[str, str, str]:
             named = f.read().strip()
         if named not in tags:
             what = "holds no DeepSpeed files" if os.path.isdir(os.path.join(folder, named)) else "is missing"
-            raise BadInput(f"{latest} names tag {named!r} but {os.path.join(folder, named)} {what} ({present}); choose one with {option('tag')}")
+            raise BadInput(
+                f"{latest} names tag {named!r} but {os.path.join(folder, named)} {what} ({present}); choose one with {option('tag')}"
+            )
         return os.path.join(folder, named), named, "named by `latest`"
     if len(tags) == 1:
         return os.path.join(folder, tags[0]), tags[0], "the only tag; there is no `latest` file"
     if not tags:
-        raise BadInput(f"{folder}: no DeepSpeed checkpoint here (no `latest` file and no folder with *_model_states.pt files)")
+        raise BadInput(
+            f"{folder}: no DeepSpeed checkpoint here (no `latest` file and no folder with *_model_states.pt files)"
+        )
     raise BadInput(f"{folder}: no `latest` file and several tags ({', '.join(tags)}); choose one with {option('tag')}")
 
 
@@ -83,9 +94,13 @@ class RankFiles:
 
 def read_rank_files(tag_dir: str) -> RankFiles:
     entries = sorted(os.listdir(tag_dir))
-    unsupported = [e for e in entries if e.endswith(".pt") and (e.startswith(("expp_rank_", "layer_")) or "expert" in e)]
+    unsupported = [
+        e for e in entries if e.endswith(".pt") and (e.startswith(("expp_rank_", "layer_")) or "expert" in e)
+    ]
     if unsupported:
-        raise BadInput(f"{os.path.join(tag_dir, unsupported[0])}: MoE / pipeline-parallel DeepSpeed checkpoints are not supported")
+        raise BadInput(
+            f"{os.path.join(tag_dir, unsupported[0])}: MoE / pipeline-parallel DeepSpeed checkpoints are not supported"
+        )
     optim, prefixes, mp_ranks = {}, set(), set()
     for entry in entries:
         if match := _OPTIM.fullmatch(entry):
@@ -95,23 +110,33 @@ def read_rank_files(tag_dir: str) -> RankFiles:
         elif match := _MODEL.fullmatch(entry):
             mp_ranks.add(int(match.group(2)))
     if mp_ranks - {0}:
-        raise BadInput(f"{tag_dir}: holds model-parallel ranks (mp_rank_{max(mp_ranks):02d}); only data-parallel ZeRO checkpoints (mp_rank_00) are supported")
+        raise BadInput(
+            f"{tag_dir}: holds model-parallel ranks (mp_rank_{max(mp_ranks):02d}); only data-parallel ZeRO checkpoints (mp_rank_00) are supported"
+        )
     if len(prefixes) > 1:
-        raise BadInput(f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files; remove the stale ones")
+        raise BadInput(
+            f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files; remove the stale ones"
+        )
     if not optim:
-        raise BadInput(f"{tag_dir}: no *_optim_states.pt files; fsdpfast reads ZeRO stage 1-3 checkpoints, whose fp32 master weights live there")
+        raise BadInput(
+            f"{tag_dir}: no *_optim_states.pt files; fsdpfast reads ZeRO stage 1-3 checkpoints, whose fp32 master weights live there"
+        )
     prefix = prefixes.pop()
     first = min(optim)
     if first != 0:
-        raise BadInput(f"{os.path.join(tag_dir, _optim_name(prefix, 0))} is missing: every rank's optimizer file is needed")
+        raise BadInput(
+            f"{os.path.join(tag_dir, _optim_name(prefix, 0))} is missing: every rank's optimizer file is needed"
+        )
     state0 = _optimizer_state(optim[0])
     stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0])
     ordered = complete_ranks(tag_dir, optim, world, lambda r: _optim_name(prefix, r))
     states = [(optim[0], state0)] + [(path, _optimizer_state(path)) for _, path in ordered[1:]]
     for path, state in states[1:]:
         if _stage(state, path) != stage or _partition_count(state, path) != world:
-            raise BadInput(f"{path}: ZeRO stage {_stage(state, path)} over {_partition_count(state, path)} ranks, but "
-                           f"{optim[0]} says stage {stage} over {world}; the files come from different runs")
+            raise BadInput(
+                f"{path}: ZeRO stage {_stage(state, path)} over {_partition_count(state, path)} ranks, but "
+                f"{optim[0]} says stage {stage} over {world}; the files come from different runs"
+            )
     if stage == 3:
         names = {r: os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)}
         present = {r: p for r, p in names.items() if os.path.isfile(p)}
@@ -119,7 +144,9 @@ def read_rank_files(tag_dir: str) -> RankFiles:
     else:
         model_paths = [os.path.join(tag_dir, "mp_rank_00_model_states.pt")]
         if not os.path.isfile(model_paths[0]):
-            raise BadInput(f"{model_paths[0]} is missing: a ZeRO stage {stage} checkpoint keeps the model's shapes and buffers there")
+            raise BadInput(
+                f"{model_paths[0]} is missing: a ZeRO stage {stage} checkpoint keeps the model's shapes and buffers there"
+            )
     model = [(path, _model_state(path)) for path in model_paths]
     return RankFiles(world, stage, prefix == "bf16_", states, model)
 
@@ -143,7 +170,11 @@ def _optimizer_state(path: str) -> dict:
 
 def _model_state(path: str) -> dict:
     whole = load_pickle(path)
-    if not isinstance(whole, dict) or not isinstance(whole.get("module"), dict) or not isinstance(whole.get("param_shapes"), list):
+    if (
+        not isinstance(whole, dict)
+        or not isinstance(whole.get("module"), dict)
+        or not isinstance(whole.get("param_shapes"), list)
+    ):
         raise BadInput(f"{path}: not a DeepSpeed ZeRO model-states file (no module state dict and param_shapes)")
     return whole
 
@@ -163,7 +194,9 @@ def _partition_count(state: dict, path: str) -> int:
     if not counts or not all(is_count(c) and c >= 1 for c in counts):
         raise BadInput(f"{path}: partition_count {count!r} is not a rank count; the file is corrupt")
     if len(set(counts)) != 1:
-        raise BadInput(f"{path}: parameter groups partitioned over different rank counts {sorted(set(counts))} (MoE); not supported")
+        raise BadInput(
+            f"{path}: parameter groups partitioned over different rank counts {sorted(set(counts))} (MoE); not supported"
+        )
     return counts[0]
 
 

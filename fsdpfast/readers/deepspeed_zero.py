@@ -11,18 +11,19 @@ Frozen parameters come from the model-states files (stage 2: whole, stage 3: per
 out like trained ones; stage 1 saves none, so they are read whole from the module state dict),
 buffers from the module state dict, and `shared_params` names become aliases of what they share.
 """
+
 from __future__ import annotations
 
 import os
 from math import prod
 
+from .._parsing.flat_runs import FlatRuns
+from .._parsing.safe_load import TensorRef, as_dims, is_count
 from ..errors import BadInput, option
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
-from .._parsing.flat_runs import FlatRuns
-from .._parsing.safe_load import TensorRef, as_dims, is_count
-from .storage_sources import StorageSources
 from .reader import Reader, ReaderOption
+from .storage_sources import StorageSources
 
 NAME = "deepspeed-zero"
 DESCRIPTION = "latest + global_stepN/ with *_model_states.pt and *_optim_states.pt: DeepSpeed ZeRO stage 1/2/3"
@@ -57,25 +58,37 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
     finally:
         sources.close()
     planned = {**trained, **frozen, **buffers}
-    order = [str(name) for name in model["module"] if name in planned] + [n for n in planned if n not in model["module"]]
+    order = [str(name) for name in model["module"] if name in planned] + [
+        n for n in planned if n not in model["module"]
+    ]
     tensors = [planned[name] for name in order]
-    notes = [f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
-             f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"]
+    notes = [
+        f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
+        f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"
+    ]
     tensors += _aliases(shared, planned, notes, excluded)
-    leftover = [str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared and str(n) not in excluded]
-    notes.append(f"{len(trained)} trained parameters: the fp32 master weights from the *_optim_states.pt files "
-                 "(their Adam moments are never read)")
+    leftover = [
+        str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared and str(n) not in excluded
+    ]
+    notes.append(
+        f"{len(trained)} trained parameters: the fp32 master weights from the *_optim_states.pt files "
+        "(their Adam moments are never read)"
+    )
     if frozen:
         notes.append(f"{len(frozen)} frozen parameters as the model held them ({_dtypes(frozen)}), {frozen_from}")
     if exclude_frozen:
-        notes.append(f"{len(excluded)} frozen parameters left out ({option('exclude_frozen', True)}), as DeepSpeed's "
-                     f"zero_to_fp32 --exclude_frozen_parameters does" + (f": {', '.join(list(excluded)[:3])}"
-                                                                          f"{', ...' if len(excluded) > 3 else ''}" if excluded else ""))
+        notes.append(
+            f"{len(excluded)} frozen parameters left out ({option('exclude_frozen', True)}), as DeepSpeed's "
+            f"zero_to_fp32 --exclude_frozen_parameters does"
+            + (f": {', '.join(list(excluded)[:3])}{', ...' if len(excluded) > 3 else ''}" if excluded else "")
+        )
     if buffers:
         notes.append(f"{len(buffers)} buffers as saved ({_dtypes(buffers)}), from {os.path.basename(model_path)}")
     if leftover:
-        notes.append(f"not merged: {len(leftover)} module entries with no saved data ({', '.join(leftover[:3])}"
-                     f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?")
+        notes.append(
+            f"not merged: {len(leftover)} module entries with no saved data ({', '.join(leftover[:3])}"
+            f"{', ...' if len(leftover) > 3 else ''}); frozen parameters excluded when saving?"
+        )
     plan = MergePlan(NAME, files.world, sources.buffers, tensors, notes)
     if exclude_frozen:  # missing from the output on purpose: the model-shape check allows them
         plan = plan.but(left_out=list(excluded))
@@ -141,7 +154,9 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
     shapes = _group_shapes(model, model_path)
     ranks = _rank_groups(files, "single_partition_of_fp32_groups", sources)
     if len(shapes) != len(ranks[0]):
-        raise BadInput(f"{model_path}: param_shapes lists {len(shapes)} groups but the optimizer files hold {len(ranks[0])}")
+        raise BadInput(
+            f"{model_path}: param_shapes lists {len(shapes)} groups but the optimizer files hold {len(ranks[0])}"
+        )
     dtype = _partition_dtype(files, "single_partition_of_fp32_groups")
     alignment = _alignment_paddings(files, shapes)
     out = {}
@@ -157,7 +172,11 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
             out[name] = TensorPlan(name, shape, dtype, dtype, flat.extents(offset, numel, 0))
             offset += numel + padding
         if offset != flat.numel:
-            raise _mismatch(files, model_path, f"its parameters of group {g} fill {offset} elements, the partitions hold {flat.numel}")
+            raise _mismatch(
+                files,
+                model_path,
+                f"its parameters of group {g} fill {offset} elements, the partitions hold {flat.numel}",
+            )
     return out
 
 
@@ -169,25 +188,31 @@ def _alignment_paddings(files: RankFiles, shapes: list[dict]) -> list[tuple[int,
         return [(0,) * len(group) for group in shapes]
     groups = [as_dims(paddings) for paddings in alignment] if isinstance(alignment, (list, tuple)) else None
     if groups is None or len(groups) != len(shapes) or any(p is None for p in groups):
-        raise BadInput(f"{path}: param_alignment_paddings is not one list of paddings per parameter group "
-                       f"({len(shapes)} groups); the file is corrupt")
+        raise BadInput(
+            f"{path}: param_alignment_paddings is not one list of paddings per parameter group "
+            f"({len(shapes)} groups); the file is corrupt"
+        )
     for g, (paddings, group) in enumerate(zip(groups, shapes)):
         if len(paddings) != len(group):
-            raise BadInput(f"{path}: {len(paddings)} alignment paddings for the {len(group)} parameters of group {g}; the file is corrupt")
+            raise BadInput(
+                f"{path}: {len(paddings)} alignment paddings for the {len(group)} parameters of group {g}; the file is corrupt"
+            )
     return groups
 
 
 def _check_partition_sizes(files: RankFiles, group: int, saved: list[int]) -> None:
     """Stage 1/2: every rank's partition is the same size once its end padding (stripped when saving) is counted."""
     full = []
-    for (path, state), length in zip(files.optim, saved):
+    for (_path, state), length in zip(files.optim, saved):
         paddings = state.get("group_paddings")
         padding = paddings[group] if isinstance(paddings, (list, tuple)) and len(paddings) > group else 0
         full.append(length + (padding if is_count(padding) else 0))
     if len(set(full)) != 1:
         rank = next(r for r, size in enumerate(full) if size != full[0])
-        raise BadInput(f"{files.optim[rank][0]}: its partition of group {group} holds {full[rank]} elements with padding, "
-                       f"rank 0's {full[0]}; partition sizes disagree, the files come from different runs or are corrupt")
+        raise BadInput(
+            f"{files.optim[rank][0]}: its partition of group {group} holds {full[rank]} elements with padding, "
+            f"rank 0's {full[0]}; partition sizes disagree, the files come from different runs or are corrupt"
+        )
 
 
 def _stage3_trained(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]:
@@ -201,8 +226,10 @@ def _stage3_trained(files: RankFiles, sources: StorageSources) -> dict[str, Tens
     ranks = [FlatRuns(pieces) for pieces in _rank_groups(files, "fp32_flat_groups", sources)]
     for rank, flat in enumerate(ranks):
         if flat.numel != ranks[0].numel:
-            raise BadInput(f"{files.optim[rank][0]}: holds {flat.numel} fp32 elements, rank 0 holds {ranks[0].numel}; "
-                           "partition sizes disagree, the files come from different runs or are corrupt")
+            raise BadInput(
+                f"{files.optim[rank][0]}: holds {flat.numel} fp32 elements, rank 0 holds {ranks[0].numel}; "
+                "partition sizes disagree, the files come from different runs or are corrupt"
+            )
     dtype = _partition_dtype(files, "fp32_flat_groups")
     out, offset = {}, 0
     for name, shape in shapes.items():
@@ -217,13 +244,19 @@ def _stage3_trained(files: RankFiles, sources: StorageSources) -> dict[str, Tens
         out[name] = TensorPlan(name, shape, dtype, dtype, extents)
         offset += piece
     if offset != ranks[0].numel:
-        raise _mismatch(files, model_path, f"its parameters fill {offset} elements of each rank's partition, which holds {ranks[0].numel}")
+        raise _mismatch(
+            files,
+            model_path,
+            f"its parameters fill {offset} elements of each rank's partition, which holds {ranks[0].numel}",
+        )
     return out
 
 
 def _mismatch(files: RankFiles, model_path: str, detail: str) -> BadInput:
-    return BadInput(f"{model_path}: param_shapes disagrees with the partitions in the optimizer files ({detail}); "
-                    "the files come from different runs or are corrupt")
+    return BadInput(
+        f"{model_path}: param_shapes disagrees with the partitions in the optimizer files ({detail}); "
+        "the files come from different runs or are corrupt"
+    )
 
 
 def _partition_dtype(files: RankFiles, key: str) -> str:
@@ -240,8 +273,9 @@ def _frozen(files: RankFiles, sources: StorageSources, trained: set[str]) -> tup
         shapes = {str(name): _shape(shape, model_path, name) for name, shape in shapes.items()}
         if files.stage == 3:
             return _stage3_frozen(files, sources, shapes), "from each rank's frozen_param_fragments"
-        return _whole_tensors(model_path, model.get("frozen_param_fragments"), shapes, sources, "frozen_param_fragments"), \
-            "from frozen_param_fragments"
+        return _whole_tensors(
+            model_path, model.get("frozen_param_fragments"), shapes, sources, "frozen_param_fragments"
+        ), "from frozen_param_fragments"
     if files.stage == 3:
         return {}, ""
     # Stage 1 saves no frozen fragments; the module state dict holds every parameter whole.
@@ -249,18 +283,24 @@ def _frozen(files: RankFiles, sources: StorageSources, trained: set[str]) -> tup
     module = model["module"]
     names = {str(n): tuple(t.shape) for n, t in module.items() if str(n) not in skip and isinstance(t, TensorRef)}
     found = _whole_tensors(model_path, module, names, sources, "module")
-    return found, (f"from the module state dict (stage {files.stage} saves no frozen fragments; "
-                   "DeepSpeed's zero_to_fp32 leaves them out)")
+    return found, (
+        f"from the module state dict (stage {files.stage} saves no frozen fragments; "
+        "DeepSpeed's zero_to_fp32 leaves them out)"
+    )
 
 
-def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], sources: StorageSources, what: str) -> dict[str, TensorPlan]:
+def _whole_tensors(
+    path: str, holder, shapes: dict[str, tuple[int, ...]], sources: StorageSources, what: str
+) -> dict[str, TensorPlan]:
     out = {}
     for name, shape in shapes.items():
         tensor = holder.get(name) if isinstance(holder, dict) else None
         if not isinstance(tensor, TensorRef):
             raise BadInput(f"{path}: {what} has no tensor for {name}; the file is corrupt")
         if prod(tensor.shape) != prod(shape) or not tensor.is_contiguous():
-            raise BadInput(f"{path}: {what}[{name}] is {list(tensor.shape)}, not the {list(shape)} recorded; the file is corrupt")
+            raise BadInput(
+                f"{path}: {what}[{name}] is {list(tensor.shape)}, not the {list(shape)} recorded; the file is corrupt"
+            )
         if tensor.offset + prod(shape) > tensor.storage.numel:
             raise BadInput(f"{path}: {name} reaches past the end of its storage; the file is corrupt")
         extents = [Extent(sources.index(path, tensor), tensor.offset, prod(shape), 0)] if prod(shape) else []
@@ -268,7 +308,9 @@ def _whole_tensors(path: str, holder, shapes: dict[str, tuple[int, ...]], source
     return out
 
 
-def _stage3_frozen(files: RankFiles, sources: StorageSources, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorPlan]:
+def _stage3_frozen(
+    files: RankFiles, sources: StorageSources, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, TensorPlan]:
     out = {}
     for name, shape in shapes.items():
         numel = prod(shape)
@@ -281,8 +323,10 @@ def _stage3_frozen(files: RankFiles, sources: StorageSources, shapes: dict[str, 
                 raise BadInput(f"{path}: frozen_param_fragments has no piece of {name}; the file is corrupt")
             tensor = flat_partition(tensor, path, f"the frozen piece of {name}")
             if tensor.shape[0] != piece:
-                raise BadInput(f"{path}: the frozen piece of {name} holds {tensor.shape[0]} elements; ceil({numel} / {files.world}) "
-                               f"is {piece}; partition sizes disagree, the files come from different runs or are corrupt")
+                raise BadInput(
+                    f"{path}: the frozen piece of {name} holds {tensor.shape[0]} elements; ceil({numel} / {files.world}) "
+                    f"is {piece}; partition sizes disagree, the files come from different runs or are corrupt"
+                )
             count = max(0, min(piece, numel - rank * piece))
             if count:
                 extents.append(Extent(sources.index(path, tensor), tensor.offset, count, rank * piece))
@@ -301,13 +345,16 @@ def _buffers(files: RankFiles, sources: StorageSources) -> dict[str, TensorPlan]
     shapes = {}
     for name in names:
         if not isinstance(module.get(name), TensorRef):
-            raise BadInput(f"{path}: buffer {name} is named in buffer_names but missing from the module state dict; the file is corrupt")
+            raise BadInput(
+                f"{path}: buffer {name} is named in buffer_names but missing from the module state dict; the file is corrupt"
+            )
         shapes[name] = tuple(module[name].shape)
     return _whole_tensors(path, module, shapes, sources, "module")
 
 
-def _aliases(shared: dict[str, str], planned: dict[str, TensorPlan], notes: list[str],
-             excluded: dict[str, TensorPlan]) -> list[TensorPlan]:
+def _aliases(
+    shared: dict[str, str], planned: dict[str, TensorPlan], notes: list[str], excluded: dict[str, TensorPlan]
+) -> list[TensorPlan]:
     """Each shared name reads its partner's bytes; prepare writes such names once and lists them as tied."""
     out = []
     for alias, owner in shared.items():
@@ -335,8 +382,18 @@ def _config_dir(tag_dir: str, folder: str) -> str | None:
     return None
 
 
-READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, options=(
-    ReaderOption("tag", "the checkpoint tag (default: the one `latest` names)"),
-    ReaderOption("exclude_frozen", "leave out frozen parameters (requires_grad False), as DeepSpeed's zero_to_fp32 "
-                 "--exclude_frozen_parameters does", kind="flag"),
-))
+READER = Reader(
+    NAME,
+    DESCRIPTION,
+    sniff=matches,
+    read=read,
+    options=(
+        ReaderOption("tag", "the checkpoint tag (default: the one `latest` names)"),
+        ReaderOption(
+            "exclude_frozen",
+            "leave out frozen parameters (requires_grad False), as DeepSpeed's zero_to_fp32 "
+            "--exclude_frozen_parameters does",
+            kind="flag",
+        ),
+    ),
+)

@@ -1,4 +1,5 @@
 """Find the numbered rank files of a per-rank layout and check none is missing."""
+
 from __future__ import annotations
 
 import errno
@@ -20,8 +21,9 @@ def rank_files(folder: str, pattern: re.Pattern) -> dict[int, dict[int, str]]:
             world, rank = (groups[0], groups[1]) if len(groups) == 2 else (0, groups[0])
             same = found.setdefault(world, {}).get(rank)
             if same is not None:  # rank_1 and rank_01: which one is the checkpoint's cannot be told
-                raise BadInput(f"{same} and {entry} both name rank {rank}; remove the one that does not belong "
-                               "to this checkpoint")
+                raise BadInput(
+                    f"{same} and {entry} both name rank {rank}; remove the one that does not belong to this checkpoint"
+                )
             found[world][rank] = os.path.join(folder, entry)
     return found
 
@@ -30,7 +32,9 @@ def complete_ranks(folder: str, ranks: dict[int, str], world: int, file_name) ->
     """Ranks 0..world-1 in order; an error naming the first missing file otherwise."""
     for rank in range(world):
         if rank not in ranks:
-            raise BadInput(f"{os.path.join(folder, file_name(rank))} is missing: a checkpoint of {world} ranks needs every rank's file")
+            raise BadInput(
+                f"{os.path.join(folder, file_name(rank))} is missing: a checkpoint of {world} ranks needs every rank's file"
+            )
     extra = sorted(r for r in ranks if r >= world)
     if extra:
         raise BadInput(f"{ranks[extra[0]]}: rank {extra[0]} is outside a world of {world} ranks")
@@ -45,5 +49,6 @@ def check_not_broken_link(path: str) -> None:
             problem = "cannot be followed"
         except OSError as exc:
             problem = "is part of a loop of links" if exc.errno == errno.ELOOP else "points to nothing"
-        raise BadInput(f"{path} is a symbolic link to {os.readlink(path)}, which {problem}; "
-                       "fix the link or copy the file there")
+        raise BadInput(
+            f"{path} is a symbolic link to {os.readlink(path)}, which {problem}; fix the link or copy the file there"
+        )

@@ -13,12 +13,13 @@ sits at the top level of the state dict; readers.dcp reads it as it is.
 accelerate and the Trainer save no config.json with sharded weights; the user or the Trainer puts
 one in the checkpoint folder or the folder above it (the run's output_dir), where it is looked for.
 """
+
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import BadInput
 from .megatron_folder import latest_iteration
@@ -49,26 +50,36 @@ def locate(folder: str, holds_layout: Callable[[str], bool]) -> ModelFolder:
     if iteration and holds_layout(iteration[0]):
         return ModelFolder(iteration[0], [iteration[1]])
     entries = _entries(folder)
-    models = sorted((int(m.group(1)), e) for e in entries
-                    if (m := _ACCELERATE_MODEL.fullmatch(e)) and os.path.isdir(os.path.join(folder, e)))
+    models = sorted(
+        (int(m.group(1)), e)
+        for e in entries
+        if (m := _ACCELERATE_MODEL.fullmatch(e)) and os.path.isdir(os.path.join(folder, e))
+    )
     models = [(i, e) for i, e in models if holds_layout(os.path.join(folder, e))]
     if len(models) > 1:
         shown = ", ".join(f"{e}/" for _, e in models[:_SHOWN])
-        raise BadInput(f"{folder}: an accelerate checkpoint of {len(models)} models ({shown}); merge one: "
-                       f"fsdpfast merge {os.path.join(folder, models[0][1])} --out OUT")
+        raise BadInput(
+            f"{folder}: an accelerate checkpoint of {len(models)} models ({shown}); merge one: "
+            f"fsdpfast merge {os.path.join(folder, models[0][1])} --out OUT"
+        )
     if models:
         chosen = models[0][1]
         others = [e for e in entries if e not in (chosen, "config.json", "huggingface") and not e.startswith(".")]
-        note = (f"accelerate / Trainer checkpoint: the model is {chosen}/" +
-                (f"; not merged: {_listed(folder, others)}" if others else ""))
+        note = f"accelerate / Trainer checkpoint: the model is {chosen}/" + (
+            f"; not merged: {_listed(folder, others)}" if others else ""
+        )
         path = os.path.join(folder, chosen)
         return ModelFolder(path, [note], _accelerate_config_dirs(path))
     roles = [r for r in _VERL_ROLES if r in entries and holds_layout(os.path.join(folder, r))]
     if len(roles) > 1:
-        raise BadInput(f"{folder}: a verl step folder: the rank files are in {' and '.join(f'{r}/' for r in roles)}; "
-                       f"merge one: fsdpfast merge {os.path.join(folder, roles[0])} --out OUT")
+        raise BadInput(
+            f"{folder}: a verl step folder: the rank files are in {' and '.join(f'{r}/' for r in roles)}; "
+            f"merge one: fsdpfast merge {os.path.join(folder, roles[0])} --out OUT"
+        )
     if roles:
-        return ModelFolder(os.path.join(folder, roles[0]), [f"verl step folder: the rank files are in {roles[0]}/; merged those"])
+        return ModelFolder(
+            os.path.join(folder, roles[0]), [f"verl step folder: the rank files are in {roles[0]}/; merged those"]
+        )
     return ModelFolder(folder)
 
 
@@ -92,8 +103,12 @@ def config_dir(model: ModelFolder) -> tuple[str | None, str | None]:
     for candidate in model.config_dirs:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             outside = candidate not in own
-            return candidate, (f"config.json from {candidate}, outside the model's folder (accelerate saves none with "
-                               "sharded weights; --config picks another)" if outside else None)
+            return candidate, (
+                f"config.json from {candidate}, outside the model's folder (accelerate saves none with "
+                "sharded weights; --config picks another)"
+                if outside
+                else None
+            )
     return None, None
 
 

@@ -14,6 +14,7 @@ The units and every size are checked against what the files record; the order of
 parameters cannot be (it is the model class's registration order), so it is reported (plan
 notes, `inspect`, the manifest's layout_options) with the transformers version it came from.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,22 +23,27 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from .._parsing.flat_runs import FlatRuns
+from .._parsing.safe_load import Record, ShardedTensorRef, TensorRef, as_dims, safe_unpickle
+from .._parsing.torch_zip import TorchZip
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, TensorPlan
 from .discover import complete_ranks
-from .._parsing.flat_runs import FlatRuns
 from .placements import chunk_span
 from .rank_files import RankState, load_rank_states, plan_replicated
-from .._parsing.safe_load import Record, ShardedTensorRef, TensorRef, as_dims, safe_unpickle
-from .storage_sources import StorageSources
-from .._parsing.torch_zip import TorchZip
 from .reader import Reader, ReaderOption
+from .storage_sources import StorageSources
 
 NAME = "fsdp1-flat"
-DESCRIPTION = "pytorch_model_fsdp_rank{r}.bin (or other *rank{r}.pt/.bin files holding *_flat_param): FSDP1 LOCAL_STATE_DICT"
+DESCRIPTION = (
+    "pytorch_model_fsdp_rank{r}.bin (or other *rank{r}.pt/.bin files holding *_flat_param): FSDP1 LOCAL_STATE_DICT"
+)
 FLAT_PARAM = "_flat_param"
-_ACCELERATE = ("pytorch_model_fsdp_rank", "bin")  # accelerate's LOCAL_STATE_DICT file names: pytorch_model_fsdp_rank{r}.bin
+_ACCELERATE = (
+    "pytorch_model_fsdp_rank",
+    "bin",
+)  # accelerate's LOCAL_STATE_DICT file names: pytorch_model_fsdp_rank{r}.bin
 _RANK_FILE = re.compile(r"(.*?rank_?)(\d+)\.(bin|pt|pth)")
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 _ALIGNMENT_BYTES = 16  # FSDP1 aligns each parameter of a use_orig_params flat parameter to 16 bytes
@@ -47,8 +53,14 @@ def matches(folder: str) -> bool:
     return bool(_families(folder))
 
 
-def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: str | None = None,
-         order_from: str | None = None, lora_r: int | None = None) -> MergePlan:
+def read(
+    folder: str,
+    wrap=None,
+    use_orig_params: bool | None = None,
+    config: str | None = None,
+    order_from: str | None = None,
+    lora_r: int | None = None,
+) -> MergePlan:
     """`order_from`: the transformers version and class a merge took the parameter order from
     (recorded in its manifest; verify --against passes it back, and the plan notes a difference).
     `lora_r` (--lora-r): a PEFT model's LoRA rank where the files do not show it (fsdp1_peft)."""
@@ -60,8 +72,12 @@ def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: st
     first = ranks[min(ranks)]
     whole = _unpickled(first)
     world = _recorded_world(whole, first)
-    states = load_rank_states(complete_ranks(folder, ranks, world, lambda r: f"{stem}{r}.{ext}"), _model_part,
-                              sharded_tensors=True, unpickled={first: whole})
+    states = load_rank_states(
+        complete_ranks(folder, ranks, world, lambda r: f"{stem}{r}.{ext}"),
+        _model_part,
+        sharded_tensors=True,
+        unpickled={first: whole},
+    )
     try:
         return _plan(folder, states, world, wrap, use_orig_params, config, order_from, lora_r)
     finally:
@@ -70,6 +86,7 @@ def read(folder: str, wrap=None, use_orig_params: bool | None = None, config: st
 
 
 # ---- finding the files --------------------------------------------------------------------
+
 
 def _families(folder: str) -> dict[tuple[str, str], dict[int, str]]:
     """{(stem, extension): {rank: path}} of the rank-file families that hold flat parameters.
@@ -84,8 +101,7 @@ def _families(folder: str) -> dict[tuple[str, str], dict[int, str]]:
         match = _RANK_FILE.fullmatch(entry)
         if match and os.path.isfile(os.path.join(folder, entry)):
             found.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = os.path.join(folder, entry)
-    return {key: ranks for key, ranks in found.items()
-            if key == _ACCELERATE or _holds_flat_params(ranks[min(ranks)])}
+    return {key: ranks for key, ranks in found.items() if key == _ACCELERATE or _holds_flat_params(ranks[min(ranks)])}
 
 
 def _holds_flat_params(path: str) -> bool:
@@ -154,12 +170,15 @@ def _process_group(value: ShardedTensorRef, path: str, key: str) -> dict:
         raise BadInput(f"{path}: {key} does not record its process group; not a ShardedTensor saved by FSDP1")
     info = {f: group.get(f) for f in fields}
     if info["local_world_size"] != info["global_world_size"]:
-        raise BadInput(f"{path}: {key} was saved by a shard group of {info['local_world_size']} ranks in a world of "
-                       f"{info['global_world_size']} (HYBRID_SHARD); not supported yet")
+        raise BadInput(
+            f"{path}: {key} was saved by a shard group of {info['local_world_size']} ranks in a world of "
+            f"{info['global_world_size']} (HYBRID_SHARD); not supported yet"
+        )
     return info
 
 
 # ---- the plan -----------------------------------------------------------------------------
+
 
 @dataclass
 class _FlatParam:
@@ -170,7 +189,9 @@ class _FlatParam:
     shards: list[tuple[RankState, TensorRef | None]]  # per rank, its local piece (None: holds none)
 
 
-def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_params, config, order_from, lora_r) -> MergePlan:
+def _plan(
+    folder: str, states: list[RankState], world: int, wrap, use_orig_params, config, order_from, lora_r
+) -> MergePlan:
     flats = _read_flat_params(states, world)
     config_dir = _config_dir(folder, config)
     from . import fsdp1_units  # torch and transformers, for this layout only
@@ -185,12 +206,20 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     flats = {path: flats[path] for path in units}  # in the order FSDP1 built the units
     views = _original_views(states, units)
     if views and use_orig_params is False:
-        raise BadInput(f"{states[0].path}: holds the original parameters' views ({next(iter(views))}, ...), which FSDP1 saves "
-                       f"only with use_orig_params=True; drop {option('use_orig_params', False)}")
+        raise BadInput(
+            f"{states[0].path}: holds the original parameters' views ({next(iter(views))}, ...), which FSDP1 saves "
+            f"only with use_orig_params=True; drop {option('use_orig_params', False)}"
+        )
     if views:
         use_orig_params = True
-    lora_hint = (f"; or, the model being a PEFT model, its LoRA config ({'; '.join(a['source'] for a in peft_assumed)}; "
-                 f"the rank: {option('lora_r', meta='R')})") if peft_assumed else ""
+    lora_hint = (
+        (
+            f"; or, the model being a PEFT model, its LoRA config ({'; '.join(a['source'] for a in peft_assumed)}; "
+            f"the rank: {option('lora_r', meta='R')})"
+        )
+        if peft_assumed
+        else ""
+    )
     align, how = _alignment(flats, units, world, use_orig_params, arch, wrap_names, views, lora_hint)
     layouts = {path: flat_layout(units[path], align, world)[0] for path in flats}
     _check_views(views, flats, layouts, world)
@@ -208,24 +237,37 @@ def _plan(folder: str, states: list[RankState], world: int, wrap, use_orig_param
     plan = MergePlan(NAME, world, sources.buffers, tensors, config_dir=config_dir)
     unit_word = "unit" if len(flats) == 1 else "units"
     source = option("wrap") if wrap_given else "default: the model's _no_split_modules"
-    leaf_note = f" and {len(leaves)} trainable leaf modules (peft's fsdp_auto_wrap_policy; the files' units)" if leaves else ""
-    plan = plan.noted(f"FSDP1 flat parameters: {len(flats)} {unit_word} of {'a PEFT model over ' if peft_notes else ''}{arch} "
-                      f"(built on the meta device from {os.path.join(config_dir, 'config.json')}), wrapped by "
-                      f"{', '.join(wrap_names) or 'nothing'} ({source}){leaf_note}", *peft_notes)
-    plan = plan.noted(f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})")
+    leaf_note = (
+        f" and {len(leaves)} trainable leaf modules (peft's fsdp_auto_wrap_policy; the files' units)" if leaves else ""
+    )
+    plan = plan.noted(
+        f"FSDP1 flat parameters: {len(flats)} {unit_word} of {'a PEFT model over ' if peft_notes else ''}{arch} "
+        f"(built on the meta device from {os.path.join(config_dir, 'config.json')}), wrapped by "
+        f"{', '.join(wrap_names) or 'nothing'} ({source}){leaf_note}",
+        *peft_notes,
+    )
+    plan = plan.noted(
+        f"use_orig_params={align > 0}" + (f", parameters aligned to {align} elements" if align else "") + f" ({how})"
+    )
     if views:
-        plan = plan.noted(f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)")
+        plan = plan.noted(
+            f"skipped {len(views)} sharded views of the original parameters (use_orig_params=True saves them beside the flat parameters)"
+        )
     plan = plan.noted(*_tied_notes(units))
     origin = fsdp1_units.order_source(model)
-    plan = plan.noted(f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
-                      "if training ran another transformers version or the model's remote code, same-shaped parameters "
-                      "could be swapped unnoticed: compare the merged model's outputs with a reference (docs/formats.md: FSDP1)")
+    plan = plan.noted(
+        f"parameter order within each unit: the registration order of {origin} (FSDP1 saves none); "
+        "if training ran another transformers version or the model's remote code, same-shaped parameters "
+        "could be swapped unnoticed: compare the merged model's outputs with a reference (docs/formats.md: FSDP1)"
+    )
     if order_from and order_from != origin:
         plan = plan.noted(f"the merge took that order from {order_from}; this plan rebuilt it from {origin}")
     assumed = _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, layouts)
     plan = plan.but(assumed={**assumed, "order_from": origin, **({"peft": peft_assumed} if peft_assumed else {})})
     # Recorded in the manifest (layout_options): which transformers gave the order this merge assumed.
-    plan = plan.but(options={"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin})
+    plan = plan.but(
+        options={"wrap": ",".join(wrap_names) or "none", "use_orig_params": align > 0, "order_from": origin}
+    )
     return plan
 
 
@@ -253,8 +295,10 @@ def _tied_notes(units) -> list[str]:
         for param in unit.params:
             elsewhere = [a for a in param.aliases if not _inside(a, unit.path)]
             if elsewhere:
-                notes.append(f"{', '.join(elsewhere)} tied to {param.name}, which unit {unit.path or '(root)'} holds: "
-                             "written from its bytes")
+                notes.append(
+                    f"{', '.join(elsewhere)} tied to {param.name}, which unit {unit.path or '(root)'} holds: "
+                    "written from its bytes"
+                )
     return notes
 
 
@@ -269,8 +313,10 @@ def _config_dir(folder: str, config: str | None) -> str:
             return candidate
     if config:
         raise BadInput(f"{config}: the {option('config')} folder has no config.json")
-    raise BadInput(f"{folder}: FSDP1 flat parameters do not say which weights they hold; fsdpfast rebuilds that from the "
-                   f"model's config.json, found in neither huggingface/ nor the checkpoint folder: pass {option('config', meta='DIR')}")
+    raise BadInput(
+        f"{folder}: FSDP1 flat parameters do not say which weights they hold; fsdpfast rebuilds that from the "
+        f"model's config.json, found in neither huggingface/ nor the checkpoint folder: pass {option('config', meta='DIR')}"
+    )
 
 
 def _wrap_list(wrap) -> list[str] | None:
@@ -290,14 +336,20 @@ def _read_flat_params(states: list[RankState], world: int) -> dict[str, _FlatPar
     for key, path in keys.items():
         value = first_part[key]
         if not isinstance(value, ShardedTensorRef) or len(as_dims(value.shape) or ()) != 1 or value.dtype not in DTYPES:
-            raise BadInput(f"{first.path}: {key} is not a 1-D ShardedTensor of a known dtype; not a flat parameter saved by FSDP1")
+            raise BadInput(
+                f"{first.path}: {key} is not a 1-D ShardedTensor of a known dtype; not a flat parameter saved by FSDP1"
+            )
         flats[path] = _FlatParam(key, path, value.shape[0], value.dtype, [])
     for state in states:
         part = _model_part(state.whole, state.path)
         mine = _flat_entries(part)
         if set(mine.values()) != set(keys.values()):
             missing = sorted(set(keys.values()) - set(mine.values()))
-            what = f"lacks the flat parameter of unit {missing[0] or '(root)'}" if missing else "has flat parameters rank 0 lacks"
+            what = (
+                f"lacks the flat parameter of unit {missing[0] or '(root)'}"
+                if missing
+                else "has flat parameters rank 0 lacks"
+            )
             raise BadInput(f"{state.path}: {what}; all rank files must come from one checkpoint")
         for key, path in mine.items():
             flat = flats[path]
@@ -310,11 +362,15 @@ def _local_shard(state: RankState, key: str, value, flat: _FlatParam, world: int
     where = f"{state.path}: {key}"
     if not isinstance(value, ShardedTensorRef) or tuple(value.shape) != (flat.size,) or value.dtype != flat.dtype:
         got = f"{value.dtype}{list(value.shape)}" if isinstance(value, ShardedTensorRef) else type(value).__name__
-        raise BadInput(f"{where}: is {got} but {flat.dtype}[{flat.size}] in rank 0's file; all rank files must come from one checkpoint")
+        raise BadInput(
+            f"{where}: is {got} but {flat.dtype}[{flat.size}] in rank 0's file; all rank files must come from one checkpoint"
+        )
     group = _process_group(value, state.path, key)
     if group["local_world_size"] != world or group["local_rank"] != state.rank:
-        raise BadInput(f"{where}: saved by rank {group['local_rank']} of {group['local_world_size']}, "
-                       f"but the file name says rank {state.rank} of {world}; are two files copies of one rank?")
+        raise BadInput(
+            f"{where}: saved by rank {group['local_rank']} of {group['local_world_size']}, "
+            f"but the file name says rank {state.rank} of {world}; are two files copies of one rank?"
+        )
     _, length = chunk_span(flat.size, world, state.rank)
     start = state.rank * -(-flat.size // world)  # FSDP1's shard offset: rank * ceil(size / world)
     shards = value.state[0] if isinstance(value.state[0], list) else None
@@ -329,9 +385,13 @@ def _local_shard(state: RankState, key: str, value, flat: _FlatParam, world: int
         raise BadInput(f"{where}: its local shard lacks its tensor or metadata; the file is corrupt")
     offsets, sizes = as_dims(meta.get("shard_offsets")), as_dims(meta.get("shard_sizes"))
     if offsets != (start,) or sizes != (length,) or tuple(tensor.shape) != (length,):
-        raise BadInput(f"{where}: its shard holds {list(sizes or tensor.shape)} elements at offset {list(offsets or ())}; {expected}")
+        raise BadInput(
+            f"{where}: its shard holds {list(sizes or tensor.shape)} elements at offset {list(offsets or ())}; {expected}"
+        )
     if tensor.dtype != flat.dtype or not tensor.is_contiguous() or tensor.offset + length > tensor.storage.numel:
-        raise BadInput(f"{where}: its shard's tensor does not fit its storage ({tensor.dtype}, {tensor.storage.numel} elements); the file is corrupt")
+        raise BadInput(
+            f"{where}: its shard's tensor does not fit its storage ({tensor.dtype}, {tensor.storage.numel} elements); the file is corrupt"
+        )
     return tensor
 
 
@@ -344,12 +404,20 @@ def _check_units(folder, flats, units, model, arch, wrap_names, fsdp1_units) -> 
     modules = dict(model.named_modules())
     strangers = [p for p in only_saved if p not in modules]
     if strangers:
-        raise BadInput(f"{folder}: the files hold flat parameters of units at {show(strangers)}, which are not modules of {arch} "
-                       f"(config.json); pass {option('config')} with the config of the model that was trained")
+        raise BadInput(
+            f"{folder}: the files hold flat parameters of units at {show(strangers)}, which are not modules of {arch} "
+            f"(config.json); pass {option('config')} with the config of the model that was trained"
+        )
     suggestion = fsdp1_units.module_classes(model, sorted(saved))
-    detail = f"the files hold units {show(only_saved)} that it does not" if only_saved else f"it expects units {show(only_expected)} the files lack"
-    raise BadInput(f"{folder}: {arch} wrapped by {', '.join(wrap_names) or 'nothing'} does not give FSDP1's units here ({detail}); "
-                   f"pass the classes FSDP1 wrapped with {option('wrap')} (the files' units are {', '.join(suggestion) or 'the root only: ' + option('wrap', 'none')})")
+    detail = (
+        f"the files hold units {show(only_saved)} that it does not"
+        if only_saved
+        else f"it expects units {show(only_expected)} the files lack"
+    )
+    raise BadInput(
+        f"{folder}: {arch} wrapped by {', '.join(wrap_names) or 'nothing'} does not give FSDP1's units here ({detail}); "
+        f"pass the classes FSDP1 wrapped with {option('wrap')} (the files' units are {', '.join(suggestion) or 'the root only: ' + option('wrap', 'none')})"
+    )
 
 
 def flat_layout(unit, align: int, world: int) -> tuple[list[tuple], int]:
@@ -381,20 +449,29 @@ def _alignment(flats, units, world, use_orig_params, arch, wrap_names, views, lo
     fitting = [a for a in candidates if all(flat_layout(units[p], a, world)[1] == f.size for p, f in flats.items())]
     if not fitting:
         path, flat = next((p, f) for p, f in flats.items() if flat_layout(units[p], candidates[0], world)[1] != f.size)
-        sizes = " or ".join(f"{flat_layout(units[path], a, world)[1]:,} (use_orig_params={a > 0}"
-                            + (f", {a}-element alignment)" if a else ")") for a in candidates[:2])
+        sizes = " or ".join(
+            f"{flat_layout(units[path], a, world)[1]:,} (use_orig_params={a > 0}"
+            + (f", {a}-element alignment)" if a else ")")
+            for a in candidates[:2]
+        )
         flag = "" if use_orig_params is None else f", or drop {option('use_orig_params', use_orig_params)}"
-        raise BadInput(f"{flat.shards[0][0].path}: {flat.key} holds {flat.size:,} elements, but unit {path or '(root)'} of {arch} "
-                       f"wrapped by {', '.join(wrap_names) or 'nothing'} flattens to {sizes}; the model or the wrapping differs from "
-                       f"training: pass the wrapped classes with {option('wrap')} (and the model's config with {option('config')}){flag}"
-                       f"{lora_hint}")
+        raise BadInput(
+            f"{flat.shards[0][0].path}: {flat.key} holds {flat.size:,} elements, but unit {path or '(root)'} of {arch} "
+            f"wrapped by {', '.join(wrap_names) or 'nothing'} flattens to {sizes}; the model or the wrapping differs from "
+            f"training: pass the wrapped classes with {option('wrap')} (and the model's config with {option('config')}){flag}"
+            f"{lora_hint}"
+        )
     layouts = {tuple(tuple(o for _, o in flat_layout(units[p], a, world)[0]) for p in flats) for a in fitting}
     if len({a > 0 for a in fitting}) > 1 and len(layouts) > 1:
-        raise BadInput("the flat parameters' sizes fit both use_orig_params=True and False with different layouts; "
-                       f"say which with {option('use_orig_params', True)} or {option('use_orig_params', False)}")
+        raise BadInput(
+            "the flat parameters' sizes fit both use_orig_params=True and False with different layouts; "
+            f"say which with {option('use_orig_params', True)} or {option('use_orig_params', False)}"
+        )
     if len(layouts) > 1:
-        raise BadInput(f"the flat parameters' sizes fit alignments of {' and '.join(map(str, fitting))} elements "
-                       "(mixed precision compute dtypes) with different layouts; not supported yet")
+        raise BadInput(
+            f"the flat parameters' sizes fit alignments of {' and '.join(map(str, fitting))} elements "
+            "(mixed precision compute dtypes) with different layouts; not supported yet"
+        )
     chosen = fitting[0]
     if views:
         how = "the files hold the original parameters' views"
@@ -435,31 +512,46 @@ def _check_views(views, flats, layouts, world) -> None:
             lo, hi = max(offset, state.rank * chunk), min(offset + numel, (state.rank + 1) * chunk)
             want = (lo - state.rank * chunk, hi - lo) if hi > lo else (None, 0)
             got = (view.offset - (shard.offset if shard else 0), prod(view.shape))
-            if got[1] != want[1] or (want[1] and (shard is None or view.storage.key != shard.storage.key or got[0] != want[0])):
-                raise BadInput(f"{state.path}: the saved view of {name} holds {got[1]} elements at {got[0]} of the shard, "
-                               f"the assumed layout gives {want[1]} at {want[0]}; pass the wrapped classes with {option('wrap')}")
+            if got[1] != want[1] or (
+                want[1] and (shard is None or view.storage.key != shard.storage.key or got[0] != want[0])
+            ):
+                raise BadInput(
+                    f"{state.path}: the saved view of {name} holds {got[1]} elements at {got[0]} of the shard, "
+                    f"the assumed layout gives {want[1]} at {want[0]}; pass the wrapped classes with {option('wrap')}"
+                )
 
 
 def _flat_runs(flat: _FlatParam, sources: StorageSources) -> FlatRuns:
     """The flat parameter as its ranks' shards end to end: torch.chunk pieces, checked to start at rank * ceil(size / world)."""
-    runs = FlatRuns([(sources.index(state.path, shard, state.archive), shard.offset, prod(shard.shape))
-                     for state, shard in flat.shards if shard is not None])
+    runs = FlatRuns(
+        [
+            (sources.index(state.path, shard, state.archive), shard.offset, prod(shard.shape))
+            for state, shard in flat.shards
+            if shard is not None
+        ]
+    )
     if runs.numel != flat.size:
-        raise BadInput(f"{flat.shards[0][0].path}: the shards of {flat.key} hold {runs.numel} of its {flat.size} elements; "
-                       "the files are incomplete")
+        raise BadInput(
+            f"{flat.shards[0][0].path}: the shards of {flat.key} hold {runs.numel} of its {flat.size} elements; "
+            "the files are incomplete"
+        )
     return runs
 
 
 def _buffers(states: list[RankState], views, sources: StorageSources) -> list[TensorPlan]:
     """Plain tensors that are not parameter views: buffers, held whole by every rank."""
-    view_keys = {key for pieces in views.values() for state, view in pieces for key, v in state.tensors.items() if v is view}
+    view_keys = {
+        key for pieces in views.values() for state, view in pieces for key, v in state.tensors.items() if v is view
+    }
     out = []
     for name in states[0].tensors:
         if name in view_keys:
             continue
         missing = [s.path for s in states if name not in s.tensors]
         if missing:
-            raise BadInput(f"{missing[0]}: lacks {name}, which rank 0's file holds; all rank files must come from one checkpoint")
+            raise BadInput(
+                f"{missing[0]}: lacks {name}, which rank 0's file holds; all rank files must come from one checkpoint"
+            )
         out.append(plan_replicated(name, [(s, s.tensors[name]) for s in states], sources))
     return out
 
@@ -474,21 +566,43 @@ def _assumed(arch, config_dir, wrap_names, source, align, how, flats, units, lay
         "use_orig_params": align > 0,
         "alignment_elements": align,
         "alignment_source": how,
-        "units": [{
-            "key": flat.key,
-            "module": path or "(root)",
-            "class": units[path].cls,
-            "numel": flat.size,
-            "padding": flat.size - sum(prod(p.shape) for p in units[path].params),
-            "params": [{"name": p.name, "offset": o, "shape": list(p.shape), "tied": list(p.aliases)} for p, o in layouts[path]],
-        } for path, flat in flats.items()],
+        "units": [
+            {
+                "key": flat.key,
+                "module": path or "(root)",
+                "class": units[path].cls,
+                "numel": flat.size,
+                "padding": flat.size - sum(prod(p.shape) for p in units[path].params),
+                "params": [
+                    {"name": p.name, "offset": o, "shape": list(p.shape), "tied": list(p.aliases)}
+                    for p, o in layouts[path]
+                ],
+            }
+            for path, flat in flats.items()
+        ],
     }
 
 
-READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True, takes_lora_r=True, options=(
-    ReaderOption("wrap", "module classes FSDP1 wrapped, comma-separated (default: the model's decoder-layer class, its "
-                 "_no_split_modules; 'none': the root only)"),
-    ReaderOption("use_orig_params", "whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)",
-                 kind="switch"),
-    ReaderOption("order_from", "the transformers version and class the merge took the parameter order from", internal=True),
-))
+READER = Reader(
+    NAME,
+    DESCRIPTION,
+    sniff=matches,
+    read=read,
+    reads_config=True,
+    takes_lora_r=True,
+    options=(
+        ReaderOption(
+            "wrap",
+            "module classes FSDP1 wrapped, comma-separated (default: the model's decoder-layer class, its "
+            "_no_split_modules; 'none': the root only)",
+        ),
+        ReaderOption(
+            "use_orig_params",
+            "whether FSDP1 ran with use_orig_params=True (default: detected from the flat sizes)",
+            kind="switch",
+        ),
+        ReaderOption(
+            "order_from", "the transformers version and class the merge took the parameter order from", internal=True
+        ),
+    ),
+)

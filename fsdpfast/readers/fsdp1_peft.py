@@ -21,6 +21,7 @@ No weight exists (meta device) and no initialisation runs; only peft's code runs
 checkpoint's. The units, sizes and every view's place are then checked against the files as
 for a plain model, so a config that does not fit is refused, not merged.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,24 @@ from ..lora.split import PREFIX, lora_role
 
 # LoraConfig fields a saved adapter_config.json contributes: those that decide which modules get
 # which LoRA parameters. Initialisation (loftq, eva, pissa...) is left out: it needs the weights.
-_SHAPING = ("task_type", "r", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "rank_pattern",
-            "use_dora", "lora_bias", "bias", "fan_in_fan_out", "modules_to_save", "layer_replication",
-            "trainable_token_indices", "target_parameters", "ensure_weight_tying")
+_SHAPING = (
+    "task_type",
+    "r",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "use_dora",
+    "lora_bias",
+    "bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "layer_replication",
+    "trainable_token_indices",
+    "target_parameters",
+    "ensure_weight_tying",
+)
 _FOUND_BY_NAME = ("exclude_modules", "layers_to_transform", "layers_pattern")  # exact module paths replace them
 
 
@@ -58,12 +74,18 @@ def leaf_units(model, unit_paths) -> set[str]:
     """Saved units that are leaf modules with a weight: those peft's fsdp_auto_wrap_policy made (it wraps every
     leaf whose weight is trainable); the files say which, so no requires_grad is guessed."""
     modules = dict(model.named_modules())
-    return {path for path in unit_paths if path in modules and not any(True for _ in modules[path].children())
-            and getattr(modules[path], "weight", None) is not None}
+    return {
+        path
+        for path in unit_paths
+        if path in modules
+        and not any(True for _ in modules[path].children())
+        and getattr(modules[path], "weight", None) is not None
+    }
 
 
-def rebuild(model, folder: str, config_dir: str | None, unit_paths: list[str], sizes: dict[str, int],
-            lora_r: int | None) -> tuple[object, list[str], list[dict]]:
+def rebuild(
+    model, folder: str, config_dir: str | None, unit_paths: list[str], sizes: dict[str, int], lora_r: int | None
+) -> tuple[object, list[str], list[dict]]:
     """(the PeftModel over `model` on the meta device, notes, each adapter's shaping config for `inspect`).
 
     `sizes`: the rank files' plain tensors (views, buffers) by name, their elements summed over the ranks.
@@ -78,27 +100,50 @@ def rebuild(model, folder: str, config_dir: str | None, unit_paths: list[str], s
     for adapter in order:
         saved, saved_path = saved_config(folders, adapter)
         mine = adapter == "default" or len(order) == 1  # verl's meta is the one adapter's (as lora.config reads it)
-        fields, how = _fields(folder, adapter, named.get(adapter), weights, saved, saved_path, meta if mine else {},
-                              meta_path if mine else None, lora_r, folders)
+        fields, how = _fields(
+            folder,
+            adapter,
+            named.get(adapter),
+            weights,
+            saved,
+            saved_path,
+            meta if mine else {},
+            meta_path if mine else None,
+            lora_r,
+            folders,
+        )
         configs[adapter] = _lora_config(peft, fields, folder, adapter)
-        shown.append({"adapter": adapter, **{k: fields.get(k) for k in ("r", "rank_pattern", "target_modules", "use_dora",
-                                                                          "lora_bias", "modules_to_save")}, "source": how})
+        shown.append(
+            {
+                "adapter": adapter,
+                **{
+                    k: fields.get(k)
+                    for k in ("r", "rank_pattern", "target_modules", "use_dora", "lora_bias", "modules_to_save")
+                },
+                "source": how,
+            }
+        )
         targets = fields["target_modules"]
         what = f"{len(targets)} modules" if isinstance(targets, list) else f"target_modules {targets!r}"
-        notes.append(f"PEFT adapter {adapter} rebuilt with peft {peft.__version__}'s get_peft_model: r {fields['r']}"
-                     + (f" ({len(fields['rank_pattern'])} modules otherwise)" if fields.get("rank_pattern") else "")
-                     + f", {what}{', DoRA' if fields.get('use_dora') else ''} ({how})")
+        notes.append(
+            f"PEFT adapter {adapter} rebuilt with peft {peft.__version__}'s get_peft_model: r {fields['r']}"
+            + (f" ({len(fields['rank_pattern'])} modules otherwise)" if fields.get("rank_pattern") else "")
+            + f", {what}{', DoRA' if fields.get('use_dora') else ''} ({how})"
+        )
     try:  # peft and transformers warn about training matters (gradient checkpointing...): not this build's business
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             first = order[0]
-            built = peft.get_peft_model(model, configs[first], adapter_name=first, autocast_adapter_dtype=False,
-                                        low_cpu_mem_usage=True)
+            built = peft.get_peft_model(
+                model, configs[first], adapter_name=first, autocast_adapter_dtype=False, low_cpu_mem_usage=True
+            )
             for adapter in order[1:]:
                 built.add_adapter(adapter, configs[adapter], low_cpu_mem_usage=True)
     except Exception as exc:  # peft refuses configs that do not fit the model in many ways
-        raise BadInput(f"{folder}: peft cannot rebuild the trained PEFT model over {type(model).__name__} "
-                       f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise BadInput(
+            f"{folder}: peft cannot rebuild the trained PEFT model over {type(model).__name__} "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
     return built, notes, shown
 
 
@@ -108,8 +153,10 @@ def _lora_config(peft, fields: dict, folder: str, adapter: str):
             warnings.simplefilter("ignore")
             return peft.LoraConfig(**fields)
     except (TypeError, ValueError) as exc:  # a saved adapter_config.json this peft does not accept
-        raise BadInput(f"{folder}: peft {peft.__version__} refuses adapter {adapter}'s LoraConfig "
-                       f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise BadInput(
+            f"{folder}: peft {peft.__version__} refuses adapter {adapter}'s LoraConfig "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
 
 
 def _imports():
@@ -117,8 +164,10 @@ def _imports():
         import peft
         import torch
     except ImportError:
-        raise BadInput("FSDP1 flat parameters of a PEFT model: fsdpfast rebuilds the peft model to unflatten them, "
-                       "which needs peft: pip install peft") from None
+        raise BadInput(
+            "FSDP1 flat parameters of a PEFT model: fsdpfast rebuilds the peft model to unflatten them, "
+            "which needs peft: pip install peft"
+        ) from None
     return peft, torch
 
 
@@ -139,7 +188,9 @@ def _named(sizes: dict[str, int], unit_paths: list[str]) -> dict[str, _Named]:
     return found
 
 
-def _fields(folder, adapter, named: _Named | None, weights, saved, saved_path, meta, meta_path, lora_r, folders) -> tuple[dict, str]:
+def _fields(
+    folder, adapter, named: _Named | None, weights, saved, saved_path, meta, meta_path, lora_r, folders
+) -> tuple[dict, str]:
     """The LoraConfig arguments of one adapter, and where they came from."""
     fields = {key: saved[key] for key in _SHAPING if key in saved}
     sources = []
@@ -155,10 +206,12 @@ def _fields(folder, adapter, named: _Named | None, weights, saved, saved_path, m
         fields["modules_to_save"] = named.copies or fields.get("modules_to_save")
         sources.append("modules named by the rank files")
     elif "target_modules" not in fields:
-        raise BadInput(f"{folder}: FSDP1 flat parameters of a PEFT model, which fsdpfast rebuilds to unflatten them, but the "
-                       f"files name none of adapter {adapter}'s LoRA modules (no parameter views: use_orig_params=False) and "
-                       f"{_looked(folders, meta, meta_path)}: put the training's {CONFIG_NAME} (peft's save_pretrained) beside "
-                       "the rank files")
+        raise BadInput(
+            f"{folder}: FSDP1 flat parameters of a PEFT model, which fsdpfast rebuilds to unflatten them, but the "
+            f"files name none of adapter {adapter}'s LoRA modules (no parameter views: use_orig_params=False) and "
+            f"{_looked(folders, meta, meta_path)}: put the training's {CONFIG_NAME} (peft's save_pretrained) beside "
+            "the rank files"
+        )
     ranks = {m: _rank(parts, weights.get(f"{m}.weight")) for m, parts in (named.modules.items() if named else ())}
     if ranks and all(ranks.values()):
         r = Counter(ranks.values()).most_common(1)[0][0]
@@ -167,10 +220,12 @@ def _fields(folder, adapter, named: _Named | None, weights, saved, saved_path, m
     else:
         r, origin = _recorded_rank(lora_r, fields, meta, meta_path)
         if r is None:
-            raise BadInput(f"{folder}: FSDP1 flat parameters of a PEFT model, which fsdpfast rebuilds to unflatten them, but "
-                           f"the files do not hold adapter {adapter}'s LoRA rank (no parameter views: use_orig_params=False) "
-                           f"and {_looked(folders, meta, meta_path)}: pass {option('lora_r', meta='R')} (the training's "
-                           f"LoraConfig r), or put its {CONFIG_NAME} beside the rank files")
+            raise BadInput(
+                f"{folder}: FSDP1 flat parameters of a PEFT model, which fsdpfast rebuilds to unflatten them, but "
+                f"the files do not hold adapter {adapter}'s LoRA rank (no parameter views: use_orig_params=False) "
+                f"and {_looked(folders, meta, meta_path)}: pass {option('lora_r', meta='R')} (the training's "
+                f"LoraConfig r), or put its {CONFIG_NAME} beside the rank files"
+            )
         sources.append(f"r from {origin}")
     if saved_path:
         sources.append(f"{'the rest' if sources else 'all'} from {saved_path}")
@@ -189,11 +244,16 @@ def _rank(parts: dict[str, int | None], weight: int | None) -> int | None:
 
 
 def _recorded_rank(lora_r, fields, meta, meta_path) -> tuple[int | None, str | None]:
-    for value, origin in ((lora_r, "--lora-r"), (fields.get("r"), CONFIG_NAME),
-                          (meta.get("r") if meta else None, META_NAME)):
+    for value, origin in (
+        (lora_r, "--lora-r"),
+        (fields.get("r"), CONFIG_NAME),
+        (meta.get("r") if meta else None, META_NAME),
+    ):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise BadInput(f"{meta_path if origin == META_NAME else origin}: r {value!r} is not a positive whole number")
+                raise BadInput(
+                    f"{meta_path if origin == META_NAME else origin}: r {value!r} is not a positive whole number"
+                )
             return value, origin
     return None, None
 

@@ -18,6 +18,7 @@ in the files check the units, not the order of same-shaped parameters within one
 
 Needs torch and transformers; only the fsdp1-flat layout imports this module.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,19 +60,26 @@ def meta_model(config_dir: str):
     config = load_config(path)
     names = config.get("architectures")
     if not names:  # absent, null or []: a config saved on its own (AutoConfig, a model made with from_config)
-        raise BadInput(f"{path}: has no \"architectures\" field, and fsdp1-flat needs the model class (FSDP1 flattens "
-                       f"parameters in its order): add \"architectures\": [\"{_class_for(config)}\"] or pass {option('config', meta='DIR')} "
-                       "with a config.json that has it")
+        raise BadInput(
+            f'{path}: has no "architectures" field, and fsdp1-flat needs the model class (FSDP1 flattens '
+            f'parameters in its order): add "architectures": ["{_class_for(config)}"] or pass {option("config", meta="DIR")} '
+            "with a config.json that has it"
+        )
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise BadInput(f"{path}: \"architectures\" is {str(names)[:80]!r}, not a list of class names "
-                       "(e.g. [\"LlamaForCausalLM\"])")
+        raise BadInput(
+            f'{path}: "architectures" is {str(names)[:80]!r}, not a list of class names (e.g. ["LlamaForCausalLM"])'
+        )
     if not isinstance(config.get("model_type"), str):
-        raise BadInput(f"{path}: has no \"model_type\" field, which transformers needs to build {names[0]} "
-                       f"(e.g. \"model_type\": \"llama\"); add it or pass {option('config', meta='DIR')} with a complete config.json")
+        raise BadInput(
+            f'{path}: has no "model_type" field, which transformers needs to build {names[0]} '
+            f'(e.g. "model_type": "llama"); add it or pass {option("config", meta="DIR")} with a complete config.json'
+        )
     torch, transformers = _imports()
     cls = getattr(transformers, str(names[0]), None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):  # nothing else is built
-        raise BadInput(f"{path}: architecture {names[0]} is not a transformers model class (models with custom code are not supported)")
+        raise BadInput(
+            f"{path}: architecture {names[0]} is not a transformers model class (models with custom code are not supported)"
+        )
     try:
         hf_config = transformers.AutoConfig.from_pretrained(config_dir)
         with torch.device("meta"):
@@ -90,7 +98,9 @@ def _class_for(config: dict) -> str:
         return "LlamaForCausalLM"
     if not isinstance(model_type, str):
         return "LlamaForCausalLM"
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type) or "LlamaForCausalLM"
+    return (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type) or "LlamaForCausalLM"
+    )
 
 
 def order_source(model) -> str:
@@ -122,7 +132,9 @@ def units(model, wrap: list[str], leaves: frozenset[str] = frozenset()) -> list[
     unknown = [name for name in wrap if name not in present]
     if unknown:
         known = sorted({type(m).__name__ for m in model.modules()})
-        raise BadInput(f"{option('wrap', unknown[0])}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}")
+        raise BadInput(
+            f"{option('wrap', unknown[0])}: no module of that class in {type(model).__name__}; its classes: {', '.join(known)}"
+        )
     wanted = set(wrap)
     targets = []
     _post_order(model, "", wanted, targets, set(), leaves)
@@ -148,8 +160,14 @@ def _with_tied_elsewhere(model, found: list[Unit]) -> list[Unit]:
             extra[id(param)] = extra.get(id(param), ()) + (name,)
     if not extra:
         return found
-    return [Unit(unit.path, unit.cls, tuple(UnitParam(p.name, p.shape, p.aliases + extra.get(id(by_name.get(p.name)), ()))
-                                            for p in unit.params)) for unit in found]
+    return [
+        Unit(
+            unit.path,
+            unit.cls,
+            tuple(UnitParam(p.name, p.shape, p.aliases + extra.get(id(by_name.get(p.name)), ())) for p in unit.params),
+        )
+        for unit in found
+    ]
 
 
 def _post_order(module, path: str, wanted: set[str], out: list, seen: set[int], leaves: frozenset[str]) -> None:

@@ -1,4 +1,5 @@
 """`model_world_size_{W}_rank_{r}.pt`: each rank's `model.state_dict()` saved by torch.save (verl's FSDP layout)."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from ..errors import BadInput
 from ..plan.model import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks, whole_state_dict
-from .saved_steps import check_same_step
 from .reader import Reader
+from .saved_steps import check_same_step
 
 NAME = "fsdp-ranks"
 DESCRIPTION = "model_world_size_{W}_rank_{r}.pt: per-rank FSDP/FSDP2 state dicts (verl)"
@@ -27,7 +28,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     if len(by_world) > 1:
         sizes = ", ".join(f"{w} ({len(r)} files)" for w, r in sorted(by_world.items()))
         raise BadInput(f"{folder}: rank files of two world sizes in one folder: {sizes}; move one checkpoint elsewhere")
-    (world, ranks), = by_world.items()
+    ((world, ranks),) = by_world.items()
     _check_fsdp_config(folder, world)
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_world_size_{world}_rank_{r}.pt")
     steps_note = check_same_step(folder, world)
@@ -55,7 +56,9 @@ def _check_fsdp_config(folder: str, world: int) -> None:
     if recorded is None:
         return
     if not isinstance(recorded, int) or isinstance(recorded, bool):
-        raise BadInput(f"{path}: world_size {recorded!r} is not a whole number; fix or remove the file (it is optional)")
+        raise BadInput(
+            f"{path}: world_size {recorded!r} is not a whole number; fix or remove the file (it is optional)"
+        )
     if recorded != world:
         raise BadInput(f"{path}: says world_size {recorded} but the rank files are for {world}")
 

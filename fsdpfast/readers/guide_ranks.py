@@ -3,17 +3,18 @@
 The layout of a popular merging guide. Only the model is merged; the report says what
 else the files hold.
 """
+
 from __future__ import annotations
 
 import os
 import re
 
+from .._parsing.safe_load import DTensorRef, TensorRef, each_object, safe_unpickle
+from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
 from ..plan.model import MergePlan
 from .discover import complete_ranks, rank_files
 from .rank_files import load_rank_states, plan_from_ranks
-from .._parsing.safe_load import DTensorRef, TensorRef, each_object, safe_unpickle
-from .._parsing.torch_zip import TorchZip
 from .reader import Reader
 
 NAME = "guide-ranks"
@@ -27,14 +28,16 @@ def matches(folder: str) -> bool:
 
 def read(folder: str, config: str | None = None) -> MergePlan:
     """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
-    (_, ranks), = rank_files(folder, _PATTERN).items()
+    ((_, ranks),) = rank_files(folder, _PATTERN).items()
     world = _recorded_world_size(ranks[min(ranks)]) or max(ranks) + 1
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_pt_rank_{r}.pt")
     states = load_rank_states(ordered, _model_part)
     for state in states:
         recorded = _metadata(state.whole).get("world_size")
         if isinstance(recorded, int) and recorded != world:
-            raise BadInput(f"{state.path}: its metadata says world_size {recorded} but the folder holds {world} rank files")
+            raise BadInput(
+                f"{state.path}: its metadata says world_size {recorded} but the folder holds {world} rank files"
+            )
     _check_one_step(states)
     states, renumbered = _by_recorded_rank(states, world)
     hf = os.path.join(folder, "huggingface")
@@ -52,8 +55,10 @@ def _check_one_step(states) -> None:
     first_path, first = steps[0]
     for path, step in steps[1:]:
         if repr(step) != repr(first):
-            raise BadInput(f"{path}: its metadata records step {step!r} but {first_path} records step {first!r}: the rank "
-                           "files come from two saves (a save that crashed part way?); merge the files of one complete save")
+            raise BadInput(
+                f"{path}: its metadata records step {step!r} but {first_path} records step {first!r}: the rank "
+                "files come from two saves (a save that crashed part way?); merge the files of one complete save"
+            )
 
 
 def _by_recorded_rank(states, world: int):
@@ -66,25 +71,35 @@ def _by_recorded_rank(states, world: int):
     if not all(isinstance(r, int) and not isinstance(r, bool) for r in recorded):
         for state, rank in zip(states, recorded):
             if rank is not None and rank != state.rank:
-                raise BadInput(f"{state.path}: its metadata records rank {rank!r} but not every rank file records one; "
-                               "rename the files by the ranks they hold")
+                raise BadInput(
+                    f"{state.path}: its metadata records rank {rank!r} but not every rank file records one; "
+                    "rename the files by the ranks they hold"
+                )
         return states, None
     by_rank = {}
     for state, rank in zip(states, recorded):
         if not 0 <= rank < world:
             raise BadInput(f"{state.path}: its metadata records rank {rank}, outside a world of {world} ranks")
         if rank in by_rank:
-            raise BadInput(f"{by_rank[rank].path} and {state.path} both record rank {rank} in their metadata: "
-                           "one is a copy of another rank's file; find the missing rank's file")
+            raise BadInput(
+                f"{by_rank[rank].path} and {state.path} both record rank {rank} in their metadata: "
+                "one is a copy of another rank's file; find the missing rank's file"
+            )
         by_rank[rank] = state
-    moved = [f"{os.path.basename(state.path)} holds rank {rank}" for state, rank in zip(states, recorded) if rank != state.rank]
+    moved = [
+        f"{os.path.basename(state.path)} holds rank {rank}"
+        for state, rank in zip(states, recorded)
+        if rank != state.rank
+    ]
     for rank, state in by_rank.items():
         state.rank = rank
     ordered = [by_rank[rank] for rank in range(world)]
     if not moved:
         return ordered, None
-    return ordered, (f"the files' metadata records other ranks than their names ({', '.join(moved[:4])}"
-                     f"{', ...' if len(moved) > 4 else ''}); each file is placed as the rank it records")
+    return ordered, (
+        f"the files' metadata records other ranks than their names ({', '.join(moved[:4])}"
+        f"{', ...' if len(moved) > 4 else ''}); each file is placed as the rank it records"
+    )
 
 
 def _recorded_world_size(path: str) -> int | None:
@@ -115,7 +130,9 @@ def _other_contents(whole: dict) -> list[str]:
         if count:
             notes.append(f"not merged: '{key}' holds {count} tensors ({nbytes / 1e6:.1f} MB per rank)")
         elif isinstance(value, dict):
-            shown = ", ".join(f"{k}={v!r}" for k, v in list(value.items())[:6] if isinstance(v, (int, float, str, bool)))
+            shown = ", ".join(
+                f"{k}={v!r}" for k, v in list(value.items())[:6] if isinstance(v, (int, float, str, bool))
+            )
             notes.append(f"not merged: '{key}' {{{shown}}}")
         else:
             notes.append(f"not merged: '{key}' ({type(value).__name__})")

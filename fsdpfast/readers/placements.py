@@ -16,15 +16,16 @@ sizes divide evenly:
   ordered list of ranges, not one range: its local piece is one or more boxes of the tensor.
 Where they differ (uneven sizes), the local shapes in the files say which one the writer used.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
 from math import prod
 
-from ..errors import BadInput
 from .._parsing.boxes import box_extents
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count
+from ..errors import BadInput
 
 Runs = tuple[tuple[int, int], ...]  # (global start, length) ranges, in the order the local piece holds them
 
@@ -90,9 +91,15 @@ class DTensorLayout:
         if reading == SHARD_ORDER:
             steps = [(dim, mesh_dim, 1) for dim, mesh_dims in self.shard_order for mesh_dim in mesh_dims]
         else:
-            steps = [(dim, mesh_dim, factor) for mesh_dim, (kind, dim, factor) in enumerate(self.placements) if kind != "replicate"]
+            steps = [
+                (dim, mesh_dim, factor)
+                for mesh_dim, (kind, dim, factor) in enumerate(self.placements)
+                if kind != "replicate"
+            ]
         for tensor_dim, mesh_dim, factor in steps:
-            runs[tensor_dim] = strided_pick(runs[tensor_dim], factor, self.mesh_shape[mesh_dim], self.coordinate[mesh_dim])
+            runs[tensor_dim] = strided_pick(
+                runs[tensor_dim], factor, self.mesh_shape[mesh_dim], self.coordinate[mesh_dim]
+            )
         return tuple(runs)
 
     def local_shape(self, reading: str = SHARD_ORDER) -> tuple[int, ...]:
@@ -111,7 +118,8 @@ class DTensorLayout:
             known[reading] = tuple(
                 (e.src_offset, e.count, e.dst_offset, e.runs, e.src_stride, e.dst_stride)
                 for box in self.local_boxes(reading)
-                for e in box_extents(0, 0, self.global_shape, box.offsets, box.sizes, shape, box.local_offsets))
+                for e in box_extents(0, 0, self.global_shape, box.offsets, box.sizes, shape, box.local_offsets)
+            )
         return known[reading]
 
     def local_boxes(self, reading: str = SHARD_ORDER) -> list[Box]:
@@ -129,8 +137,10 @@ class DTensorLayout:
                 placed.append((start, local, length))
                 local += length
             per_dim.append(placed)
-        return [Box(tuple(s for s, _, _ in combo), tuple(lo for _, lo, _ in combo), tuple(n for _, _, n in combo))
-                for combo in product(*per_dim)]
+        return [
+            Box(tuple(s for s, _, _ in combo), tuple(lo for _, lo, _ in combo), tuple(n for _, _, n in combo))
+            for combo in product(*per_dim)
+        ]
 
 
 def choose_reading(layouts: list[DTensorLayout], local_shapes: list[tuple[int, ...]], wheres: list[str]) -> str:
@@ -149,9 +159,11 @@ def choose_reading(layouts: list[DTensorLayout], local_shapes: list[tuple[int, .
     for other in fits[1:]:
         for layout, where in zip(layouts, wheres):
             if layout.local_runs(other) != layout.local_runs(fits[0]):
-                raise BadInput(f"{where}: {layout.describe()} of {layout.global_shape} over mesh {layout.mesh_shape} "
-                               f"fits the files read {fits[0]} and read {other}, which place coordinate "
-                               f"{layout.coordinate}'s piece differently; which one the writer used cannot be told")
+                raise BadInput(
+                    f"{where}: {layout.describe()} of {layout.global_shape} over mesh {layout.mesh_shape} "
+                    f"fits the files read {fits[0]} and read {other}, which place coordinate "
+                    f"{layout.coordinate}'s piece differently; which one the writer used cannot be told"
+                )
     return fits[0]
 
 
@@ -209,7 +221,9 @@ def read_layout(spec: Record | DTensorLayout, where: str) -> DTensorLayout:
     mesh_shape = _mesh_shape(mesh, where)
     coordinate = mesh.get("_coordinate_on_dim")
     if coordinate is None or len(coordinate) != len(mesh_shape):
-        raise BadInput(f"{where}: DTensor mesh does not record this rank's coordinate (was it saved by a rank outside the mesh?)")
+        raise BadInput(
+            f"{where}: DTensor mesh does not record this rank's coordinate (was it saved by a rank outside the mesh?)"
+        )
     if not all(is_count(c) and c < n for c, n in zip(coordinate, mesh_shape)):
         raise BadInput(f"{where}: mesh coordinate {tuple(coordinate)} lies outside its {mesh_shape} DeviceMesh")
     placements = tuple(_placement(p, where) for p in raw_placements)
@@ -219,12 +233,20 @@ def read_layout(spec: Record | DTensorLayout, where: str) -> DTensorLayout:
         if kind != "replicate" and not dim < len(global_shape):
             raise BadInput(f"{where}: a placement shards dim {dim} of a tensor of {len(global_shape)} dims")
         if factor > prod(mesh_shape):  # torch's is the product of the mesh dims sharding first
-            raise BadInput(f"{where}: _StridedShard split factor {factor} exceeds the {prod(mesh_shape)} ranks of its "
-                           "DeviceMesh; no layout of torch's makes that")
+            raise BadInput(
+                f"{where}: _StridedShard split factor {factor} exceeds the {prod(mesh_shape)} ranks of its "
+                "DeviceMesh; no layout of torch's makes that"
+            )
     rank = mesh.get("_rank")
     return DTensorLayout(
-        tuple(global_shape), str(dtype), mesh_shape, tuple(coordinate), placements,
-        _shard_order(spec, placements, mesh_shape, where), rank if is_count(rank) else None, _mesh_world(mesh),
+        tuple(global_shape),
+        str(dtype),
+        mesh_shape,
+        tuple(coordinate),
+        placements,
+        _shard_order(spec, placements, mesh_shape, where),
+        rank if is_count(rank) else None,
+        _mesh_world(mesh),
     )
 
 
@@ -262,7 +284,9 @@ def _placement(record: Record, where: str) -> tuple[str, int | None, int]:
         dim = record.get("dim", record.args[0] if record.args else None)
         factor = record.get("split_factor", 1) if name == "_StridedShard" else 1
         if not is_count(dim) or not is_count(factor) or factor < 1:
-            raise BadInput(f"{where}: a {name} placement with dim {dim!r} and split factor {factor!r}; expected whole numbers")
+            raise BadInput(
+                f"{where}: a {name} placement with dim {dim!r} and split factor {factor!r}; expected whole numbers"
+            )
         return ("strided" if name == "_StridedShard" else "shard"), dim, factor
     if name == "Replicate":
         return "replicate", None, 1
@@ -277,8 +301,10 @@ def _placement(record: Record, where: str) -> tuple[str, int | None, int]:
 def _shard_order(spec: Record, placements, mesh_shape, where: str) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
     if any(kind == "strided" for kind, _, _ in placements):
         if spec.get("shard_order"):  # torch keeps the order in the _StridedShard placements, shard_order empty
-            raise BadInput(f"{where}: _StridedShard placements together with a recorded shard_order; "
-                           "torch writes one or the other, so which one holds cannot be told")
+            raise BadInput(
+                f"{where}: _StridedShard placements together with a recorded shard_order; "
+                "torch writes one or the other, so which one holds cannot be told"
+            )
         return _decode_split_factors(placements, mesh_shape)
     by_dim: dict[int, list[int]] = {}
     for mesh_dim, (kind, dim, _) in enumerate(placements):
@@ -287,8 +313,11 @@ def _shard_order(spec: Record, placements, mesh_shape, where: str) -> tuple[tupl
     recorded = spec.get("shard_order")
     if recorded:
         for entry in recorded:
-            tensor_dim, mesh_dims = (entry.args if isinstance(entry, Record) and len(entry.args) == 2
-                                     else (entry.get("tensor_dim"), entry.get("mesh_dims")))
+            tensor_dim, mesh_dims = (
+                entry.args
+                if isinstance(entry, Record) and len(entry.args) == 2
+                else (entry.get("tensor_dim"), entry.get("mesh_dims"))
+            )
             if tensor_dim in by_dim and sorted(mesh_dims) == sorted(by_dim[tensor_dim]):
                 by_dim[tensor_dim] = list(mesh_dims)
     return tuple((dim, tuple(mesh_dims)) for dim, mesh_dims in sorted(by_dim.items()))

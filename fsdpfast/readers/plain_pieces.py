@@ -8,12 +8,13 @@ class): pieces of that shape are whole copies, which must agree; others are torc
 along the one dimension that rebuilds it. Without the model's shapes only copies that agree on
 every rank (same shape, same bytes) are accepted; anything else is refused, not guessed.
 """
+
 from __future__ import annotations
 
-from ..errors import BadInput, option
-from ..plan.model_check import load_expected_model, match_names
-from ..plan.model import Copy, TensorPlan
 from .._parsing.boxes import box_extents
+from ..errors import BadInput, option
+from ..plan.model import Copy, TensorPlan
+from ..plan.model_check import load_expected_model, match_names
 from .local_pieces import local_piece, local_source, whole_copies
 from .placements import chunk_span
 from .storage_sources import StorageSources
@@ -31,8 +32,9 @@ def expected_shapes(config_dir: str | None, names: list[str]) -> tuple[dict[str,
     return {name: model.shapes.get(mapping[clean]) for name, clean in cleaned.items()}, ""
 
 
-def plan_plain_tensors(names: list[str], states, config_dir: str | None, sources: StorageSources
-                       ) -> tuple[list[TensorPlan], list[Copy], list[str]]:
+def plan_plain_tensors(
+    names: list[str], states, config_dir: str | None, sources: StorageSources
+) -> tuple[list[TensorPlan], list[Copy], list[str]]:
     """(tensor plans, copies to compare, notes) for a checkpoint of several ranks without DTensors."""
     shapes, why_not = expected_shapes(config_dir, names)
     tensors, copies, whole, split = [], [], 0, {}
@@ -40,11 +42,15 @@ def plan_plain_tensors(names: list[str], states, config_dir: str | None, sources
         pieces = [(s, s.tensors[name]) for s in states]
         expected = shapes.get(name) if shapes is not None else None
         if shapes is None:
-            unknown = (f"the model's shapes are unknown ({why_not}); give the model's config.json with {option('config', meta='DIR')}, "
-                       "with transformers installed")
+            unknown = (
+                f"the model's shapes are unknown ({why_not}); give the model's config.json with {option('config', meta='DIR')}, "
+                "with transformers installed"
+            )
         else:
-            unknown = (f"{name} is not in the model config.json describes, so its shape is unknown; "
-                       f"if it belongs to the model, give the trained model's config.json with {option('config', meta='DIR')}")
+            unknown = (
+                f"{name} is not in the model config.json describes, so its shape is unknown; "
+                f"if it belongs to the model, give the trained model's config.json with {option('config', meta='DIR')}"
+            )
         tensor, dim = _place(name, pieces, expected, unknown, sources, copies)
         tensors.append(tensor)
         if dim is None:
@@ -53,12 +59,16 @@ def plan_plain_tensors(names: list[str], states, config_dir: str | None, sources
             split[dim] = split.get(dim, 0) + 1
     world = len(states)
     if not split:
-        notes = [f"every rank holds the whole model (a DDP or full-state-dict save): each of the {world} rank files "
-                 f"holds every tensor whole; merged from rank {states[0].rank}'s file, the others compared with it"]
+        notes = [
+            f"every rank holds the whole model (a DDP or full-state-dict save): each of the {world} rank files "
+            f"holds every tensor whole; merged from rank {states[0].rank}'s file, the others compared with it"
+        ]
     else:
         dims = ", ".join(f"{count} along dim {dim}" for dim, count in sorted(split.items()))
-        notes = [f"plain pieces (to_local()) placed by the model's shapes from config.json: {dims}"
-                 + (f"; {whole} tensors every rank holds whole, compared across ranks" if whole else "")]
+        notes = [
+            f"plain pieces (to_local()) placed by the model's shapes from config.json: {dims}"
+            + (f"; {whole} tensors every rank holds whole, compared across ranks" if whole else "")
+        ]
     return tensors, copies, notes
 
 
@@ -67,16 +77,26 @@ def _place(name: str, pieces, expected, unknown: str, sources: StorageSources, c
     first_state, first = pieces[0]
     for state, value in pieces[1:]:
         if value.dtype != first.dtype:
-            raise BadInput(f"{state.path}: plain tensor {name} is {value.dtype} but {first.dtype} in {first_state.path}; "
-                           "the pieces of one tensor must share a dtype")
+            raise BadInput(
+                f"{state.path}: plain tensor {name} is {value.dtype} but {first.dtype} in {first_state.path}; "
+                "the pieces of one tensor must share a dtype"
+            )
     shapes = [tuple(value.shape) for _, value in pieces]
     if expected is None:
         if any(shape != shapes[0] for shape in shapes):
-            raise BadInput(f"{first_state.path}: plain tensor {name} has shapes {_listed(shapes)} on the {len(pieces)} ranks: "
-                           f"pieces that do not record the dimension they were split along; {unknown}")
-        copies += whole_copies(name, pieces, sources, problem=(
-            "the files do not record whether these are whole copies (which must agree) or pieces split along some "
-            f"dimension; {unknown}"))
+            raise BadInput(
+                f"{first_state.path}: plain tensor {name} has shapes {_listed(shapes)} on the {len(pieces)} ranks: "
+                f"pieces that do not record the dimension they were split along; {unknown}"
+            )
+        copies += whole_copies(
+            name,
+            pieces,
+            sources,
+            problem=(
+                "the files do not record whether these are whole copies (which must agree) or pieces split along some "
+                f"dimension; {unknown}"
+            ),
+        )
         return local_piece(first_state, name, first, sources), None
     if all(shape == tuple(expected) for shape in shapes):
         copies += whole_copies(name, pieces, sources)
@@ -89,8 +109,10 @@ def _place(name: str, pieces, expected, unknown: str, sources: StorageSources, c
     for index, (state, value) in enumerate(pieces):
         want_start, length = chunk_span(expected[dim], len(pieces), index)
         if value.shape[dim] != length:
-            raise BadInput(f"{state.path}: the piece of {name} has {value.shape[dim]} along dim {dim}; torch.chunk of "
-                           f"{expected[dim]} over {len(pieces)} ranks gives rank {state.rank} {length}")
+            raise BadInput(
+                f"{state.path}: the piece of {name} has {value.shape[dim]} along dim {dim}; torch.chunk of "
+                f"{expected[dim]} over {len(pieces)} ranks gives rank {state.rank} {length}"
+            )
         source, offset = local_source(state, name, value, sources)
         offsets = tuple(want_start if d == dim else 0 for d in range(len(expected)))
         extents += box_extents(source, offset, tuple(expected), offsets, tuple(value.shape))
@@ -100,23 +122,30 @@ def _place(name: str, pieces, expected, unknown: str, sources: StorageSources, c
 def _refuse_pieces(name: str, pieces, expected: tuple) -> None:
     """No one dimension rebuilds the model's shape: name the first piece that does not fit the split most
     pieces fit (torch.chunk of the model's shape along some dimension), or every shape if none fits."""
+
     def chunk_shape(dim: int, index: int) -> tuple:
         return tuple(chunk_span(size, len(pieces), index)[1] if d == dim else size for d, size in enumerate(expected))
 
-    fits = {dim: [tuple(value.shape) == chunk_shape(dim, i) for i, (_, value) in enumerate(pieces)]
-            for dim in range(len(expected))}
+    fits = {
+        dim: [tuple(value.shape) == chunk_shape(dim, i) for i, (_, value) in enumerate(pieces)]
+        for dim in range(len(expected))
+    }
     best = max(fits, key=lambda dim: sum(fits[dim]), default=None)
     if best is not None and any(fits[best]) and not all(fits[best]):
         index = fits[best].index(False)
         state, value = pieces[index]
-        raise BadInput(f"{state.path}: the piece of {name} is {list(value.shape)}, but the other ranks' pieces split the "
-                       f"model's shape {list(expected)} along dim {best}, which gives rank {state.rank} "
-                       f"{list(chunk_shape(best, index))}; the file does not belong with the others, or config.json "
-                       f"does not describe the trained model ({option('config', meta='DIR')})")
+        raise BadInput(
+            f"{state.path}: the piece of {name} is {list(value.shape)}, but the other ranks' pieces split the "
+            f"model's shape {list(expected)} along dim {best}, which gives rank {state.rank} "
+            f"{list(chunk_shape(best, index))}; the file does not belong with the others, or config.json "
+            f"does not describe the trained model ({option('config', meta='DIR')})"
+        )
     state = pieces[0][0]
-    raise BadInput(f"{state.path}: the pieces of {name} ({_listed([tuple(v.shape) for _, v in pieces])} on the "
-                   f"{len(pieces)} ranks) do not make the model's shape {list(expected)} along any one dimension; "
-                   f"check that config.json describes the trained model ({option('config', meta='DIR')})")
+    raise BadInput(
+        f"{state.path}: the pieces of {name} ({_listed([tuple(v.shape) for _, v in pieces])} on the "
+        f"{len(pieces)} ranks) do not make the model's shape {list(expected)} along any one dimension; "
+        f"check that config.json describes the trained model ({option('config', meta='DIR')})"
+    )
 
 
 def _concatenate_to(shapes: list[tuple], expected: tuple, dim: int) -> bool:

@@ -7,22 +7,24 @@ are compared with the one read); plain tensors next to DTensors are whole on eve
 (buffers; the copies are compared); in files with no DTensor at all, plain_pieces decides
 per tensor between whole copies and torch.chunk pieces.
 """
+
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable
+from typing import Any
 
+from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .local_pieces import local_source as _local_source
 from .local_pieces import replica_copies, whole_copies
 from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
-from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .storage_sources import StorageSources
-from .._parsing.torch_zip import TorchZip
 
 
 @dataclass
@@ -42,9 +44,13 @@ def whole_state_dict(whole, path: str) -> dict:
     return whole
 
 
-def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[Any, str], dict],
-                     sharded_tensors: bool = False, unpickled: dict[str, Any] | None = None,
-                     keep_whole: bool = True) -> list[RankState]:
+def load_rank_states(
+    rank_paths: list[tuple[int, str]],
+    model_part: Callable[[Any, str], dict],
+    sharded_tensors: bool = False,
+    unpickled: dict[str, Any] | None = None,
+    keep_whole: bool = True,
+) -> list[RankState]:
     """Each rank's file; ShardedTensors (FSDP1) are refused unless the reader handles them itself.
 
     `unpickled`: {path: object} of files the reader already unpickled (detection reads rank 0 once).
@@ -69,8 +75,11 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
                 tensors[key] = value
             elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
                 archive.close()
-                hint = (f"FSDP1 flat parameters: read them with {option('layout', 'fsdp1-flat')}" if str(name).endswith("_flat_param")
-                        else "FSDP1 SHARDED_STATE_DICT rank files are not supported yet")
+                hint = (
+                    f"FSDP1 flat parameters: read them with {option('layout', 'fsdp1-flat')}"
+                    if str(name).endswith("_flat_param")
+                    else "FSDP1 SHARDED_STATE_DICT rank files are not supported yet"
+                )
                 raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
             else:
                 skipped.append(str(name))
@@ -105,7 +114,9 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
         for name, value in state.tensors.items():
             columns[name].append(value)
             if type(value) is DTensorRef:
-                source, offset = _local_source(state, name, value.local, sources) if prod(value.local.shape) else (-1, 0)
+                source, offset = (
+                    _local_source(state, name, value.local, sources) if prod(value.local.shape) else (-1, 0)
+                )
                 located[name][0].append(source)
                 located[name][1].append(offset)
     for name, values in columns.items():
@@ -124,7 +135,9 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
         tensors, copies, notes = plan_plain_tensors(list(states[0].tensors), states, config_dir, sources)
     skipped = sorted({k for s in states for k in s.skipped})
     if skipped:
-        notes.append(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+        notes.append(
+            f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+        )
     return MergePlan(layout, world, sources.buffers, tensors, notes, copies=copies)
 
 
@@ -178,8 +191,9 @@ class _Wheres:
         return f"{self.pieces[i][0].path}: {self.name}"
 
 
-def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts,
-                  located: tuple[array, array]) -> tuple[TensorPlan, list[DTensorLayout]]:
+def _plan_dtensor(
+    name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts, located: tuple[array, array]
+) -> tuple[TensorPlan, list[DTensorLayout]]:
     """The tensor's plan, and each piece's layout. (The loops run once per tensor per rank: a
     million times at 1,024 ranks, so the checks are direct and messages are made only when needed.)"""
     first_state, first = pieces[0]
@@ -191,20 +205,29 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_l
     holders: dict[tuple[int, ...], list[str]] = {}
     for i, (state, value) in enumerate(pieces):
         layout = value.spec if type(value.spec) is DTensorLayout else spec_layouts.of(value.spec, lambda i=i: wheres[i])
-        if value.local.dtype != dtype or (layout is not reference and (
-                layout.global_shape != reference.global_shape or layout.placements != reference.placements
-                or layout.mesh_shape != reference.mesh_shape)):
+        if value.local.dtype != dtype or (
+            layout is not reference
+            and (
+                layout.global_shape != reference.global_shape
+                or layout.placements != reference.placements
+                or layout.mesh_shape != reference.mesh_shape
+            )
+        ):
             _disagreement(wheres[i], layout, value, reference, first, first_state)
         if layout.mesh_rank is not None and layout.mesh_rank != state.rank:
-            raise BadInput(f"{wheres[i]}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
-                           "are two files copies of one rank?")
+            raise BadInput(
+                f"{wheres[i]}: its DeviceMesh says rank {layout.mesh_rank} saved it, not rank {state.rank}; "
+                "are two files copies of one rank?"
+            )
         same = holders.get(layout.coordinate)
         if same is None:
             holders[layout.coordinate] = [state.path]
         else:
             same.append(state.path)
             if len(same) > copies:
-                raise BadInput(f"{wheres[i]}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?")
+                raise BadInput(
+                    f"{wheres[i]}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?"
+                )
         layouts.append(layout)
     reading = choose_reading(layouts, [value.local.shape for _, value in pieces], wheres)
     extents: list[Extent] = []
@@ -214,8 +237,10 @@ def _plan_dtensor(name: str, pieces, world: int, sources: StorageSources, spec_l
         runs = layout.local_extents(reading)
         if not runs or not layout.primary or (copies > 1 and holders[layout.coordinate][0] != state.path):
             continue
-        extents += [Extent(source, offset + src, count, dst, n, src_stride, dst_stride)
-                    for src, count, dst, n, src_stride, dst_stride in runs]
+        extents += [
+            Extent(source, offset + src, count, dst, n, src_stride, dst_stride)
+            for src, count, dst, n, src_stride, dst_stride in runs
+        ]
     _check_coverage(name, reference.global_shape, extents, first_state.path)
     return TensorPlan(name, reference.global_shape, dtype, dtype, extents), layouts
 
@@ -237,8 +262,10 @@ def _copies_per_coordinate(layout, world: int, where: str) -> int:
     on a sub-mesh (mesh["dp"] of a dp x tp mesh), whose pieces repeat across the other dims."""
     ranks = prod(layout.mesh_shape)
     if layout.mesh_world is not None and layout.mesh_world != world:
-        raise BadInput(f"{where}: its DeviceMesh belongs to a mesh of {layout.mesh_world} ranks but the folder holds "
-                       f"{world} rank files; all rank files of one checkpoint are needed")
+        raise BadInput(
+            f"{where}: its DeviceMesh belongs to a mesh of {layout.mesh_world} ranks but the folder holds "
+            f"{world} rank files; all rank files of one checkpoint are needed"
+        )
     if ranks == world:
         return 1
     if ranks > world or world % ranks:
@@ -268,4 +295,6 @@ def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
 def _check_coverage(name: str, shape, extents: list[Extent], where: str) -> None:
     # Distinct coordinates of a full mesh tile the tensor exactly; this catches anything else.
     if sum(e.numel for e in extents) != prod(shape):
-        raise BadInput(f"{where}: the pieces of {name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements")
+        raise BadInput(
+            f"{where}: the pieces of {name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements"
+        )

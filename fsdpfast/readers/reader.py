@@ -4,10 +4,11 @@ A reader module ends with `READER = Reader(...)`; readers/__init__.py lists them
 line's layout options and --help are generated from that list, so a new layout is one module and
 one line there.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..plan.model import MergePlan
 

@@ -9,20 +9,27 @@ another step) leaves ranks of two steps in one folder: refused, naming the files
 Only small pickles and one 0-d tensor per file are read; a rank whose model file was rewritten
 but whose other files were not cannot be told from the files.
 """
+
 from __future__ import annotations
 
 import os
 import struct
 
-from ..errors import BadInput, UnsafeCheckpoint
 from .._parsing.safe_load import TensorRef, safe_unpickle
 from .._parsing.torch_zip import TorchZip
+from ..errors import BadInput, UnsafeCheckpoint
 
 # verl's extra state pickles numpy's RNG state (an ndarray): inert records here, like everything else.
-_NUMPY_RECORDS = frozenset({
-    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
-    "numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar",
-})
+_NUMPY_RECORDS = frozenset(
+    {
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy._core.multiarray.scalar",
+        "numpy.core.multiarray.scalar",
+    }
+)
 _SCALARS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "float16": "<e"}
 
 
@@ -43,8 +50,10 @@ def check_same_step(folder: str, world: int) -> str | None:
                 steps[path] = step
         if len(set(steps.values())) > 1:
             (path_a, a), (path_b, b) = _first_two_different(steps)
-            raise BadInput(f"{path_a} records {a} but {path_b} records {b}: the rank files come from two saves "
-                           "(a save that crashed part way?); merge the files of one complete save")
+            raise BadInput(
+                f"{path_a} records {a} but {path_b} records {b}: the rank files come from two saves "
+                "(a save that crashed part way?); merge the files of one complete save"
+            )
         if steps:
             what = next(iter(steps.values()))
             note = f"the {len(steps)} {kind} files agree on the training step ({what})"

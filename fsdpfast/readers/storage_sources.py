@@ -1,9 +1,10 @@
 """The plan's source buffers for tensors read from torch.save archives: one per (file, storage record)."""
+
 from __future__ import annotations
 
-from ..plan.model import SourceBuffer
 from .._parsing.safe_load import TensorRef
 from .._parsing.torch_zip import TorchZip
+from ..plan.model import SourceBuffer
 
 
 class StorageSources:

@@ -16,6 +16,7 @@ then writes:
 Needs deepspeed (installed with DS_BUILD_OPS=0; the CPU accelerator JIT-builds one small
 shared-memory op on first use) and transformers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,15 @@ def write_deepspeed_checkpoints(base: str, specs: list[DeepSpeedSpec], world_siz
 
 
 def _rank_main(rank: int, world_size: int, port: int, base: str, specs: list[DeepSpeedSpec]) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     import deepspeed
     import deepspeed.comm as dist
@@ -95,7 +103,9 @@ def _ds_config(spec: DeepSpeedSpec) -> dict:
 def _write_one(rank: int, base: str, spec: DeepSpeedSpec) -> None:
     import deepspeed
 
-    example = CheckpointSpec(spec.name, model="llama-tied" if spec.tied else "llama", buffer=spec.buffer, seed=spec.seed)
+    example = CheckpointSpec(
+        spec.name, model="llama-tied" if spec.tied else "llama", buffer=spec.buffer, seed=spec.seed
+    )
     model = build_model(example)
     if spec.frozen:
         for name, param in model.named_parameters():
@@ -163,7 +173,8 @@ def _write_oracle(base: str, spec: DeepSpeedSpec) -> None:
             result["state_dict"] = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(spec.root(base))
             if spec.frozen:  # zero_to_fp32 --exclude_frozen_parameters
                 result["excluding_frozen"] = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
-                    spec.root(base), exclude_frozen_parameters=True)
+                    spec.root(base), exclude_frozen_parameters=True
+                )
     except Exception as exc:  # recorded: the tests show where fsdpfast does better
         result["error"] = f"{type(exc).__name__}: {exc}"
     with tempfile.TemporaryDirectory() as out:

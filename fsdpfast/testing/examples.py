@@ -8,6 +8,7 @@ merge can be checked bit for bit against the model the shards came from.
 
 Needs transformers (the `demo` / `test` extras).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,15 +59,28 @@ def model_config(spec: CheckpointSpec):
     import transformers
 
     if spec.model.startswith("llama"):
-        base = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
-                    tie_word_embeddings=spec.model == "llama-tied")
+        base = dict(
+            hidden_size=64,
+            intermediate_size=88,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=101,
+            max_position_embeddings=64,
+            tie_word_embeddings=spec.model == "llama-tied",
+        )
         # `architectures` as a model's save_pretrained records it; a model with an extra probe buffer
         # keeps a bare config's None, so the check covers the base model and leaves the buffer alone
         return transformers.LlamaConfig(**{**base, **spec.sizes}, architectures=_named(spec, "LlamaForCausalLM"))
     if spec.model == "bert":
-        base = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                    vocab_size=103, max_position_embeddings=40)
+        base = dict(
+            hidden_size=48,
+            intermediate_size=72,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=103,
+            max_position_embeddings=40,
+        )
         return transformers.BertConfig(**{**base, **spec.sizes}, architectures=_named(spec, "BertForMaskedLM"))
     raise ValueError(f"unknown example model {spec.model!r}")
 
@@ -98,7 +112,9 @@ def spawn_writers(root: str, specs: list, world_size: int, write_one, backend: s
     import torch.multiprocessing as mp
 
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_writer_rank, args=(world_size, _free_port(), root, specs, write_one, backend), nprocs=world_size, join=True)
+    mp.spawn(
+        _writer_rank, args=(world_size, _free_port(), root, specs, write_one, backend), nprocs=world_size, join=True
+    )
 
 
 def _writer_rank(rank: int, world_size: int, port: int, root: str, specs: list, write_one, backend: str) -> None:
@@ -175,7 +191,9 @@ def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> N
         state_owner = torch.compile(_Outer(model))
     state = _state_to_save(state_owner, spec)
     _save_rank(folder, rank, world_size, spec, state, trained)
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
     if rank == 0:
         torch.save({"state_dict": full, "tied": _tied_names(model)}, spec.reference_path(root))
         torch.save(logits, spec.logits_path(root))
@@ -225,8 +243,9 @@ def _train_one_step(model, spec: CheckpointSpec, runner=None) -> None:
     ids = torch.randint(0, vocab, (2, 9), generator=generator)
     if step == 0:  # kept for the layouts that save optimizer (and scheduler) state
         model._fsdpfast_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model._fsdpfast_scheduler = (torch.optim.lr_scheduler.LambdaLR(model._fsdpfast_optimizer, _warmup)
-                                     if spec.verl_files else None)
+        model._fsdpfast_scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(model._fsdpfast_optimizer, _warmup) if spec.verl_files else None
+        )
     optimizer = model._fsdpfast_optimizer
     loss = (runner or model)(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -295,9 +314,13 @@ def _save_verl_extras(folder: str, rank: int, world_size: int, model) -> None:
 
     import numpy
 
-    torch.save(model._fsdpfast_optimizer.state_dict(), os.path.join(folder, f"optim_world_size_{world_size}_rank_{rank}.pt"))
-    extra = {"lr_scheduler": model._fsdpfast_scheduler.state_dict(),
-             "rng": {"cpu": torch.get_rng_state(), "numpy": numpy.random.get_state(), "random": random.getstate()}}
+    torch.save(
+        model._fsdpfast_optimizer.state_dict(), os.path.join(folder, f"optim_world_size_{world_size}_rank_{rank}.pt")
+    )
+    extra = {
+        "lr_scheduler": model._fsdpfast_scheduler.state_dict(),
+        "rng": {"cpu": torch.get_rng_state(), "numpy": numpy.random.get_state(), "random": random.getstate()},
+    }
     torch.save(extra, os.path.join(folder, f"extra_state_world_size_{world_size}_rank_{rank}.pt"))
 
 

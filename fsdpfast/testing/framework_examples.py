@@ -20,6 +20,7 @@
 Rank 0 also saves the unsharded model gathered in the writing process (FSDP2 `full_tensor()`,
 FSDP1 FULL_STATE_DICT) as the reference a merge must equal bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,14 @@ def write_framework_checkpoints(root: str, specs: list[FrameworkSpec], world_siz
 
 def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[FrameworkSpec]) -> None:
     # What `accelerate launch` / torchrun put in each rank's environment; accelerate reads it.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     serve_rank(rank, world_size, port, "gloo", [partial(_write_one, rank, root, spec) for spec in specs])
 
 
@@ -83,6 +90,7 @@ def _write_one(rank: int, root: str, spec: FrameworkSpec) -> None:
 
 # ---- accelerate and the Trainer ---------------------------------------------------------------
 
+
 def _accelerator(fsdp_version: int, state_dict_type: str):
     """An Accelerator that runs FSDP on the CPU: what accelerate's launcher would select on GPUs."""
     from accelerate import Accelerator
@@ -91,8 +99,12 @@ def _accelerator(fsdp_version: int, state_dict_type: str):
 
     accelerator = Accelerator(cpu=True)
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=fsdp_version, state_dict_type=state_dict_type, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False)
+        fsdp_version=fsdp_version,
+        state_dict_type=state_dict_type,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        cpu_ram_efficient_loading=False,
+    )
     # PartialState's shared state is copied into AcceleratorState's whenever one is constructed
     # (accelerate constructs them internally), so both are set.
     for state in (PartialState(), accelerator.state):
@@ -110,7 +122,9 @@ def _prepared_model(accelerator, spec: FrameworkSpec, seed: int):
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     else:  # FSDP2 swaps the optimizer's parameters itself
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ids = torch.randint(0, model_config(example).vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 + seed))
+    ids = torch.randint(
+        0, model_config(example).vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 + seed)
+    )
     accelerator.backward(model(input_ids=ids, labels=ids).loss)
     optimizer.step()
     optimizer.zero_grad()
@@ -156,14 +170,21 @@ def _full_state_dict(model, fsdp_version: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     if fsdp_version == 2:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        }
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    ):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ---- torchtitan ---------------------------------------------------------------------------------
+
 
 class _TrainState:
     """torchtitan's Trainer hands itself to the checkpoint manager as `train_state`; this is its state_dict."""
@@ -194,16 +215,26 @@ def _torchtitan(rank: int, root: str, spec: FrameworkSpec) -> None:
     fully_shard(model, mesh=mesh)
     optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=2)
-    ids = torch.randint(0, model_config(example).vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 + spec.seed))
+    ids = torch.randint(
+        0, model_config(example).vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 + spec.seed)
+    )
     model(input_ids=ids, labels=ids).loss.backward()
     optimizers.step()
     schedulers.step()
     optimizers.zero_grad()
-    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=True,
-                                      export_dtype="bfloat16")
-    manager = CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=schedulers, states={"train_state": _TrainState(1)}, sd_adapter=None,
-                                base_folder=spec.root(root))
+    config = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=1, last_save_model_only=True, export_dtype="bfloat16"
+    )
+    manager = CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": _TrainState(1)},
+        sd_adapter=None,
+        base_folder=spec.root(root),
+    )
     try:
         manager.save(curr_step=1)  # resumable: model, optimizer, lr_scheduler, dataloader, train_state
         manager.save(curr_step=2, last_step=True)  # the last step: the model alone, in bfloat16

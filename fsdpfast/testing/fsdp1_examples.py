@@ -9,6 +9,7 @@ saves `model.state_dict()` under `StateDictType.LOCAL_STATE_DICT` as accelerate 
 (`pytorch_model_fsdp_rank{r}.bin`). Rank 0 also saves FSDP1's own FULL_STATE_DICT as the
 reference the merge must equal bit for bit.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,16 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _tied_names, _train_one_step, _write_hf_files, build_model, name_architecture, serve_rank
+from .examples import (
+    CheckpointSpec,
+    _free_port,
+    _tied_names,
+    _train_one_step,
+    _write_hf_files,
+    build_model,
+    name_architecture,
+    serve_rank,
+)
 
 FILE_NAME = "pytorch_model_fsdp_rank{rank}.bin"  # accelerate's name for LOCAL_STATE_DICT rank files
 
@@ -39,7 +49,9 @@ class Fsdp1Spec:
         return os.path.join(root, f"{self.name}.reference.pt")
 
 
-def write_fsdp1_checkpoints(root: str, specs: list[Fsdp1Spec], world_size: int, device: str = "cpu", backend: str = "gloo") -> None:
+def write_fsdp1_checkpoints(
+    root: str, specs: list[Fsdp1Spec], world_size: int, device: str = "cpu", backend: str = "gloo"
+) -> None:
     """Write every spec's checkpoint with `world_size` spawned ranks (one process group for all).
 
     `device` "cuda": rank r runs on GPU r % count (benchmarks/fsdp1_real_check.py).
@@ -50,7 +62,9 @@ def write_fsdp1_checkpoints(root: str, specs: list[Fsdp1Spec], world_size: int, 
     mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs, device, backend), nprocs=world_size, join=True)
 
 
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Fsdp1Spec], device_kind: str, backend: str) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, root: str, specs: list[Fsdp1Spec], device_kind: str, backend: str
+) -> None:
     device = torch.device("cpu")
     if device_kind == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -66,7 +80,8 @@ def wrap_classes(model, names: tuple[str, ...]) -> set[type]:
 
 def write_one(rank: int, root: str, spec: Fsdp1Spec, device: torch.device) -> None:
     """One spec's rank file (and, on rank 0, the reference and the huggingface/ folder)."""
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     folder = spec.folder(root)
@@ -74,8 +89,12 @@ def write_one(rank: int, root: str, spec: Fsdp1Spec, device: torch.device) -> No
     example = CheckpointSpec(spec.name, model=spec.model, dtype=spec.dtype, seed=spec.seed)
     model = build_model(example)
     tied = _tied_names(model)
-    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(wrap_classes(model, spec.wrap)),
-                use_orig_params=spec.use_orig_params, device_id=device)
+    fsdp = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(wrap_classes(model, spec.wrap)),
+        use_orig_params=spec.use_orig_params,
+        device_id=device,
+    )
     _train_one_step(fsdp, example)
     with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
         local = fsdp.state_dict()
@@ -89,4 +108,3 @@ def write_one(rank: int, root: str, spec: Fsdp1Spec, device: torch.device) -> No
         hf = os.path.join(folder, "huggingface")
         _write_hf_files(hf, example)
         name_architecture(os.path.join(hf, "config.json"), type(model).__name__)
-

@@ -7,6 +7,7 @@ save_pretrained makes (`live/`), the verl-style rank files of the same model for
 usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
 ended in `outcome-{rank}.json`, so a test can check that a rank's failure failed them all.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,18 +51,22 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Liv
 
 
 def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
-    import fsdpfast
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    import fsdpfast
+
     folder = spec.folder(root)
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
     base = spec.as_checkpoint_spec()
     model = build_model(base)
-    mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if spec.hsdp
-            else init_device_mesh("cpu", (world_size,)))
+    mesh = (
+        init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        if spec.hsdp
+        else init_device_mesh("cpu", (world_size,))
+    )
     placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
     for layer in _layers(model):
         fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
@@ -74,8 +79,9 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
         model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
     try:
-        report = fsdpfast.save_pretrained(model, os.path.join(folder, "live"), dtype=spec.save_dtype,
-                                          max_shard_size=spec.max_shard_size)
+        report = fsdpfast.save_pretrained(
+            model, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size
+        )
         outcome = {"ok": True, "files": report.files, "tied": report.tied}
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -21,6 +21,7 @@ back the same).
 
     python -m fsdpfast.testing.many_ranks OUT --model 8B --world-size 1024 [--layout dcp] [--ranks 0:512]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,22 @@ class LlamaShape:
 
     def config(self) -> dict:
         """config.json as Hugging Face writes it for this shape."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
-                "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
-                "tie_word_embeddings": self.tied, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-                "rope_theta": 500000.0, "hidden_act": "silu", "torch_dtype": "float32"}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tied,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
 
 
 # Llama 3 / 3.1 / 3.2 sizes; TINY is the tests' size (hidden 64, 2 layers, vocab 101).
@@ -84,7 +96,12 @@ def build(shape: LlamaShape, device: str, dtype: torch.dtype, seed: int | None =
         attn.v_proj, attn.o_proj = linear(shape.hidden, shape.kv_heads * head), linear(shape.heads * head, shape.hidden)
         mlp.gate_proj, mlp.up_proj = linear(shape.hidden, shape.intermediate), linear(shape.hidden, shape.intermediate)
         mlp.down_proj = linear(shape.intermediate, shape.hidden)
-        module.self_attn, module.mlp, module.input_layernorm, module.post_attention_layernorm = attn, mlp, norm(), norm()
+        module.self_attn, module.mlp, module.input_layernorm, module.post_attention_layernorm = (
+            attn,
+            mlp,
+            norm(),
+            norm(),
+        )
         return module
 
     model, inner = nn.Module(), nn.Module()
@@ -158,8 +175,16 @@ def unsharded_state(shape: LlamaShape, dtype: torch.dtype, seed: int = 0) -> dic
     return {name: tensor.detach().clone() for name, tensor in build(shape, "cpu", dtype, seed).state_dict().items()}
 
 
-def write_fsdp_ranks(folder: str, shape: LlamaShape, world: int, ranks=None, data: str = "sparse",
-                     dtype: torch.dtype = torch.float32, seed: int = 0, fast_chunks: bool = True) -> None:
+def write_fsdp_ranks(
+    folder: str,
+    shape: LlamaShape,
+    world: int,
+    ranks=None,
+    data: str = "sparse",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    fast_chunks: bool = True,
+) -> None:
     """verl's rank files `model_world_size_{W}_rank_{r}.pt` for `ranks` (default all).
 
     `fast_chunks`: FSDP2 finds a rank's piece by cutting each parameter into `world` views
@@ -190,8 +215,15 @@ def write_config(folder: str, shape: LlamaShape) -> None:
         json.dump(shape.config(), f, indent=2)
 
 
-def write_dcp(folder: str, shape: LlamaShape, world: int, data: str = "sparse", dtype: torch.dtype = torch.float32,
-              seed: int = 0, fast_chunks: bool = True) -> None:
+def write_dcp(
+    folder: str,
+    shape: LlamaShape,
+    world: int,
+    data: str = "sparse",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    fast_chunks: bool = True,
+) -> None:
     """A DCP folder, saved the way `torch.distributed.checkpoint.save` saves with `world` ranks:
     its four steps run here in turn for every rank (two passes over the ranks: the global plan
     needs every rank's local plan before any rank writes)."""
@@ -204,7 +236,9 @@ def write_dcp(folder: str, shape: LlamaShape, world: int, data: str = "sparse", 
 
     def set_up(rank: int, model):
         planner, writer = DefaultSavePlanner(), FileSystemWriter(folder, sync_files=False)
-        planner.set_up_planner(state_dict=model.state_dict(), storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        planner.set_up_planner(
+            state_dict=model.state_dict(), storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+        )
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
         return planner, writer
 

@@ -18,6 +18,7 @@ before peft wrapped it (LoRA training never changes it). A LoRA-only spec also g
 
 Needs transformers and peft (the `test` extra).
 """
+
 from __future__ import annotations
 
 import copy
@@ -65,8 +66,14 @@ def write_peft_checkpoints(root: str, specs: list[PeftSpec], world_size: int) ->
 def lora_config(spec: PeftSpec, **fields):
     import peft
 
-    base = dict(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=list(spec.targets), task_type="CAUSAL_LM",
-                init_lora_weights=False, lora_dropout=0.0)
+    base = dict(
+        r=spec.r,
+        lora_alpha=spec.lora_alpha,
+        target_modules=list(spec.targets),
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     return peft.LoraConfig(**{**base, **spec.extras, **fields})
 
 
@@ -111,7 +118,9 @@ def write_one(rank: int, world_size: int, root: str, spec: PeftSpec) -> None:
         torch.save(payload, os.path.join(folder, f"model_pt_rank_{rank}.pt"))
     else:
         torch.save(state, os.path.join(folder, f"model_world_size_{world_size}_rank_{rank}.pt"))
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
     if rank == 0:
         _write_references(root, spec, full, logits)
         _write_verl_files(folder, spec, world_size, model)
@@ -131,8 +140,15 @@ def _deepspeed_rank_main(rank: int, world_size: int, port: int, root: str, specs
 
     from .examples import exit_rank
 
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     import deepspeed
     from deepspeed.utils import logger
@@ -141,19 +157,26 @@ def _deepspeed_rank_main(rank: int, world_size: int, port: int, root: str, specs
     deepspeed.init_distributed(dist_backend="gloo")
     for spec in specs:
         model, _ = build_peft_model(spec)
-        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1_000_000,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-                  "zero_optimization": {"stage": int(spec.layout[-1])}}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 1_000_000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": int(spec.layout[-1])},
+        }
         with contextlib.redirect_stdout(io.StringIO()):
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                              config=config)
+            engine, *_ = deepspeed.initialize(
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
+            )
         generator = torch.Generator().manual_seed(1000 + spec.seed)
         ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=generator)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         engine.save_checkpoint(spec.folder(root))
         logits = _logits_per_adapter(model, spec)
-        full = {k: v.detach().clone() for k, v in model.state_dict().items()}  # ZeRO 1/2: every rank holds the module whole
+        full = {
+            k: v.detach().clone() for k, v in model.state_dict().items()
+        }  # ZeRO 1/2: every rank holds the module whole
         if rank == 0:
             _write_references(root, spec, full, logits)
             _write_verl_files(spec.folder(root), spec, world_size, model)
@@ -193,12 +216,29 @@ def _write_references(root: str, spec: PeftSpec, full: dict, logits: dict) -> No
     plain = build_model(example)  # as it was before peft wrapped it: LoRA training never changes it
     frozen = {k: v.clone() for k, v in plain.state_dict().items()}
     model.load_state_dict(full, strict=True)
-    adapters = {name: {k: v.clone() for k, v in peft.get_peft_model_state_dict(
-        model, adapter_name=name, save_embedding_layers=False).items()} for name in logits}
-    merged = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload(adapter_names=list(spec.merged)).state_dict().items()}
+    adapters = {
+        name: {
+            k: v.clone()
+            for k, v in peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False).items()
+        }
+        for name in logits
+    }
+    merged = {
+        k: v.clone()
+        for k, v in copy.deepcopy(model).merge_and_unload(adapter_names=list(spec.merged)).state_dict().items()
+    }
     configs = {name: config.to_dict() for name, config in model.peft_config.items()}
-    torch.save({"full": full, "logits": logits, "adapters": adapters, "base": frozen, "merged": merged,
-                "configs": json.loads(json.dumps(configs, default=_jsonable))}, spec.reference_path(root))
+    torch.save(
+        {
+            "full": full,
+            "logits": logits,
+            "adapters": adapters,
+            "base": frozen,
+            "merged": merged,
+            "configs": json.loads(json.dumps(configs, default=_jsonable)),
+        },
+        spec.reference_path(root),
+    )
     if spec.lora_only:  # the base model folder a user gives as --base
         plain.config.architectures = [type(plain).__name__]
         plain.save_pretrained(spec.base_folder(root))

@@ -12,6 +12,7 @@ Rank 0 writes verl's lora_train_meta.json (or peft's adapter_config.json), huggi
 the references of peft_examples, taken from FSDP1's own FULL_STATE_DICT of the live model and
 the live model's logits.
 """
+
 from __future__ import annotations
 
 import os

@@ -16,6 +16,7 @@ One AdamW step changes every weight; then the same state is saved three ways: ea
 per-rank dicts (`guide/`), and a torch.distributed.checkpoint save (`dcp/`). Rank 0 saves the
 unsharded model gathered with `full_tensor()` as the reference.
 """
+
 from __future__ import annotations
 
 import os
@@ -105,8 +106,11 @@ def write_one(rank: int, world_size: int, root: str, spec: TpSpec) -> None:
     for folder in (spec.ranks_folder(root), spec.guide_folder(root)):
         os.makedirs(folder, exist_ok=True)
     torch.save(state, os.path.join(spec.ranks_folder(root), f"model_world_size_{world_size}_rank_{rank}.pt"))
-    guide = {"state_dict": state, "optimizer_state": optimizer.state_dict(),
-             "metadata": {"world_size": world_size, "rank": rank, "mesh": list(spec.mesh)}}
+    guide = {
+        "state_dict": state,
+        "optimizer_state": optimizer.state_dict(),
+        "metadata": {"world_size": world_size, "rank": rank, "mesh": list(spec.mesh)},
+    }
     torch.save(guide, os.path.join(spec.guide_folder(root), f"model_pt_rank_{rank}.pt"))
     if spec.dcp:
         dcp.save(state, checkpoint_id=spec.dcp_folder(root))
