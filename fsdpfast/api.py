@@ -331,14 +331,12 @@ def _prepare(
     **options,
 ) -> MergeJob:
     """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
-    parse_dtype(dtype)
     check_engine_name(engine)
-    check_output_place(dst, src, config)
-    if base:
-        check_output_place(dst, os.fspath(base), None)
-    plan = plan_merge(
+    plan, files = _plan_and_lay_out(
         src,
+        dst,
         dtype=dtype,
+        max_shard_size=max_shard_size,
         layout=layout,
         config=config,
         allow_extra_tensors=allow_extra_tensors,
@@ -348,10 +346,6 @@ def _prepare(
         base=base,
         **options,
     )
-    lora_output.check_writable(plan)
-    files = (
-        plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
-    )  # LoRA-only: the adapter alone
     runner = select_engine(engine, job_kind(plan.tensors), threads_share=local_processes())
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
@@ -366,6 +360,19 @@ def _prepare(
         runner,
         LocalTarget(dst, overwrite),
     )
+
+
+def _plan_and_lay_out(src: str, dst: str, *, dtype, max_shard_size, config, base, **plan_args):
+    """What merge and dry_run both do first: check the output's place, plan, and lay out the files
+    (none for a LoRA-only checkpoint: its adapter alone is written)."""
+    parse_dtype(dtype)
+    check_output_place(dst, src, os.fspath(config) if config else None)
+    if base:
+        check_output_place(dst, os.fspath(base), None)
+    plan = plan_merge(src, dtype=dtype, config=config, base=base, **plan_args)
+    lora_output.check_writable(plan)
+    files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
+    return plan, files
 
 
 def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool) -> list:
@@ -450,11 +457,11 @@ def dry_run(
     **options,
 ) -> dict:
     """What `merge` would write (files, each tensor's file, offset, bytes, dtype), writing nothing."""
-    parse_dtype(dtype)
-    check_output_place(os.fspath(dst), os.fspath(src), os.fspath(config) if config else None)
-    plan = plan_merge(
-        src,
+    plan, files = _plan_and_lay_out(
+        os.fspath(src),
+        os.fspath(dst),
         dtype=dtype,
+        max_shard_size=max_shard_size,
         layout=layout,
         config=config,
         allow_extra_tensors=allow_extra_tensors,
@@ -464,8 +471,6 @@ def dry_run(
         base=base,
         **options,
     )
-    lora_output.check_writable(plan)
-    files = plan_files(plan, max_shard_size) if plan.tensors or not plan.adapters else []
     files += [replace(f, name=name) for name, f in lora_output.dry_run_files(plan)]
     return {
         "checkpoint": os.fspath(src),

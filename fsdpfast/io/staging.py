@@ -352,16 +352,18 @@ def copy_config_files(config_dir: str, target, torch_dtype: str | None) -> list[
 
 def write_built_config(config: dict, target, torch_dtype: str | None) -> list[str]:
     """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
-    target.write_json("config.json", {**config, "dtype": torch_dtype} if torch_dtype else config)
+    target.write_json("config.json", with_dtype(config, torch_dtype) if torch_dtype else config)
     return ["config.json"]
 
 
-def _config_with_dtype(source: str, torch_dtype: str) -> dict:
-    config = load_config(source)
+def with_dtype(config: dict, torch_dtype: str) -> dict:
+    """The config with its dtype entry (`dtype`, or transformers 4's `torch_dtype`) set to what was written."""
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
-    for key in keys:
-        config[key] = torch_dtype
-    return config
+    return {**config, **dict.fromkeys(keys, torch_dtype)}
+
+
+def _config_with_dtype(source: str, torch_dtype: str) -> dict:
+    return with_dtype(load_config(source), torch_dtype)
 
 
 def _fsync_dir(path: str) -> None:

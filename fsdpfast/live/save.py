@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..execute.parts import tensor_checksums
 from ..group import MergeGroup
-from ..io.staging import JoinedTarget, LocalTarget
+from ..io.staging import JoinedTarget, LocalTarget, with_dtype
 from ..manifest import MANIFEST_NAME, build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
@@ -123,9 +123,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
     if len(files) > 1:
         target.write_json("model.safetensors.index.json", index_json(files))
     if config is not None:
-        written = dtype or _dtype_of(plan)
-        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
-        target.write_json("config.json", {**config, **{k: written for k in keys}})
+        target.write_json("config.json", with_dtype(config, dtype or _dtype_of(plan)))
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "to_dict"):
         target.write_json("generation_config.json", generation.to_dict())

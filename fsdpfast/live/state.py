@@ -22,6 +22,7 @@ from ..dtypes import target_dtype
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
+from ..readers.placements import chunk_span
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
 
@@ -103,19 +104,13 @@ def local_run(value, rank: int) -> tuple[int, object] | None:
     if not sharding:
         return (0, local) if all(c == 0 for c in coordinate) else None
     mesh_dim = sharding[0][0]
-    rows = _chunk_start(value.shape[0], mesh.size(mesh_dim), coordinate[mesh_dim])
+    rows, _ = chunk_span(value.shape[0], mesh.size(mesh_dim), coordinate[mesh_dim])  # FSDP2 splits as torch.chunk
     if local.shape[1:] != value.shape[1:] or rows + local.shape[0] > value.shape[0]:
         raise BadInput(
             f"save_pretrained: a local shard of shape {tuple(local.shape)} does not fit rows from {rows} of "
             f"{tuple(value.shape)}: not torch.chunk's split; save a checkpoint and merge it instead"
         )
     return rows * prod(value.shape[1:]), local
-
-
-def _chunk_start(size: int, parts: int, index: int) -> int:
-    """Where piece `index` starts when torch.chunk splits `size` rows into `parts` (as FSDP2 shards)."""
-    piece = -(-size // parts) if size else 0
-    return min(index * piece, size)
 
 
 def _same_values(a, b) -> bool:
@@ -133,7 +128,8 @@ def _same_values(a, b) -> bool:
     if a.placements != b.placements:
         return False
     same = torch.tensor([int(torch.equal(a.to_local(), b.to_local()))])
-    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=None)
+    for mesh_dim in range(a.device_mesh.ndim):  # the tensor's own mesh, which need not be the whole world
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a.device_mesh.get_group(mesh_dim))
     return bool(same.item())
 
 

@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import _ops
-from ..dtypes import itemsize
+from ..dtypes import itemsize, torch_dtype
 from ..execute.parts import Piece
 from ..plan.layout import OutputFile
 from .state import LiveTensor, local_run
@@ -24,7 +24,6 @@ IN_FLIGHT = 2  # buffers cast and waiting to be written, at most
 def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, rank: int) -> list[Piece]:
     """Write what this rank holds of `tensors` (every rank calls this with the same list: redistribution
     is collective); `open_file(name, size)` gives a writable descriptor of an output file."""
-    import torch
 
     where = {p.tensor.name: (f, p) for f in files for p in f.tensors}
     fds: dict[str, int] = {}
@@ -38,7 +37,7 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
                 if run is None or not run[1].numel():
                     continue
                 start, data = run
-                host = data.to(_torch_dtype(torch, placed.tensor.target_dtype)).to("cpu").contiguous()
+                host = data.to(torch_dtype(placed.tensor.target_dtype)).to("cpu").contiguous()
                 if file.name not in fds:
                     fds[file.name] = open_file(file.name, file.size)
                 offset = start * itemsize(placed.tensor.target_dtype)
@@ -70,7 +69,3 @@ def _bytes_of(tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the caller keeps the tensor alive)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _torch_dtype(torch, name: str):
-    return getattr(torch, name)
