@@ -20,7 +20,8 @@ from .local_pieces import local_source as _local_source
 from .local_pieces import replica_copies, whole_copies
 from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
-from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .._parsing.pickle_twins import Twins
+from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef
 from .storage_sources import StorageSources
 from .._parsing.torch_zip import TorchZip
 
@@ -55,9 +56,10 @@ def load_rank_states(rank_paths: list[tuple[int, str]], model_part: Callable[[An
     states = []
     names: dict[str, str] = {}  # one string per tensor name, whatever the number of ranks
     layouts = SpecLayouts()
+    twins = Twins()  # the files pickle one program: read the first, the others as their changes
     for rank, path in rank_paths:
         archive = TorchZip(path)  # read and closed: the storage spans stay, no file stays open
-        whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
+        whole = unpickled[path] if unpickled and path in unpickled else twins.load(archive.pickle_bytes, path)
         archive.close()
         state_dict = model_part(whole, path)
         tensors, skipped = {}, []
