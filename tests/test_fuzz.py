@@ -10,7 +10,7 @@ import pytest
 from fuzz_parsers import (DEEPSPEED_SEED, FSDP1_SEED, READER_TARGETS, SEED_CHECKPOINTS, Seeds, Targets,
                           deepspeed_tag_folder, install_hang_alarm, run_target, strategies)
 
-EXAMPLES = {"unpickle": 300, "pickle_opcodes": 300, "unpicklers_agree": 300, "unpicklers_agree_opcodes": 300, "torch_zip": 150, "dcp_metadata": 100, "safetensors": 100, "merge": 60, "verify": 100,
+EXAMPLES = {"unpickle": 300, "pickle_opcodes": 300, "unpicklers_agree": 300, "unpicklers_agree_opcodes": 300, "twins": 300, "torch_zip": 150, "dcp_metadata": 100, "safetensors": 100, "merge": 60, "verify": 100,
             "verify_header": 100, "verify_manifest": 100}
 READER_EXAMPLES = {"deepspeed_optim": 100, "fsdp1_rank": 60, "dcp_hf_header": 100}
 
