@@ -60,6 +60,7 @@ class _LibcMapping:
         self._array = _owning_array(size).from_address(address)
         self._whole = memoryview(self._array)  # sliced for every view: one export, not one per view
         self._address, self._size = address, size
+        self._madvise = libc.madvise  # called once per consumed buffer: looked up once
 
     def __len__(self) -> int:
         return self._size
@@ -68,8 +69,8 @@ class _LibcMapping:
         return self._whole[start:end]
 
     def release(self, start: int, length: int) -> None:
-        if self._array is not None and hasattr(mmap, "MADV_DONTNEED"):
-            _libc().madvise(self._address + start, length, mmap.MADV_DONTNEED)
+        if self._array is not None and _DONTNEED is not None:
+            self._madvise(self._address + start, length, _DONTNEED)
 
     def close(self) -> None:
         self._whole.release()
@@ -77,6 +78,7 @@ class _LibcMapping:
 
 
 _MAP_FAILED = (1 << 64) - 1  # (void *) -1 as ctypes returns it on a 64-bit platform
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _LIBC = None
 
 
