@@ -116,12 +116,14 @@ def run(code: str, argv: list[str], open_files: int | None) -> Run:
     """`python -m fsdpfast ARGV` with the package at `code`, under a soft open-file limit (None: the hard limit)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = hard if open_files is None else min(open_files, hard)
+    # from a folder of no package: `python -m` puts the current folder first on the path
     return run_measured(
         [
             "prlimit",
             f"--nofile={limit}:{hard}",
             "--",
             "env",
+            f"--chdir={os.path.dirname(code)}",
             f"PYTHONPATH={code}",
             sys.executable,
             "-m",

@@ -84,6 +84,15 @@ py::object pickle_not_plain(const py::buffer& data) {
   return why == nullptr ? py::object(py::none()) : py::object(py::str(why));
 }
 
+py::object pickle_value_changes(const py::buffer& first, const py::buffer& other) {
+  py::buffer_info a = first.request(), b = other.request();
+  std::vector<size_t> changes;
+  if (!fsdpfast::pickle_value_changes(static_cast<const unsigned char*>(a.ptr), size_t(a.size * a.itemsize),
+                                      static_cast<const unsigned char*>(b.ptr), size_t(b.size * b.itemsize), changes))
+    return py::none();
+  return py::cast(changes);
+}
+
 uint32_t crc32c(const py::buffer& data, uint32_t crc) {
   py::buffer_info info = data.request();
   const size_t n = size_t(info.size * info.itemsize);
@@ -111,6 +120,9 @@ PYBIND11_MODULE(_native, m) {
         "holding any destination whole. Returns (CRC-32C per destination, first differing byte per destination or -1).");
   m.def("pickle_not_plain", &pickle_not_plain, py::arg("data"),
         "None if the C unpickler may read this pickle (csrc/pickle_scan.h), else why not.");
+  m.def("pickle_value_changes", &pickle_value_changes, py::arg("first"), py::arg("other"),
+        "The offsets in `first` of the opcodes whose number or string value differs in `other`, if the two plain "
+        "pickles differ in nothing else (csrc/pickle_scan.h); else None.");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("length_b"),

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace fsdpfast {
 
@@ -125,6 +126,68 @@ inline const char* pickle_not_plain(const unsigned char* p, size_t n) {
     }
   }
   return "no STOP";
+}
+
+// Two plain pickles walked side by side (fsdpfast._native.pickle_value_changes): whether they are
+// the same program of opcodes, memo slots and names, differing only in the values of numbers and
+// strings (BININT1, BININT2, BININT, LONG1 of one byte length; BINUNICODE and SHORT_BINUNICODE of one
+// length). Rank files of one checkpoint are (their mesh coordinates, hashes and a few shapes
+// differ): planning reads the first fully and the others as these changes. `changes` gets the
+// offset, in `a`, of each opcode whose value differs; false if the two differ in anything else,
+// or if either is not plain.
+inline bool pickle_value_changes(const unsigned char* a, size_t na, const unsigned char* b, size_t nb,
+                                 std::vector<size_t>& changes) {
+  using pickle_scan::little_endian;
+  if (na != nb || pickle_not_plain(a, na) != nullptr) return false;  // b then walks as a does, or differs
+  size_t i = 0;
+  const size_t n = na;
+  auto same = [&](size_t from, size_t to) { return std::memcmp(a + from, b + from, to - from) == 0; };
+  while (i < n) {
+    const size_t at = i;
+    const unsigned char op = a[i++];
+    if (b[at] != op) return false;
+    size_t end = i;  // the end of this opcode's argument
+    bool value = false;  // whether a difference in its argument is a value
+    switch (op) {
+      case '.':
+        return true;
+      case 'K': end = i + 1; value = true; break;
+      case 'M': end = i + 2; value = true; break;
+      case 'J': end = i + 4; value = true; break;
+      case 0x8a: case 0x8c:  // LONG1, SHORT_BINUNICODE: one length byte, then the value
+        if (a[i] != b[i]) return false;
+        end = i + 1 + a[i];
+        value = true;
+        break;
+      case 'X':  // BINUNICODE: four length bytes, then the value
+        if (!same(i, i + 4)) return false;
+        end = i + 4 + size_t(little_endian(a + i, 4));
+        value = true;
+        break;
+      case 'U': case 'C': end = i + 1 + a[i]; break;
+      case 'T': case 'B': case 0x8b: end = i + 4 + size_t(little_endian(a + i, 4)); break;
+      case 0x8d: case 0x8e: case 0x96: end = i + 8 + size_t(little_endian(a + i, 8)); break;
+      case 0x80: case 'q': case 'h': end = i + 1; break;
+      case 'r': case 'j': end = i + 4; break;
+      case 'G': case 0x95: end = i + 8; break;
+      case 'F': case 'I': case 'L': case 'P': case 'S': case 'V': case 'p': case 'g':
+        end = size_t(static_cast<const unsigned char*>(std::memchr(a + i, '\n', n - i)) - a) + 1;
+        break;
+      case 'c': case 'i': {
+        const size_t first = size_t(static_cast<const unsigned char*>(std::memchr(a + i, '\n', n - i)) - a) + 1;
+        end = size_t(static_cast<const unsigned char*>(std::memchr(a + first, '\n', n - first)) - a) + 1;
+        break;
+      }
+      default:  // no argument (the scan above admitted every opcode)
+        break;
+    }
+    if (!same(i, end)) {
+      if (!value) return false;
+      changes.push_back(at);
+    }
+    i = end;
+  }
+  return false;
 }
 
 }  // namespace fsdpfast

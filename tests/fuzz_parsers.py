@@ -10,6 +10,8 @@ from scratch:
   pickle_opcodes   safe_unpickle on opcode streams made of the globals and opcodes checkpoints use
   unpicklers_agree the C unpickler (plain pickles) against the Python one, on mutated real pickles
                    and on opcode streams (unpicklers_agree_opcodes): the same value, or both refuse
+  twins            a rank file's pickle mutated, read as changes of rank 0's (pickle_twins) and unpickled
+                   in full: the same value, or the same error
   torch_zip        readers.torch_zip.TorchZip on whole rank files (zip directory, local headers)
   dcp_metadata     a real DCP folder whose .metadata is fuzzed, planned end to end
   safetensors      a real DCP folder (safetensors .distcp) with one .distcp fuzzed, planned end to end
@@ -342,6 +344,18 @@ class Targets:
     def unpicklers_agree_opcodes(self, data: bytes) -> None:
         _unpicklers_agree(data)
 
+    def twins(self, data: bytes) -> None:
+        from fsdpfast._parsing.pickle_twins import Twins
+
+        twins = Twins()
+        twins.load(self.seeds.pickles[0], "rank 0")  # w2-llama rank 0, whose rank 1 is mutated
+        got, want = _outcome(lambda: twins.load(data, "fuzz")), _outcome(lambda: safe_unpickle(data, "fuzz"))
+        assert got[0] == want[0], (got, want)
+        if got[0]:
+            _assert_same(got[1], want[1])
+        else:
+            assert str(got[1]) == str(want[1]), (got, want)
+
     def torch_zip(self, data: bytes) -> None:
         path = self.workdir / "fuzz.pt"
         path.write_bytes(data)
@@ -508,6 +522,7 @@ def strategies(seeds: Seeds) -> dict[str, st.SearchStrategy]:
         "pickle_opcodes": opcode_streams(),
         "unpicklers_agree": mutated(seeds.pickles),
         "unpicklers_agree_opcodes": opcode_streams(),
+        "twins": mutated([seeds.pickles[1]]),  # w2-llama rank 1
         "torch_zip": mutated(seeds.rank_files),
         "dcp_metadata": mutated([(seeds.folders["w2-dcp"] / ".metadata").read_bytes()]),
         "safetensors": mutated([(seeds.folders["w3-dcp-safetensors"] / "__0_0.distcp").read_bytes()]),

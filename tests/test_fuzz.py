@@ -25,6 +25,7 @@ EXAMPLES = {
     "pickle_opcodes": 300,
     "unpicklers_agree": 300,
     "unpicklers_agree_opcodes": 300,
+    "twins": 300,
     "torch_zip": 150,
     "dcp_metadata": 100,
     "safetensors": 100,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput
@@ -129,14 +130,21 @@ class TorchZip:
             raise BadInput(f"{self.where}: a zip file but not a torch.save archive (no single data.pkl inside)")
         self.prefix = pickles[0].name[: -len("data.pkl")]
         self._place_records(pickles[0], cd_offset)
-        storages = self.prefix + "data/"
-        # what is kept once read: (data start, size, method) of each storage record, by key
-        self._storages = {
-            name[len(storages) :]: (record.start, record.size, record.method)
-            for name, record in self._records.items()
-            if name.startswith(storages)
-        }
+        self._keep_storages()
         self._records = None
+
+    def _keep_storages(self) -> None:
+        """What is kept once read: where each storage record's data lies. torch.save numbers its
+        storages 0, 1, 2, ...: then two arrays indexed by the number (16 bytes a record; a planner
+        holds a thousand files' worth); otherwise (start, size, method) by key."""
+        prefix = self.prefix + "data/"
+        found = {name[len(prefix) :]: record for name, record in self._records.items() if name.startswith(prefix)}
+        if all(record.method == 0 for record in found.values()) and set(found) == {str(i) for i in range(len(found))}:
+            self._starts = array("q", (found[str(i)].start for i in range(len(found))))
+            self._sizes = array("q", (found[str(i)].size for i in range(len(found))))
+            self._storages = None
+        else:
+            self._storages = {key: (record.start, record.size, record.method) for key, record in found.items()}
 
     def _end_record(self, tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
         """(entries, directory size, directory offset, where the end records begin)."""
@@ -302,7 +310,11 @@ class TorchZip:
 
     def storage_span(self, key: str) -> tuple[int, int]:
         """(byte offset in the file, byte length) of storage record `key`."""
-        record = self._storages.get(key)
+        if self._storages is None:  # numbered 0, 1, 2, ... (see _keep_storages)
+            i = int(key) if key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") else -1
+            record = (self._starts[i], self._sizes[i], 0) if 0 <= i < len(self._starts) else None
+        else:
+            record = self._storages.get(key)
         if record is None or record[2] != 0:
             name = f"{self.prefix}data/{key}"
             if record is None:

@@ -27,18 +27,20 @@ class _Mmap:
     def __init__(self, fd: int, size: int):
         extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}
         self._mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, **extra)
+        self._whole = memoryview(self._mapping)  # sliced for every view: one export, not one per view
 
     def __len__(self) -> int:
         return len(self._mapping)
 
     def view(self, start: int, end: int) -> memoryview:
-        return memoryview(self._mapping)[start:end]
+        return self._whole[start:end]
 
     def release(self, start: int, length: int) -> None:
         if hasattr(mmap, "MADV_DONTNEED"):
             self._mapping.madvise(mmap.MADV_DONTNEED, start, length)
 
     def close(self) -> None:
+        self._whole.release()
         try:
             self._mapping.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
@@ -57,23 +59,27 @@ class _LibcMapping:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
         self._array = _owning_array(size).from_address(address)
+        self._whole = memoryview(self._array)  # sliced for every view: one export, not one per view
         self._address, self._size = address, size
+        self._madvise = libc.madvise  # called once per consumed buffer: looked up once
 
     def __len__(self) -> int:
         return self._size
 
     def view(self, start: int, end: int) -> memoryview:
-        return memoryview(self._array)[start:end]
+        return self._whole[start:end]
 
     def release(self, start: int, length: int) -> None:
-        if self._array is not None and hasattr(mmap, "MADV_DONTNEED"):
-            _libc().madvise(self._address + start, length, mmap.MADV_DONTNEED)
+        if self._array is not None and _DONTNEED is not None:
+            self._madvise(self._address + start, length, _DONTNEED)
 
     def close(self) -> None:
+        self._whole.release()
         self._array = None  # unmapped now, or when the last view of it goes
 
 
 _MAP_FAILED = (1 << 64) - 1  # (void *) -1 as ctypes returns it on a 64-bit platform
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _LIBC = None
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
+from .._parsing.pickle_twins import Twins
+from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
 from ..plan.model import Extent, MergePlan, TensorPlan
@@ -61,9 +62,10 @@ def load_rank_states(
     states = []
     names: dict[str, str] = {}  # one string per tensor name, whatever the number of ranks
     layouts = SpecLayouts()
+    twins = Twins()  # the files pickle one program: read the first, the others as their changes
     for rank, path in rank_paths:
         archive = TorchZip(path)  # read and closed: the storage spans stay, no file stays open
-        whole = unpickled[path] if unpickled and path in unpickled else safe_unpickle(archive.pickle_bytes, path)
+        whole = unpickled[path] if unpickled and path in unpickled else twins.load(archive.pickle_bytes, path)
         archive.close()
         state_dict = model_part(whole, path)
         tensors, skipped = {}, []

@@ -1,0 +1,408 @@
+"""Rank files of one checkpoint pickle the same program: read the first fully, the others as changes.
+
+Every rank of an FSDP2 checkpoint saves the same state dict built the same way, so their data.pkl
+files are the same sequence of opcodes, memo slots and class names; they differ in a few numbers
+and strings: the rank and mesh coordinate, hashes, the local shapes of the last ranks. Unpickling
+a thousand of them costs more than planning everything else. So `Twins.load` compares each pickle
+with one already read (natively, opcode by opcode: fsdpfast._native.pickle_value_changes) and,
+where only such values differ, makes the new file's object from the one read, with the new values
+in their places, instead of unpickling it.
+
+Where each value lands is learned by reading the first pickle twice more with other values in
+those opcodes (a probe): every object field the probe changes is that value's place, and a second
+probe with other values, rebuilt the same way, must give exactly what unpickling it gives. Values
+that land nowhere (a device name) are left out. A value that is computed on rather than kept, a
+change of structure, a rebuilt field that fails the unpickler's own checks, a pickle that is not
+plain: the file is unpickled in full, as always (safe_load.safe_unpickle); so the result is always
+what unpickling the file gives, tests/test_pickle_twins.py checks it for every rank of real
+checkpoints, and fuzz_parsers' twins target on mutated ones.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from ..errors import FsdpfastError
+from .safe_load import DTensorRef, Record, StorageRef, TensorRef, _plain, _tensor_ref, is_count, safe_unpickle
+
+_KEPT = 4  # references tried per file: rank numbers past 255 (and past 65535) pickle wider
+_LEAF = (int, float, str, bytes, bool, type(None))
+
+
+class Twins:
+    """Reads the pickles of one checkpoint's rank files (see the module doc)."""
+
+    def __init__(self, extra_records: frozenset[str] = frozenset()):
+        self.extra_records = extra_records
+        self._references: list[_Reference] = []
+
+    def load(self, data: bytes, where: str) -> Any:
+        changes_of = _native_changes()
+        if changes_of is not None:
+            for reference in self._references:
+                changes = changes_of(reference.data, data)
+                if changes is not None:
+                    value = reference.variant(data, changes, where)
+                    if value is not None:
+                        return value
+                    break
+        value = safe_unpickle(data, where, self.extra_records)
+        if changes_of is not None and _plain(data):
+            self._references.insert(0, _Reference(data, value, self.extra_records, where))
+            del self._references[_KEPT:]
+        return value
+
+
+def _native_changes():
+    from .. import _ops
+
+    return getattr(_ops.native(), "pickle_value_changes", None) if _ops.native_cpu() and not _python_only() else None
+
+
+def _python_only() -> bool:
+    from . import safe_load
+
+    return safe_load._PYTHON_ONLY
+
+
+class _Unusable(Exception):
+    """This change cannot be carried over: unpickle the file instead."""
+
+
+class _Reference:
+    """A pickle read in full, what it gave, and where its values land in it."""
+
+    def __init__(self, data: bytes, value: Any, extra_records: frozenset[str], where: str):
+        self.data, self.value, self.extra_records, self.where = data, value, extra_records, where
+        # opcode offset -> where its value is kept: [(object, field, index in the field's tuple or None)]
+        self.places: dict[int, list[tuple[Any, tuple, int | None]]] = {}
+        self.unusable: set[int] = set()
+        self._parents: dict[int, list[tuple[Any, tuple]]] | None = None
+
+    def variant(self, data: bytes, changes: list[int], where: str) -> Any | None:
+        """What unpickling `data` gives, made from this reference; None where it cannot be."""
+        try:
+            new = [t for t in changes if t not in self.places and t not in self.unusable]
+            if new:
+                self._learn(new)
+            if any(t in self.unusable for t in changes):
+                return None
+            updates = []
+            for t in changes:
+                value = _decode(data, t)
+                updates += [(*place, value) for place in self.places[t]]
+            return self._rebuilt(updates)
+        except (_Unusable, FsdpfastError, ValueError, TypeError, RecursionError):
+            return None
+
+    # --- learning where values land ----------------------------------------------------------
+
+    def _learn(self, tokens: list[int]) -> None:
+        try:
+            first = self._probe(tokens, 0)
+            places: dict[int, list[tuple[Any, tuple, int | None]]] = {t: [] for t in tokens}
+            for holder, field, index, value in first.changed:
+                token = first.token_of.get((type(value), value))
+                if token is None:  # computed from a value, not kept: cannot be carried over
+                    raise _Unusable
+                places[token].append((holder, field, index))
+            second = self._probe(tokens, 1)
+            updates = [(*place, second.values[t]) for t, found in places.items() for place in found]
+            if not _same(self._rebuilt(updates, parents=self._parents_of()), second.result):
+                raise _Unusable
+        except (_Unusable, FsdpfastError, ValueError, TypeError, RecursionError):
+            self.unusable.update(tokens)
+            return
+        self.places.update(places)
+
+    def _probe(self, tokens: list[int], round_: int) -> _Probe:
+        """The reference's pickle with new values in `tokens`, unpickled, and what changed."""
+        probe = bytearray(self.data)
+        values, token_of = {}, {}
+        counters: dict[int, int] = {}
+        for t in tokens:
+            value = _probe_value(self.data, t, counters, round_)
+            _encode_into(probe, t, value)
+            values[t] = value
+            token_of[(type(value), value)] = t
+        if len(token_of) != len(tokens):
+            raise _Unusable
+        result = safe_unpickle(bytes(probe), self.where, self.extra_records)
+        changed: list[tuple[Any, tuple, int | None, Any]] = []
+        _differences(self.value, result, changed, set())
+        return _Probe(values, token_of, result, changed)
+
+    def _parents_of(self) -> dict[int, list[tuple[Any, tuple]]]:
+        if self._parents is None:
+            self._parents = _parents(self.value)
+        return self._parents
+
+    # --- making a variant ----------------------------------------------------------------------
+
+    def _rebuilt(self, updates: list[tuple[Any, tuple, int | None, Any]], parents=None) -> Any:
+        """The reference's value with each (object, field, index, value) update made: new objects
+        for the updated ones and every object holding them, the rest shared."""
+        parents = self._parents_of() if parents is None else parents
+        changed: dict[int, dict[tuple, Any]] = {}
+        for holder, field, index, value in updates:
+            own = changed.setdefault(id(holder), {})
+            if index is None:
+                own[field] = value
+            else:  # an element of a tuple of numbers or strings (a shape, a mesh coordinate)
+                old = own.get(field, _field(holder, field))
+                own[field] = old[:index] + (value,) + old[index + 1 :]
+        dirty = set(changed)
+        stack = list(changed)
+        while stack:  # every object holding a changed one changes too
+            for parent, _ in parents.get(stack.pop(), ()):
+                if id(parent) not in dirty:
+                    dirty.add(id(parent))
+                    stack.append(id(parent))
+        made: dict[int, Any] = {}
+
+        def rebuilt(obj):
+            if id(obj) not in dirty:
+                return obj
+            if id(obj) not in made:
+                own = changed.get(id(obj), {})
+                made[id(obj)] = _copy_with(obj, lambda field, child: own[field] if field in own else rebuilt(child))
+            return made[id(obj)]
+
+        return rebuilt(self.value)
+
+
+class _Probe:
+    def __init__(self, values, token_of, result, changed):
+        self.values, self.token_of, self.result, self.changed = values, token_of, result, changed
+
+
+# --- the opcodes whose values differ between rank files --------------------------------------
+
+
+def _decode(data: bytes, at: int):
+    op = data[at]
+    if op == 0x4B:  # BININT1
+        return data[at + 1]
+    if op == 0x4D:  # BININT2
+        return int.from_bytes(data[at + 1 : at + 3], "little")
+    if op == 0x4A:  # BININT
+        return int.from_bytes(data[at + 1 : at + 5], "little", signed=True)
+    if op == 0x8A:  # LONG1
+        return int.from_bytes(data[at + 2 : at + 2 + data[at + 1]], "little", signed=True)
+    if op == 0x58:  # BINUNICODE
+        size = struct.unpack_from("<I", data, at + 1)[0]
+        return data[at + 5 : at + 5 + size].decode("utf-8", "surrogatepass")
+    if op == 0x8C:  # SHORT_BINUNICODE
+        return data[at + 2 : at + 2 + data[at + 1]].decode("utf-8", "surrogatepass")
+    raise _Unusable
+
+
+def _encode_into(data: bytearray, at: int, value) -> None:
+    """Write `value` into the opcode at `at` (same opcode, same argument length)."""
+    op = data[at]
+    if op == 0x4B:
+        data[at + 1] = value
+    elif op == 0x4D:
+        data[at + 1 : at + 3] = value.to_bytes(2, "little")
+    elif op == 0x4A:
+        data[at + 1 : at + 5] = value.to_bytes(4, "little", signed=True)
+    elif op == 0x8A:
+        size = data[at + 1]
+        data[at + 2 : at + 2 + size] = value.to_bytes(size, "little", signed=True)
+    elif op == 0x58:
+        encoded = value.encode()
+        data[at + 5 : at + 5 + len(encoded)] = encoded
+    elif op == 0x8C:
+        encoded = value.encode()
+        data[at + 2 : at + 2 + len(encoded)] = encoded
+    else:
+        raise _Unusable
+
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _probe_value(data: bytes, at: int, counters: dict[int, int], round_: int):
+    """A probe value for the opcode at `at`: of its width, unlike the reference's, and unlike every
+    other value of this probe (each width counts through a range of its own, apart from the
+    others; the two rounds count from different ends)."""
+    old = _decode(data, at)
+    op = data[at]
+    kind = 0x58 if isinstance(old, str) else op
+    limit = {0x4B: 1 << 8, 0x4D: 1 << 16, 0x4A: 1 << 31}.get(op, 1 << max(0, 8 * data[at + 1] - 1) if op == 0x8A else 0)
+    while True:
+        k = counters[kind] = counters.get(kind, 0) + 1
+        if isinstance(old, str):
+            width, code, value = len(old.encode()), k if round_ == 0 else k * 7 + 3, ""
+            while code or len(value) < width:
+                code, digit = divmod(code, len(_DIGITS))
+                value += _DIGITS[digit]
+            if len(value) > width:
+                raise _Unusable
+        elif op == 0x4B:  # one byte: 1, 2, ... or 255, 254, ...
+            value = k if round_ == 0 else 256 - k
+            if not 0 < value < limit:
+                raise _Unusable
+        else:  # wider numbers: above 255, far apart
+            value = {0x4D: 256, 0x4A: 1 << 20}.get(op, 1 << 33) + (257 if op == 0x4D else 7919) * (2 * k + round_)
+            if value >= limit:
+                raise _Unusable
+        if value != old:
+            return value
+
+
+# --- walking what a pickle gave ---------------------------------------------------------------
+
+
+def _children(obj):
+    """(field, child) of every object a container holds, fields naming how to put it back."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield ("item", key), value
+        for name, value in getattr(obj, "__dict__", {}).items():
+            yield ("attr", name), value
+    elif type(obj) in (list, tuple):
+        for i, value in enumerate(obj):
+            yield ("index", i), value
+    elif isinstance(obj, Record):
+        for i, value in enumerate(obj.args):
+            yield ("args", i), value
+        for key, value in obj.state.items():
+            yield ("state", key), value
+        yield ("state_value",), obj.state_value
+    elif isinstance(obj, (TensorRef, StorageRef, DTensorRef)):
+        for name in type(obj).__dataclass_fields__:
+            yield ("field", name), getattr(obj, name)
+
+
+def _is_container(obj) -> bool:
+    """Objects walked into. A tuple of numbers and strings is a value (a shape, a coordinate):
+    equal shapes are one tuple (safe_load.as_dims), which must not tie their tensors together."""
+    if isinstance(obj, (dict, Record, TensorRef, StorageRef, DTensorRef)) or type(obj) is list:
+        return True
+    return type(obj) is tuple and not all(isinstance(item, _LEAF) for item in obj)
+
+
+def _field(holder, field):
+    """The child `field` names in `holder` (see _children)."""
+    kind = field[0]
+    if kind == "item":
+        return holder[field[1]]
+    if kind == "attr":
+        return holder.__dict__[field[1]]
+    if kind == "index":
+        return holder[field[1]]
+    if kind == "args":
+        return holder.args[field[1]]
+    if kind == "state":
+        return holder.state[field[1]]
+    if kind == "state_value":
+        return holder.state_value
+    return getattr(holder, field[1])
+
+
+def _parents(value) -> dict[int, list[tuple[Any, tuple]]]:
+    """id(object) -> [(container, field)] over the whole value; a cycle cannot be rebuilt."""
+    parents: dict[int, list[tuple[Any, tuple]]] = {}
+    state: dict[int, int] = {}  # 1: being walked, 2: done
+    stack = [(value, False)]
+    while stack:
+        obj, leaving = stack.pop()
+        if leaving:
+            state[id(obj)] = 2
+            continue
+        if state.get(id(obj)) == 2:
+            continue
+        state[id(obj)] = 1
+        stack.append((obj, True))
+        for field, child in _children(obj):
+            if _is_container(child):
+                parents.setdefault(id(child), []).append((obj, field))
+                if state.get(id(child)) == 1:
+                    raise _Unusable  # a cycle
+                if id(child) not in state:
+                    stack.append((child, False))
+    return parents
+
+
+def _differences(a, b, out: list, seen: set) -> None:
+    """Into `out`, (container in a, field, index in the field's tuple or None, value in b) of every
+    number or string that differs; _Unusable where the two differ in structure."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if (id(x), id(y)) in seen:
+            continue
+        seen.add((id(x), id(y)))
+        if type(x) is not type(y):
+            raise _Unusable
+        if not _is_container(x):
+            if x != y and not (x != x and y != y):
+                raise _Unusable  # a leaf outside any container changed
+            continue
+        if isinstance(x, Record) and x.qualname != y.qualname:
+            raise _Unusable
+        fields_x, fields_y = list(_children(x)), list(_children(y))
+        if [f for f, _ in fields_x] != [f for f, _ in fields_y]:
+            raise _Unusable  # other keys: a value became a key, or the structure differs
+        for (field, cx), (_, cy) in zip(fields_x, fields_y):
+            if _is_container(cx):
+                stack.append((cx, cy))
+            elif type(cx) is not type(cy):
+                raise _Unusable
+            elif type(cx) is tuple:
+                if len(cx) != len(cy):
+                    raise _Unusable
+                for index, (ex, ey) in enumerate(zip(cx, cy)):
+                    if type(ex) is not type(ey):
+                        raise _Unusable
+                    if ex != ey and not (ex != ex and ey != ey):
+                        out.append((x, field, index, ey))
+            elif cx != cy and not (cx != cx and cy != cy):
+                out.append((x, field, None, cy))
+
+
+def _copy_with(obj, child_of):
+    """A copy of container `obj` whose every child is child_of(field, child), checked as the
+    unpickler checks what it makes."""
+    if isinstance(obj, dict):
+        new = type(obj)()
+        for key, value in obj.items():
+            new[key] = child_of(("item", key), value)
+        for name, value in getattr(obj, "__dict__", {}).items():
+            new.__dict__[name] = child_of(("attr", name), value)
+        return new
+    if type(obj) is list:
+        return [child_of(("index", i), v) for i, v in enumerate(obj)]
+    if type(obj) is tuple:
+        return tuple(child_of(("index", i), v) for i, v in enumerate(obj))
+    if isinstance(obj, Record):
+        new = object.__new__(type(obj))
+        new.args = tuple(child_of(("args", i), v) for i, v in enumerate(obj.args))
+        new.state = {key: child_of(("state", key), v) for key, v in obj.state.items()}
+        new.state_value = child_of(("state_value",), obj.state_value)
+        return new
+    if isinstance(obj, StorageRef):
+        key, dtype, numel = (child_of(("field", f), getattr(obj, f)) for f in ("key", "dtype", "numel"))
+        if not isinstance(key, str) or not is_count(numel):
+            raise _Unusable
+        return StorageRef(key, dtype, numel)
+    if isinstance(obj, TensorRef):
+        fields = [child_of(("field", f), getattr(obj, f)) for f in ("storage", "offset", "shape", "stride", "dtype")]
+        return _tensor_ref(*fields)
+    if isinstance(obj, DTensorRef):
+        local, spec = child_of(("field", "local"), obj.local), child_of(("field", "spec"), obj.spec)
+        if not isinstance(local, TensorRef) or not isinstance(spec, Record):
+            raise _Unusable
+        return DTensorRef(local, spec)
+    raise _Unusable
+
+
+def _same(a, b) -> bool:
+    try:
+        out: list = []
+        _differences(a, b, out, set())
+        return not out
+    except _Unusable:
+        return False
