@@ -8,11 +8,13 @@ range, then every tensor byte in its range at its offset, through the engine's s
 
 from __future__ import annotations
 
+import errno
 import os
 from contextlib import nullcontext
 
 from ..errors import FsdpfastError
 from ..io.sources import Source, SourceFiles
+from ..open_files import out_of_files
 from ..plan.layout import OutputFile
 from ..plan.model import MergePlan
 from .parts import FilePart, Piece, pieces_of, tensor_checksums, whole
@@ -73,15 +75,23 @@ def write_into(fd: int, path: str, part: FilePart, engine, sources: Source, prog
     except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error
         if exc.filename:  # an input file, named by the error itself
             raise
-        raise _write_failed(path, exc.strerror or str(exc)) from None
+        raise out_of_files(exc, path) or _write_failed(path, exc.strerror or str(exc), exc.errno) from None
     except FsdpfastError as exc:  # the native kernels' I/O errors ("writing the output file: ...")
-        raise _write_failed(path, str(exc)) from None
+        code = next((c for c in _WHAT_TO_DO if os.strerror(c) in str(exc)), None)  # they carry strerror's words
+        raise _write_failed(path, str(exc), code) from None
 
 
-def _write_failed(path: str, reason: str) -> FsdpfastError:
+_WHAT_TO_DO = {  # by errno; anything else: another disk may do
+    errno.ENOSPC: "free space on that disk or choose another output folder",
+    errno.EDQUOT: "free space within your disk quota or choose another output folder",
+    errno.EFBIG: "raise the file size limit (ulimit -f) or use a smaller --max-shard-size",
+}
+
+
+def _write_failed(path: str, reason: str, code: int | None) -> FsdpfastError:
+    what_to_do = _WHAT_TO_DO.get(code, "check that disk, or choose another output folder")
     return FsdpfastError(
-        f"cannot write {os.path.basename(path)} ({reason}); nothing was published: "
-        "free space on that disk (or raise the file size limit) or choose another output folder, then run again"
+        f"cannot write {os.path.basename(path)} ({reason}); nothing was published: {what_to_do}, then run again"
     )
 
 
