@@ -50,7 +50,7 @@ def write_part(target, part: FilePart, engine, sources: Source, progress=None) -
     try:
         fd = target.open(part.file.name, part.file.size)
     except OSError as exc:
-        raise _write_failed(path, exc.strerror or str(exc)) from None
+        raise _os_write_failed(path, exc) from None
     try:
         return write_into(fd, path, part, engine, sources, progress)
     finally:
@@ -75,7 +75,7 @@ def write_into(fd: int, path: str, part: FilePart, engine, sources: Source, prog
     except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error
         if exc.filename:  # an input file, named by the error itself
             raise
-        raise out_of_files(exc, path) or _write_failed(path, exc.strerror or str(exc), exc.errno) from None
+        raise _os_write_failed(path, exc) from None
     except FsdpfastError as exc:  # the native kernels' I/O errors ("writing the output file: ...")
         code = next((c for c in _WHAT_TO_DO if os.strerror(c) in str(exc)), None)  # they carry strerror's words
         raise _write_failed(path, str(exc), code) from None
@@ -86,6 +86,10 @@ _WHAT_TO_DO = {  # by errno; anything else: another disk may do
     errno.EDQUOT: "free space within your disk quota or choose another output folder",
     errno.EFBIG: "raise the file size limit (ulimit -f) or use a smaller --max-shard-size",
 }
+
+
+def _os_write_failed(path: str, exc: OSError) -> FsdpfastError:
+    return out_of_files(exc, path) or _write_failed(path, exc.strerror or str(exc), exc.errno)
 
 
 def _write_failed(path: str, reason: str, code: int | None) -> FsdpfastError:
