@@ -6,6 +6,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -111,3 +113,12 @@ class CheckpointsByWorld:
             self._write(self.root, [s for w, s in self._specs.values() if w == world], world)
             self._written.add(world)
         return spec, self._folder_of(spec, self.root)
+
+
+def write_many_ranks(folder: str, world_size: int, seed: int) -> str:
+    """A tiny model's verl-style checkpoint of `world_size` rank files (fsdpfast.testing.many_ranks:
+    real FSDP2 metadata over torch's fake process group, seeded values)."""
+    command = ["-m", "fsdpfast.testing.many_ranks", folder, "--model", "tiny", "--world-size", str(world_size)]
+    command += ["--data", "values", "--seed", str(seed)]
+    subprocess.run([sys.executable, *command], check=True, timeout=900, capture_output=True)
+    return folder

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_bit_exact, read_merged
+from helpers import assert_bit_exact, read_merged, write_many_ranks
 
 from fsdpfast.testing.many_ranks import TINY, unsharded_state
 
@@ -29,25 +29,7 @@ SEED = 31
 @pytest.fixture(scope="module")
 def many_ranks(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("many-ranks") / "ckpt")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fsdpfast.testing.many_ranks",
-            folder,
-            "--model",
-            "tiny",
-            "--world-size",
-            str(WORLD),
-            "--data",
-            "values",
-            "--seed",
-            str(SEED),
-        ],
-        check=True,
-        timeout=900,
-        capture_output=True,
-    )
+    write_many_ranks(folder, WORLD, SEED)
     assert len([n for n in os.listdir(folder) if n.endswith(".pt")]) == WORLD
     return folder
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 from fuzz_parsers import _assert_same
+from helpers import write_many_ranks
 
 from fsdpfast import _ops
 from fsdpfast._parsing.pickle_twins import Twins
@@ -52,25 +51,7 @@ def test_every_rank_reads_as_its_full_unpickling(checkpoints, name):
 @pytest.fixture(scope="module")
 def many_ranks(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("twins") / "ckpt")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fsdpfast.testing.many_ranks",
-            folder,
-            "--model",
-            "tiny",
-            "--world-size",
-            "48",
-            "--data",
-            "values",
-            "--seed",
-            "3",
-        ],
-        check=True,
-        timeout=900,
-        capture_output=True,
-    )
+    write_many_ranks(folder, 48, 3)
     return folder
 
 
