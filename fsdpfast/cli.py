@@ -355,6 +355,19 @@ def _on_terminate(signum, frame):
     raise KeyboardInterrupt
 
 
+def _plan_options(args) -> dict:
+    """What a dry run and a merge both plan from: the same flags give the same plan."""
+    return dict(
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        layout=args.layout,
+        config=args.config,
+        allow_extra_tensors=args.allow_extra_tensors,
+        **_layout_options(args),
+        **_lora_options(args),
+    )
+
+
 def _merge(args) -> int:
     from .api import dry_run, merge
 
@@ -368,17 +381,7 @@ def _merge(args) -> int:
     if args.dry_run:
         if group.launched_by_torchrun() and group.this_rank() != 0:
             return 0  # the plan is rank 0's to print; nothing is written anyway
-        plan = dry_run(
-            args.checkpoint,
-            args.out,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            layout=args.layout,
-            config=args.config,
-            allow_extra_tensors=args.allow_extra_tensors,
-            **_layout_options(args),
-            **_lora_options(args),
-        )
+        plan = dry_run(args.checkpoint, args.out, **_plan_options(args))
         _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
         _warn(plan["warnings"])
         return 0
@@ -390,17 +393,11 @@ def _merge(args) -> int:
         report = merge(
             args.checkpoint,
             args.out,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            layout=args.layout,
-            config=args.config,
             overwrite=args.overwrite,
             engine=args.engine,
             progress=not args.quiet,
-            allow_extra_tensors=args.allow_extra_tensors,
             group=pg,
-            **_layout_options(args),
-            **_lora_options(args),
+            **_plan_options(args),
         )
     except FsdpfastError as exc:
         if several and not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
