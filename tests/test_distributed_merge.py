@@ -12,17 +12,14 @@ the tensor they share is combined from theirs.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
+from merge_processes import Ranks, free_port, left_beside, same_output
 
 import fsdpfast
 from fsdpfast import _ops
@@ -31,7 +28,6 @@ from fsdpfast.execute.engines import select_engine
 from fsdpfast.execute.parts import clip_extent, share_out, tensor_checksums
 from fsdpfast.execute.writer import execute
 from fsdpfast.io.staging import LocalTarget
-from fsdpfast.manifest import MANIFEST_NAME
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints
@@ -55,12 +51,6 @@ def wide(tmp_path_factory) -> CheckpointsByWorld:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # A rank that dies by SIGKILL once it has written the first piece of its share: a node lost mid-write.
 DIES_MID_WRITE = r"""
 import os, signal, sys
@@ -74,66 +64,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-class Ranks:
-    """W processes of `fsdpfast merge`, each told its rank the way torchrun tells it, each alone on its "node"."""
-
-    def __init__(self, argv_of_rank, world: int, scripts: dict[int, str] | None = None):
-        port = _free_port()
-        self.started = time.monotonic()
-        self.processes = []
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            head = ["-c", scripts[rank]] if scripts and rank in scripts else ["-m", "fsdpfast"]
-            self.processes.append(
-                subprocess.Popen(
-                    [sys.executable, *head, "merge", *map(str, argv_of_rank(rank))],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-
-    def wait(self, limit: float = 300) -> list[tuple[int, str, str, float]]:
-        """(exit status, stdout, stderr, seconds from the start to its exit) of each rank."""
-        ended: dict[int, float] = {}
-        while len(ended) < len(self.processes):
-            for rank, process in enumerate(self.processes):
-                if rank not in ended and process.poll() is not None:
-                    ended[rank] = time.monotonic() - self.started
-            if time.monotonic() - self.started > limit:
-                for process in self.processes:
-                    process.kill()
-                raise AssertionError("the ranks did not finish")
-            time.sleep(0.05)
-        return [(p.returncode, *p.communicate(), ended[r]) for r, p in enumerate(self.processes)]
-
-
 def _error_lines(stderr: str) -> list[str]:
     assert "Traceback" not in stderr, stderr
     return [line for line in stderr.splitlines() if line.startswith("fsdpfast:")]
-
-
-def _same_output(single: Path, distributed: Path) -> None:
-    names = sorted(p.name for p in single.iterdir())
-    assert sorted(p.name for p in distributed.iterdir()) == names
-    for name in names:
-        if name == MANIFEST_NAME:
-            continue
-        assert (distributed / name).read_bytes() == (single / name).read_bytes(), name
-    assert json.loads((distributed / MANIFEST_NAME).read_text()) == json.loads((single / MANIFEST_NAME).read_text())
-
-
-def _left_beside(out: Path) -> list[str]:
-    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
 def _splits_a_tensor(folder: str, processes: int, dtype: str = "keep") -> bool:
@@ -167,10 +100,10 @@ def test_processes_write_the_single_process_merge(wide, tmp_path, name, processe
     assert [status for status, *_ in results] == [0] * processes, results
     assert results[0][1].startswith("merged ") and f"in {processes} processes" in results[0][1]
     assert all(not stdout for _, stdout, _, _ in results[1:])  # rank 0 alone reports
-    _same_output(single, out)
+    same_output(single, out)
     reference, tied = load_reference(spec.reference_path(wide.root))
     assert_bit_exact(read_merged(str(out)), reference, torch.bfloat16 if options else None, tied)
-    assert _left_beside(out) == []
+    assert left_beside(out) == []
 
 
 def test_torchrun_runs_the_merge(wide, tmp_path):
@@ -201,7 +134,7 @@ def test_torchrun_runs_the_merge(wide, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["processes"] == 2  # one report, rank 0's
-    _same_output(single, out)
+    same_output(single, out)
 
 
 def _api_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
@@ -234,8 +167,8 @@ def test_merge_with_a_process_group(wide, tmp_path):
     _, folder = wide.get("wide-dcp")
     single, out = tmp_path / "single", tmp_path / "out"
     fsdpfast.merge(folder, single, max_shard_size=SHARD)
-    mp.spawn(_api_rank, args=(3, _free_port(), folder, str(out)), nprocs=3, join=True)
-    _same_output(single, out)
+    mp.spawn(_api_rank, args=(3, free_port(), folder, str(out)), nprocs=3, join=True)
+    same_output(single, out)
 
 
 def test_a_rank_killed_mid_write_stops_all_and_publishes_nothing(wide, tmp_path):
@@ -254,7 +187,7 @@ def test_a_rank_killed_mid_write_stops_all_and_publishes_nothing(wide, tmp_path)
         assert ended - results[1][3] < timeout  # told at once, not after the timeout
         (line,) = _error_lines(stderr)
         assert "nothing was published" in line
-    assert not out.exists() and _left_beside(out) == []
+    assert not out.exists() and left_beside(out) == []
 
 
 @pytest.mark.parametrize("blind", ["checkpoint", "output"])
@@ -275,7 +208,7 @@ def test_a_rank_that_cannot_see_the_folder_stops_all(wide, tmp_path, blind):
     what = "no such folder on this rank" if blind == "checkpoint" else "staging folder rank 0 made"
     assert own.startswith("fsdpfast: error: rank 1: ") and what in own
     assert told.startswith("fsdpfast: error: rank 1 failed: ") and what in told and "nothing was published" in told
-    assert not out.exists() and _left_beside(out) == []
+    assert not out.exists() and left_beside(out) == []
     assert not elsewhere.exists()  # nothing made where rank 1 looked
 
 

@@ -246,3 +246,24 @@ def test_command_line(lora, tmp_path):
         "lora_adapter/adapter_model.safetensors",
         "lora_adapter/second/adapter_model.safetensors",
     ]
+
+
+@pytest.mark.parametrize("flags", [[], ["--merge-lora", "default"]])
+def test_processes_write_the_single_process_merge(lora, tmp_path, flags):
+    """Under torchrun the base model, the adapter folders and the fused weights are shared out as any
+    other files: the same bytes and manifest as one process writes."""
+    from merge_processes import Ranks, left_beside, same_output
+
+    _, folder = lora.get("two-adapters")
+    single, out = tmp_path / "single", tmp_path / "shared" / "out"
+    fsdpfast.merge(folder, single, max_shard_size="64KB", merge_lora="default" if flags else None)
+    results = Ranks(lambda rank: [folder, "--out", out, "--max-shard-size", "64KB", "--timeout", 120, *flags], 2)
+    results = results.wait()
+    assert [status for status, *_ in results] == [0, 0], results
+    assert "in 2 processes" in results[0][1]
+    same_output(single, out)
+    assert left_beside(out) == []
+    if flags:
+        assert_same(read_merged(out), lora.reference("two-adapters")["merged"])
+    else:
+        assert len(list(out.glob("model-*.safetensors"))) > 1  # files for both processes to write
