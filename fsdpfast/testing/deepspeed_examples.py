@@ -55,13 +55,29 @@ class DeepSpeedSpec:
 
 
 def write_deepspeed_checkpoints(base: str, specs: list[DeepSpeedSpec], world_size: int) -> None:
+    os.makedirs(base, exist_ok=True)
+    spawn_deepspeed_ranks(_rank_main, world_size, base, specs)
+
+
+def spawn_deepspeed_ranks(rank_main, world_size: int, *args) -> None:
+    """`rank_main(rank, world_size, port, *args)` in `world_size` processes; each calls `join_deepspeed`.
+
+    DeepSpeed's CPU backend gives each rank a 66 MB shared-memory buffer for its allreduce, named by
+    the port, and never removes it: left in /dev/shm, a suite's runs would fill the machine's memory."""
+    import glob
+
     import torch.multiprocessing as mp
 
-    os.makedirs(base, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), base, specs), nprocs=world_size, join=True)
+    port = _free_port()
+    try:
+        mp.spawn(rank_main, args=(world_size, port, *args), nprocs=world_size, join=True)
+    finally:
+        for buffer in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+            os.remove(buffer)
 
 
-def _rank_main(rank: int, world_size: int, port: int, base: str, specs: list[DeepSpeedSpec]) -> None:
+def join_deepspeed(rank: int, world_size: int, port: int) -> None:
+    """This process joins the DeepSpeed job as rank `rank`, on the CPU (gloo), as its launcher would set it up."""
     os.environ.update(
         DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
@@ -73,11 +89,16 @@ def _rank_main(rank: int, world_size: int, port: int, base: str, specs: list[Dee
     )
     torch.set_num_threads(1)
     import deepspeed
-    import deepspeed.comm as dist
     from deepspeed.utils import logger
 
     logger.setLevel("ERROR")
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _rank_main(rank: int, world_size: int, port: int, base: str, specs: list[DeepSpeedSpec]) -> None:
+    join_deepspeed(rank, world_size, port)
+    import deepspeed.comm as dist
+
     for spec in specs:
         _write_one(rank, base, spec)
         dist.barrier()

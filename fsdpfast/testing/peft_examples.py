@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .examples import PROBE_INPUT, CheckpointSpec, _free_port, _write_hf_files, build_model, spawn_writers
+from .examples import PROBE_INPUT, CheckpointSpec, _write_hf_files, build_model, spawn_writers
 
 
 @dataclass(frozen=True)
@@ -128,33 +128,22 @@ def write_one(rank: int, world_size: int, root: str, spec: PeftSpec) -> None:
 
 def write_peft_deepspeed_checkpoints(root: str, specs: list[PeftSpec], world_size: int) -> None:
     """The same peft models trained and saved by DeepSpeed ZeRO (`layout` "deepspeed-zero2"), gloo on the CPU."""
-    import torch.multiprocessing as mp
+    from .deepspeed_examples import spawn_deepspeed_ranks
 
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_deepspeed_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+    spawn_deepspeed_ranks(_deepspeed_rank_main, world_size, root, specs)
 
 
 def _deepspeed_rank_main(rank: int, world_size: int, port: int, root: str, specs: list[PeftSpec]) -> None:
     import contextlib
     import io
 
+    from .deepspeed_examples import join_deepspeed
     from .examples import exit_rank
 
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
+    join_deepspeed(rank, world_size, port)
     import deepspeed
-    from deepspeed.utils import logger
 
-    logger.setLevel("ERROR")
-    deepspeed.init_distributed(dist_backend="gloo")
     for spec in specs:
         model, _ = build_peft_model(spec)
         config = {
