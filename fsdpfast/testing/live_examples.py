@@ -18,6 +18,9 @@ from functools import partial
 import torch
 
 from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
+from .tp_examples import TpSpec, parallelize
+from .tp_examples import _example as _tp_example
+from .tp_examples import _train_one_step as _train_tp_one_step
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,24 @@ class LiveSpec:
     save_dtype: str | None = None  # save_pretrained(dtype=...)
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
+    tp: int = 1  # > 1: a (dp, tp) mesh, tensor parallel (torch's parallelize_module) over tp, then FSDP2 over dp
+    # a DTensor buffer save_pretrained must refuse, added just before it is called: "partial" (a Partial
+    # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
+    refused: str | None = None
     seed: int = 0
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
 
     def as_checkpoint_spec(self) -> CheckpointSpec:
+        if self.tp > 1:
+            return _tp_example(self.as_tp_spec())
         return CheckpointSpec(self.name, model=self.model, dtype=self.dtype, seed=self.seed)
+
+    def as_tp_spec(self, world_size: int = 4) -> TpSpec:
+        return TpSpec(
+            self.name, mesh=(world_size // self.tp, self.tp), model=self.model, dtype=self.dtype, seed=self.seed
+        )
 
 
 def save_live(root: str, specs: list[LiveSpec], world_size: int) -> None:
@@ -62,21 +76,27 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
     base = spec.as_checkpoint_spec()
     model = build_model(base)
-    mesh = (
-        init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-        if spec.hsdp
-        else init_device_mesh("cpu", (world_size,))
-    )
-    placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
-    for layer in _layers(model):
-        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-    _train_one_step(model, base)
+    if spec.tp > 1:
+        mesh = parallelize(model, spec.as_tp_spec(world_size))
+        _train_tp_one_step(model, spec.seed)
+    else:
+        mesh = (
+            init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+            if spec.hsdp
+            else init_device_mesh("cpu", (world_size,))
+        )
+        placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
+        for layer in _layers(model):
+            fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+        _train_one_step(model, base)
     torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         _write_hf_files(os.path.join(folder, "ckpt", "huggingface"), base)
         model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
+    if spec.refused is not None:
+        model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
     try:
         report = fsdpfast.save_pretrained(
@@ -92,6 +112,17 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)
+
+
+def _refused_dtensor(kind: str, mesh, rank: int, world_size: int):
+    """A DTensor made by torch's own DTensor.from_local that save_pretrained cannot write."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    if kind == "partial":
+        return DTensor.from_local(torch.full((3, 4), float(rank)), mesh, [Partial()])
+    rows = [world_size + 1 if r == 0 else 1 for r in range(world_size)]  # not torch.chunk's split of the rows
+    local = torch.arange(rows[rank] * 4, dtype=torch.float32).reshape(rows[rank], 4)
+    return DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((sum(rows), 4)), stride=(4, 1))
 
 
 def _limit_file_size(limit: int) -> tuple[int, int]:
