@@ -35,6 +35,7 @@ SPECS = {
         LiveSpec("w4-tp-2x2", tp=2, seed=39),
         LiveSpec("w4-tp-2x2-to-bf16", tp=2, save_dtype="bf16", max_shard_size="40KB", seed=40),
     ],
+    8: [LiveSpec("w8-hsdp-tp-2x2x2", tp=2, hsdp=True, save_dtype="bf16", seed=41)],  # HSDP + TP: one replica writes
 }
 ALL = {spec.name: (world, spec) for world, specs in SPECS.items() for spec in specs}
 SAVED = [name for name, (_, spec) in ALL.items() if spec.fail_rank is None and spec.refused is None]

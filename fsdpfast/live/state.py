@@ -135,7 +135,7 @@ def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     coordinate = mesh.get_coordinate()
     if coordinate is None or not _writes_copy(mesh, coordinate, kinds):
         return None
-    recorded = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in (value._spec.shard_order or ()))
+    recorded = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in (getattr(value._spec, "shard_order", None) or ()))
     layout = live_layout(value.shape, dtype_name(value.dtype), mesh.shape, coordinate, kinds, recorded)
     local = value.to_local().detach()
     reading = choose_reading([layout], [tuple(local.shape)], [f"save_pretrained: {name}"])

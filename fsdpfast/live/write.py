@@ -25,6 +25,7 @@ from functools import lru_cache
 
 from .. import _ops
 from ..dtypes import itemsize, torch_dtype
+from ..errors import FsdpfastError
 from ..execute.parts import Piece
 from ..execute.rows import native_pair
 from ..plan.layout import OutputFile
@@ -61,12 +62,12 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
         try:
             for tensor in tensors:
                 local = local_run(tensor.value, rank, tensor.key)
+                if isinstance(local, tuple):  # (first element, data): one run of rows
+                    local = LocalPiece.rows(*local)
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue
-                if isinstance(local, tuple):  # (first element, data): one run of rows
-                    local = LocalPiece.rows(*local)
-                data, target = local.data, placed.tensor.target_dtype
+                data, target = local.data.contiguous(), placed.tensor.target_dtype
                 if not _kernel_casts(data, target):
                     data = data.to(torch_dtype(target)).to("cpu").contiguous()
                 if file.name not in fds:
@@ -141,10 +142,10 @@ def _write(fd: int, data, extents, target: str, placed, file: str, threads: int)
         for src, count, dst in runs.tolist():
             _pwrite_all(fd, view[src * step : (src + count) * step], placed.offset + dst * size)
         crcs = [None] * len(runs)
-    ranges = [(dst * size, count * size, crc) for (_, count, dst), crc in zip(runs.tolist(), crcs)]
-    if len(ranges) <= MAX_PIECES:
-        return [Piece(file, placed.tensor.name, start, nbytes, crc) for start, nbytes, crc in ranges]
-    return [Spread(file, placed.tensor.name, sum(r[1] for r in ranges), _image_crc(ranges, placed.nbytes))]
+    starts, lengths = (runs[:, 2] * size).tolist(), (runs[:, 1] * size).tolist()
+    if len(starts) <= MAX_PIECES:
+        return [Piece(file, placed.tensor.name, *run) for run in zip(starts, lengths, crcs)]
+    return [Spread(file, placed.tensor.name, sum(lengths), _image_crc(zip(starts, lengths, crcs), placed.nbytes))]
 
 
 def _runs(extents):
@@ -179,7 +180,7 @@ def _kernel_write(fd: int, data, runs, target: str, offset: int, threads: int) -
             [_bytes_of(data)], rows.reshape(-1), offsets, sizes, fd, CHUNK_BYTES, threads
         )
     except RuntimeError as exc:  # the kernel's I/O errors, e.g. "writing the output file: File too large"
-        raise OSError(str(exc)) from None
+        raise FsdpfastError(str(exc)) from None
 
 
 def _image_crc(ranges, nbytes: int) -> int | None:

@@ -1,7 +1,8 @@
 """Live FSDP2 models saved by `fsdpfast.save_pretrained` on spawned gloo ranks, for the tests.
 
 Each rank builds the same tiny model, shards it with FSDP2 `fully_shard` (dim 0, another dim via
-shard_placement_fn, or HSDP), trains one step, then writes three things: the folder
+shard_placement_fn, or HSDP; or tensor parallel with torch's `parallelize_module` over a (dp, tp)
+mesh and FSDP2 over dp, as fsdpfast.testing.tp_examples does), trains one step, then writes three things: the folder
 save_pretrained makes (`live/`), the verl-style rank files of the same model for an offline merge
 (`ckpt/`), and, on rank 0, the reference: `get_model_state_dict(full_state_dict=True)` saved the
 usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
@@ -29,7 +30,7 @@ class LiveSpec:
     model: str = "llama"  # "llama-tied": tied embeddings
     dtype: str = "float32"  # the parameters'
     shard_dim: int = 0  # FSDP2's Shard(dim) of 2-D parameters
-    hsdp: bool = False  # a (replicate, shard) mesh: world size 4
+    hsdp: bool = False  # a (replicate, shard) mesh: world size 4 (with tp: (replicate, shard, tp), world size 8)
     save_dtype: str | None = None  # save_pretrained(dtype=...)
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
@@ -48,9 +49,9 @@ class LiveSpec:
         return CheckpointSpec(self.name, model=self.model, dtype=self.dtype, seed=self.seed)
 
     def as_tp_spec(self, world_size: int = 4) -> TpSpec:
-        return TpSpec(
-            self.name, mesh=(world_size // self.tp, self.tp), model=self.model, dtype=self.dtype, seed=self.seed
-        )
+        """hsdp: a (replicate, shard, tp) mesh with two replica groups, else (dp, tp)."""
+        dp = (2, world_size // (2 * self.tp)) if self.hsdp else (world_size // self.tp,)
+        return TpSpec(self.name, mesh=(*dp, self.tp), model=self.model, dtype=self.dtype, seed=self.seed)
 
 
 def save_live(root: str, specs: list[LiveSpec], world_size: int) -> None:
