@@ -11,8 +11,9 @@ most, so host memory stays at two tensors' shards, never the model.
 Checksums: a tensor's CRC-32C is its pieces' combined in order (execute.parts.tensor_checksums)
 where each rank's bytes are a few ranges (Piece). Column blocks interleave the ranks' bytes row
 by row; a rank then sends instead the CRC of the tensor's bytes with its own in place and zeros
-elsewhere (a Spread), and `settle` joins the ranks' Spreads: CRC-32C is affine in the data, so
-for images A and B of one length n, crc(A xor B) = crc(A) xor crc(B) xor crc(n zero bytes).
+elsewhere (a Spread: its runs' CRCs joined over the zero gaps by the native crc32c_spread), and
+`settle` joins the ranks' Spreads: CRC-32C is affine in the data, so for images A and B of one
+length n, crc(A xor B) = crc(A) xor crc(B) xor crc(n zero bytes).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]
         elif isinstance(p, Spread):
             images.setdefault(key, []).append((p.nbytes, p.crc))
         else:
-            images.setdefault(key, []).append((p.nbytes, _image_crc([(p.start, p.nbytes, p.crc)], sizes[key])))
+            images.setdefault(key, []).append((p.nbytes, _image_crc([p.start], [p.nbytes], [p.crc], sizes[key])))
     for (file, tensor), parts in images.items():
         n, crc = sizes[(file, tensor)], 0
         if sum(nbytes for nbytes, _ in parts) != n:  # the pieces must cover the tensor once (ranks write disjoint ones)
@@ -142,51 +143,58 @@ def _write(fd: int, data, extents, target: str, placed, file: str, threads: int)
         for src, count, dst in runs.tolist():
             _pwrite_all(fd, view[src * step : (src + count) * step], placed.offset + dst * size)
         crcs = [None] * len(runs)
-    starts, lengths = (runs[:, 2] * size).tolist(), (runs[:, 1] * size).tolist()
+    starts, lengths = runs[:, 2] * size, runs[:, 1] * size
     if len(starts) <= MAX_PIECES:
-        return [Piece(file, placed.tensor.name, *run) for run in zip(starts, lengths, crcs)]
-    return [Spread(file, placed.tensor.name, sum(lengths), _image_crc(zip(starts, lengths, crcs), placed.nbytes))]
+        return [Piece(file, placed.tensor.name, *run) for run in zip(starts.tolist(), lengths.tolist(), crcs)]
+    return [Spread(file, placed.tensor.name, int(lengths.sum()), _image_crc(starts, lengths, crcs, placed.nbytes))]
 
 
 def _runs(extents):
-    """(source element, count, tensor element) of every run, as an int64 array of 3 columns."""
-    import numpy as np
+    """(source element, count, tensor element) of every run, as an int64 tensor of 3 columns."""
+    import torch
 
     blocks = []
     for src, count, dst, repeats, src_stride, dst_stride in extents:
-        i = np.arange(repeats, dtype=np.int64)
-        blocks.append(
-            np.stack([src + i * src_stride, np.full(repeats, count, dtype=np.int64), dst + i * dst_stride], 1)
-        )
-    return np.concatenate(blocks) if blocks else np.zeros((0, 3), dtype=np.int64)
+        i = torch.arange(repeats, dtype=torch.int64)
+        blocks.append(torch.stack([src + i * src_stride, torch.full_like(i, count), dst + i * dst_stride], 1))
+    return torch.cat(blocks) if blocks else torch.zeros((0, 3), dtype=torch.int64)
 
 
 def _kernel_write(fd: int, data, runs, target: str, offset: int, threads: int) -> list[int]:
     """One kernel call: run i is destination i (its bytes in the file), cast from `data` on the way."""
-    import numpy as np
+    import torch
 
     source = dtype_name(data.dtype)
     same = source == target
-    rows = np.zeros((len(runs), _ops.COLUMNS), dtype=np.int64)
-    table = runs
-    rows[:, 1] = np.arange(len(runs))
+    rows = torch.zeros((len(runs), _ops.COLUMNS), dtype=torch.int64)  # csrc/plan_rows.h
+    rows[:, 1] = torch.arange(len(runs))
     rows[:, 2], rows[:, 3] = (0, 0) if same else (_ops.code(source), _ops.code(target))
     rows[:, 4], rows[:, 5] = data.element_size(), itemsize(target)
-    rows[:, 6], rows[:, 7], rows[:, 9] = table[:, 0], table[:, 1], 1
-    offsets = offset + table[:, 2] * itemsize(target)
-    sizes = table[:, 1] * itemsize(target)
+    rows[:, 6], rows[:, 7], rows[:, 9] = runs[:, 0], runs[:, 1], 1
+    offsets = offset + runs[:, 2] * itemsize(target)
+    sizes = runs[:, 1] * itemsize(target)
     try:
         return _ops.native().gather_convert_to_file(
-            [_bytes_of(data)], rows.reshape(-1), offsets, sizes, fd, CHUNK_BYTES, threads
+            [_bytes_of(data)], _int64s(rows), _int64s(offsets), _int64s(sizes), fd, CHUNK_BYTES, threads
         )
     except RuntimeError as exc:  # the kernel's I/O errors, e.g. "writing the output file: File too large"
         raise FsdpfastError(str(exc)) from None
 
 
-def _image_crc(ranges, nbytes: int) -> int | None:
-    """CRC-32C of `nbytes` bytes that hold the (start, length, crc) ranges, in order, and zeros elsewhere."""
-    crc, at = 0, 0
-    for start, length, part in ranges:
+def _image_crc(starts, lengths, crcs, nbytes: int) -> int | None:
+    """CRC-32C of `nbytes` bytes that hold runs (at `starts`, `lengths` long, of CRC-32C `crcs`; in
+    order) and zeros elsewhere: in the native module (a few ns per run), else two combines per run."""
+    crcs = list(crcs)
+    if any(crc is None for crc in crcs):
+        return None
+    spread = getattr(_ops.native(), "crc32c_spread", None)
+    if spread is not None:
+        import torch
+
+        held = [torch.as_tensor(v, dtype=torch.int64).contiguous() for v in (starts, lengths, crcs)]
+        return spread(*map(_int64s, held), nbytes)
+    crc, at = 0, 0  # a build from before crc32c_spread was bound
+    for start, length, part in zip(list(map(int, starts)), list(map(int, lengths)), crcs):
         if start > at:
             crc = _ops.crc32c_combine(crc, _zeros_crc(start - at), start - at)
         crc, at = _ops.crc32c_combine(crc, part, length), start + length
@@ -218,3 +226,8 @@ def _bytes_of(tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the caller keeps the tensor alive)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _int64s(tensor) -> memoryview:
+    """A contiguous int64 CPU tensor as the int64 buffer the native module takes (no numpy needed)."""
+    return _bytes_of(tensor).cast("q")

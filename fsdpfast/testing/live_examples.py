@@ -38,6 +38,10 @@ class LiveSpec:
     # a DTensor buffer save_pretrained must refuse, added just before it is called: "partial" (a Partial
     # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
     refused: str | None = None
+    # the measured alternatives save_pretrained keeps reachable: redistribute column blocks to Shard(0)
+    # first (live.state.REDISTRIBUTE), cast CPU tensors with torch's .to() (live.write.CAST = "torch")
+    redistribute: bool = False
+    torch_cast: bool = False
     seed: int = 0
 
     def folder(self, root: str) -> str:
@@ -72,6 +76,8 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     from torch.distributed.tensor import Shard
 
     import fsdpfast
+    import fsdpfast.live.state
+    import fsdpfast.live.write
 
     folder = spec.folder(root)
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
@@ -99,6 +105,10 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     if spec.refused is not None:
         model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
+    fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = (
+        spec.redistribute,
+        "torch" if spec.torch_cast else "native",
+    )
     try:
         report = fsdpfast.save_pretrained(
             model, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size
@@ -107,6 +117,7 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
+        fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = False, "native"
         if limit is not None:
             import resource
 
