@@ -1,16 +1,24 @@
 """Saving a live FSDP2 model as a Hugging Face folder: three ways, side by side, on gloo ranks (CPU).
 
-  fsdpfast      fsdpfast.save_pretrained(model, out): every rank writes its rows in place
+  fsdpfast      fsdpfast.save_pretrained(model, out): every rank writes its pieces in place
   gather        get_model_state_dict(full_state_dict=True, cpu_offload=True), then rank 0's
                 model.save_pretrained(state_dict=...): what accelerate and the Trainer do
   dcp+consol.   torch.distributed.checkpoint.save with HuggingFaceStorageWriter (one shard file per
                 rank), then consolidate_safetensors_files_on_every_rank into one folder
 
+and two variants of fsdpfast's, to measure the choices it makes (--ways picks any of the five):
+
+  fsdpfast-redistribute   pieces that are not whole rows (--shard-dim 1) redistributed to Shard(0)
+                          first (live.state.REDISTRIBUTE), instead of written as strided runs
+  fsdpfast-torch-cast     CPU tensors cast by torch's .to() (live.write.CAST), not by the native kernel
+
 Each way runs in fresh processes (so peak RSS is its own), on the same seeded model, one round
-after another, for --rounds rounds; the table gives each way's median seconds (the save alone,
-from a barrier to a barrier) and rank 0's peak RSS growth during the save, with ratios to fsdpfast.
+after another, for --rounds rounds; the table gives each way's min and median seconds (the save
+alone, from a barrier to a barrier) and rank 0's peak RSS growth during the save, with ratios to fsdpfast.
+--shard-dim 1 shards the 2-D weights on their columns (FSDP2's shard_placement_fn).
 
     python benchmarks/live_save.py --world 4 --hidden 1024 --layers 8 --rounds 3
+    python benchmarks/live_save.py --world 4 --shard-dim 1 --rounds 5 --ways fsdpfast fsdpfast-redistribute fsdpfast-torch-cast
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WAYS = ("fsdpfast", "gather", "dcp+consol.")
+WAYS = ("fsdpfast", "gather", "dcp+consol.", "fsdpfast-redistribute", "fsdpfast-torch-cast")
 
 
 def _rss_mb() -> float:
@@ -49,6 +57,7 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -65,9 +74,10 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (world,))
+    placement = (lambda p: Shard(args.shard_dim) if p.ndim == 2 else None) if args.shard_dim else None
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -76,9 +86,13 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     dist.barrier()
     before = _rss_mb()
     start = time.perf_counter()
-    if way == "fsdpfast":
+    if way.startswith("fsdpfast"):
         import fsdpfast
+        import fsdpfast.live.state
+        import fsdpfast.live.write
 
+        fsdpfast.live.state.REDISTRIBUTE = way == "fsdpfast-redistribute"
+        fsdpfast.live.write.CAST = "torch" if way == "fsdpfast-torch-cast" else "native"
         fsdpfast.save_pretrained(model, out, dtype="bf16")
     elif way == "gather":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -131,29 +145,34 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shard-dim", type=int, default=0, help="FSDP2 shards 2-D weights on this dim")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS[:3]))
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="fsdpfast-live-")
-    results = {way: [] for way in WAYS}
+    ways = ["fsdpfast"] + [w for w in args.ways if w != "fsdpfast"]
+    results = {way: [] for way in ways}
     for _ in range(args.rounds):
-        for way in WAYS:
+        for way in ways:
             results[way].append(run_way(way, args))
-    size = sum(
-        os.path.getsize(os.path.join(args.workdir, "fsdpfast-out", f))
-        for f in os.listdir(os.path.join(args.workdir, "fsdpfast-out"))
-        if f.endswith(".safetensors")
-    )
+    out = os.path.join(args.workdir, f"{ways[-1]}-out")
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     print(
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
-        f"{args.world} gloo ranks; {args.rounds} rounds, medians"
+        f"Shard({args.shard_dim}); {args.world} gloo ranks; {args.rounds} rounds"
     )
-    print(f"{'way':<14}{'seconds':>9}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}")
+    print(
+        f"{'way':<23}{'min s':>8}{'median s':>10}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}",
+        flush=True,
+    )
     base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
-    for way in WAYS:
+    for way in ways:
+        low = min(r["seconds"] for r in results[way])
         secs = statistics.median(r["seconds"] for r in results[way])
         rss = statistics.median(r["rss_growth_mb"] for r in results[way])
         print(
-            f"{way:<14}{secs:>9.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}{rss / max(base['rss_growth_mb'], 1):>12.1f}"
+            f"{way:<23}{low:>8.2f}{secs:>10.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}"
+            f"{rss / max(base['rss_growth_mb'], 1):>12.1f}"
         )
     shutil.rmtree(args.workdir, ignore_errors=True)
 

@@ -104,6 +104,34 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
   return fsdpfast::crc32c_combine(crc_a, crc_b, length_b);
 }
 
+// The CRC-32C of `total` bytes that hold runs (starts[i], lengths[i]) whose CRCs are crcs[i], in
+// increasing order, and zeros elsewhere: what a rank that wrote a column block (one run per row)
+// sends for the tensor. Appending n bytes multiplies the register by x^(8n); the shifts of the
+// last gap and run lengths are kept, so a block of equal rows costs two multiplications per row.
+uint32_t crc32c_spread(const py::buffer& starts, const py::buffer& lengths, const py::buffer& crcs, uint64_t total) {
+  namespace d = fsdpfast::crc32c_detail;
+  Int64Array start = int64_array(starts, "starts"), length = int64_array(lengths, "lengths"), crc_of = int64_array(crcs, "crcs");
+  if (start.size != length.size || start.size != crc_of.size) throw std::invalid_argument("starts, lengths and crcs differ in length");
+  py::gil_scoped_release unlocked;
+  uint64_t at = 0, gap_seen = 0, run_seen = 0;
+  uint32_t crc = 0, gap_shift = d::shift_of(0), gap_zeros = 0, run_shift = d::shift_of(0);
+  auto zeros = [&](uint64_t n) {  // append n zero bytes
+    if (n != gap_seen) gap_seen = n, gap_shift = d::shift_of(n), gap_zeros = ~d::multiply(0xFFFFFFFFu, gap_shift);
+    crc = d::multiply(crc, gap_shift) ^ gap_zeros;
+  };
+  for (int64_t i = 0; i < start.size; ++i) {
+    const uint64_t begin = uint64_t(start.data[i]), n = uint64_t(length.data[i]);
+    if (start.data[i] < 0 || length.data[i] < 0 || begin < at || begin + n > total)
+      throw std::invalid_argument("runs must be in order, apart, and inside the tensor");
+    if (begin > at) zeros(begin - at);
+    if (n != run_seen) run_seen = n, run_shift = d::shift_of(n);
+    crc = d::multiply(crc, run_shift) ^ uint32_t(crc_of.data[i]);
+    at = begin + n;
+  }
+  if (total > at) zeros(total - at);
+  return crc;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -125,6 +153,9 @@ PYBIND11_MODULE(_native, m) {
         "pickles differ in nothing else (csrc/pickle_scan.h); else None.");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
+  m.def("crc32c_spread", &crc32c_spread, py::arg("starts"), py::arg("lengths"), py::arg("crcs"), py::arg("total"),
+        "CRC-32C of `total` bytes holding runs at `starts` of `lengths` bytes with CRC-32Cs `crcs` (int64 buffers, "
+        "runs in order) and zeros elsewhere.");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("length_b"),
         "CRC-32C of A followed by B, from crc(A), crc(B) and B's length in bytes.");
 }

@@ -3,7 +3,7 @@
 Called on every rank of the job. The stages are an offline merge's, with the model in memory as
 the source: every rank plans the same folder from the DTensors' metadata (live.state), rank 0
 makes the output (the staging folder beside OUT_DIR) and writes the headers, every rank writes
-its own rows at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
+its own pieces at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
 writes the index, config and manifest and publishes after all have succeeded: a failure on any
 rank publishes nothing (group.MergeGroup). Host memory per rank is two tensors' shards at most.
 """
@@ -21,7 +21,7 @@ from ..manifest import MANIFEST_NAME, build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
 from .state import plan_live
-from .write import write_runs
+from .write import settle, write_runs
 
 
 @dataclass
@@ -48,12 +48,12 @@ def save_pretrained(
     group=None,
     overwrite: bool = False,
 ) -> SaveReport:
-    """Write `model` (FSDP2-sharded: DTensor parameters on a 1-D or HSDP mesh) as a Hugging Face folder.
+    """Write `model` (FSDP2-sharded: DTensors on a 1-D or HSDP mesh, or FSDP2 + TP) as a Hugging Face folder.
 
     Call it on every rank of the process group, as the model's forward is called. The folder is
     the one an offline merge of the same model's checkpoint writes (same files, headers and
     bytes), with its manifest; it appears complete or not at all.
-    dtype: None/"keep", "bf16", "fp16" or "fp32": floating tensors cast as torch's `.to()` rounds.
+    dtype: None/"keep", "bf16", "fp16" or "fp32": floating tensors cast as the offline merge rounds (torch's `.to()`).
     config: the model's config (default `model.config`), written as config.json with the dtype
         written; `tokenizer`: saved beside it if given (its save_pretrained).
     group: the process group (default: the default group when torch.distributed is initialised).
@@ -119,7 +119,7 @@ def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile]) -> _Out
 
 
 def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start, processes, out_dir) -> SaveReport:
-    checksums = tensor_checksums(files, pieces)
+    checksums = tensor_checksums(files, settle(files, pieces))
     if len(files) > 1:
         target.write_json("model.safetensors.index.json", index_json(files))
     if config is not None:

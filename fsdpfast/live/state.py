@@ -1,30 +1,32 @@
-"""A live model's state dict as the plan of the folder it becomes, and this rank's runs of its bytes.
+"""A live model's state dict as the plan of the folder it becomes, and this rank's piece of each tensor.
 
 Every rank computes the same plan from metadata alone (names, global shapes, dtypes), through
 the same normalisation and layout as an offline merge, so the files, headers and offsets are
 the ones a merge of the same model's checkpoint writes. What each rank then writes of a tensor
-is one contiguous run of its elements in row-major order:
-* a DTensor sharded on dim 0 (FSDP2's default): the rank's rows, in place;
-* sharded on another dim (FSDP2 with shard_placement_fn): redistributed to Shard(0) on the same
-  mesh first, one tensor at a time, so the rows are contiguous (one collective per tensor, in
-  the plan's order on every rank);
-* under HSDP only the replica group at coordinate 0 of each Replicate mesh dim writes;
+is its local piece, placed as readers.placements places a rank file's DTensor:
+* sharded on dim 0 (FSDP2's default): the rank's rows, one contiguous run;
+* sharded on another dim (FSDP2 with shard_placement_fn), or on two (FSDP2 + tensor parallel on a
+  dp x tp mesh: `(_StridedShard(0), Shard(0))`, `(Shard(0), Shard(1))`): strided runs, written in
+  place (measured faster than redistributing to Shard(0) first: docs/performance.md);
+* under HSDP only the replica group at coordinate 0 of each Replicate mesh dim writes, and a
+  tensor on a sub-mesh (the dp mesh under TP) is written by one of its copies;
 * a plain tensor (a buffer every rank holds) is written by rank 0 alone.
-Meshes that shard one tensor over several mesh dims (FSDP2 + tensor parallel) are refused for now.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 
 from ..dtypes import target_dtype
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
-from ..readers.placements import chunk_span
+from ..readers.placements import choose_reading, live_layout
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
+# Pieces that are not whole rows (Shard(d>0)) redistributed to Shard(0) before writing (one collective per
+# tensor), instead of written as strided runs: kept to measure the two (benchmarks/live_save.py).
+REDISTRIBUTE = False
 
 
 def dtype_name(dtype) -> str:
@@ -50,6 +52,8 @@ def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[Merg
         if name in seen:
             raise BadInput(f"{seen[name]} and {key} both become {name} once wrapper prefixes are removed")
         seen[name] = key
+        if hasattr(value, "placements"):  # refused here, on every rank alike, before anything is made
+            placement_kinds(value, key)
         source = dtype_name(value.dtype)
         tensors.append(TensorPlan(name, tuple(value.shape), source, target_dtype(source, wanted), ()))
         live.append(LiveTensor(name, key, value))
@@ -73,44 +77,77 @@ def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[Merg
     return MergePlan(LAYOUT, _world(state), (), tensors), live
 
 
-def local_run(value, rank: int) -> tuple[int, object] | None:
-    """(first element, contiguous local data) of what this rank writes of `value`, or None.
+@dataclass(frozen=True)
+class LocalPiece:
+    """What this rank writes of a tensor: `data` (contiguous, row-major) and where its elements go in
+    the tensor, as extents in elements: (source offset, count, destination offset, runs, source
+    stride, destination stride), each run `count` contiguous elements of the tensor."""
 
-    May run a collective (redistribution to Shard(0)): every rank must call it for every tensor,
-    in the same order."""
+    data: object
+    extents: tuple[tuple[int, int, int, int, int, int], ...]
+
+    @classmethod
+    def rows(cls, start: int, data) -> LocalPiece:
+        """`data` is the tensor's elements from `start` on, in one contiguous run."""
+        return cls(data, ((0, data.numel(), start, 1, 0, 0),))
+
+
+def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]:
+    """A DTensor's placements as (kind, dim, split factor), as readers.placements reads them; refused
+    when one is not a piece of the tensor (Partial: unreduced sums) or is unknown."""
+    kinds = []
+    for p in value.placements:
+        kind = type(p).__name__
+        if kind == "Shard":
+            kinds.append(("shard", p.dim, 1))
+        elif kind == "_StridedShard":
+            kinds.append(("strided", p.dim, int(p.split_factor)))
+        elif kind == "Replicate":
+            kinds.append(("replicate", None, 1))
+        else:
+            raise BadInput(
+                f"save_pretrained: {name} is placed as {tuple(value.placements)}: a {kind} placement does not hold "
+                "pieces of the tensor (Partial: unreduced sums); reduce it (redistribute to Shard or Replicate) first"
+            )
+    return tuple(kinds)
+
+
+def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
+    """What this rank writes of `value`, or None (another rank writes it, or it holds none).
+
+    A DTensor's piece is placed by its placements as readers.placements reads rank files (nested
+    torch.chunk pieces, _StridedShard in torch's shard order): rows of a tensor sharded on dim 0,
+    strided runs of one sharded on another dim (or on two dims, FSDP2 + tensor parallel). Copies
+    are written once: by the replica at coordinate 0 of each Replicate mesh dim, and, for a tensor
+    on a sub-mesh (FSDP2's dp mesh under TP), by the sub-mesh holding the root mesh's first rank.
+    With REDISTRIBUTE set, pieces that are not whole rows are first redistributed to Shard(0): a
+    collective, so every rank must then call this for every tensor, in the same order."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(value, DTensor):
-        return (0, value.detach().contiguous()) if rank == 0 else None
-    placements = value.placements
-    sharding = [(mesh_dim, p) for mesh_dim, p in enumerate(placements) if not isinstance(p, Replicate)]
-    if len(sharding) > 1 or any(type(p) is not Shard for _, p in sharding):
-        raise BadInput(
-            f"save_pretrained: a tensor placed as {tuple(placements)} (sharded over several mesh dims, or "
-            "strided): only FSDP2's Shard(d) on one mesh dim, with HSDP replicas, is written live for now; "
-            "save a checkpoint and merge it instead"
-        )
+        return LocalPiece.rows(0, value.detach().contiguous()) if rank == 0 else None
+    kinds = placement_kinds(value, name)
     mesh = value.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # not part of this tensor's mesh
-        return None
-    if sharding and sharding[0][1].dim != 0:
-        target = list(placements)
-        target[sharding[0][0]] = Shard(0)
+    if REDISTRIBUTE and any(kind != "replicate" and dim != 0 for kind, dim, _ in kinds):
+        target = [Replicate() if kind == "replicate" else Shard(0) for kind, _, _ in kinds]
         value = value.redistribute(mesh, target)
-    if any(c != 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate)):
-        return None  # another replica group writes it
-    local = value.to_local().detach().contiguous()
-    if not sharding:
-        return (0, local) if all(c == 0 for c in coordinate) else None
-    mesh_dim = sharding[0][0]
-    rows, _ = chunk_span(value.shape[0], mesh.size(mesh_dim), coordinate[mesh_dim])  # FSDP2 splits as torch.chunk
-    if local.shape[1:] != value.shape[1:] or rows + local.shape[0] > value.shape[0]:
-        raise BadInput(
-            f"save_pretrained: a local shard of shape {tuple(local.shape)} does not fit rows from {rows} of "
-            f"{tuple(value.shape)}: not torch.chunk's split; save a checkpoint and merge it instead"
-        )
-    return rows * prod(value.shape[1:]), local
+        kinds = placement_kinds(value, name)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or not _writes_copy(mesh, coordinate, kinds):
+        return None
+    recorded = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in (getattr(value._spec, "shard_order", None) or ()))
+    layout = live_layout(value.shape, dtype_name(value.dtype), mesh.shape, coordinate, kinds, recorded)
+    local = value.to_local().detach()
+    reading = choose_reading([layout], [tuple(local.shape)], [f"save_pretrained: {name}"])
+    return LocalPiece(local.contiguous(), layout.local_extents(reading))
+
+
+def _writes_copy(mesh, coordinate, kinds) -> bool:
+    """Whether this rank's copy of its piece is the one written (see local_run)."""
+    if any(c != 0 for c, (kind, _, _) in zip(coordinate, kinds) if kind == "replicate"):
+        return False
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    return root is mesh or int(mesh.mesh.min()) == int(root.mesh.min())
 
 
 def _same_values(a, b) -> bool:
@@ -138,5 +175,6 @@ def _world(state: dict) -> int:
 
     for value in state.values():
         if isinstance(value, DTensor):
-            return value.device_mesh.size()
+            mesh = value.device_mesh
+            return (mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh).size()
     return 1

@@ -1,9 +1,19 @@
-"""Write this rank's runs of a live model's tensors at their final offsets in the shared output files.
+"""Write this rank's pieces of a live model's tensors at their final offsets in the shared output files.
 
-Each run is cast where the tensor lives (on the GPU for CUDA tensors, as torch's `.to()` rounds,
-the rounding an offline merge uses), copied to host memory, and written with pwrite by a writer
-thread while the next tensor is cast: two buffers in flight at most, so host memory stays at
-two tensors' shards, never the model. Each run's CRC-32C is returned (a Piece) for the manifest.
+A piece is one or more runs of the tensor's bytes (live.state.LocalPiece): one for rows, many for
+a column block (one per row). A CPU piece goes to the native kernel as it is: it casts (rounding
+as an offline merge does), writes each run with pwrite and checksums it, many threads at once. A
+CUDA piece is cast on its GPU first (as torch's `.to()` rounds, the same rounding), then copied to
+host memory; so is a CPU piece the kernel has no cast for (float64) or when the native module is
+missing. A writer thread writes one piece while the next is prepared: two pieces in flight at
+most, so host memory stays at two tensors' shards, never the model.
+
+Checksums: a tensor's CRC-32C is its pieces' combined in order (execute.parts.tensor_checksums)
+where each rank's bytes are a few ranges (Piece). Column blocks interleave the ranks' bytes row
+by row; a rank then sends instead the CRC of the tensor's bytes with its own in place and zeros
+elsewhere (a Spread: its runs' CRCs joined over the zero gaps by the native crc32c_spread), and
+`settle` joins the ranks' Spreads: CRC-32C is affine in the data, so for images A and B of one
+length n, crc(A xor B) = crc(A) xor crc(B) xor crc(n zero bytes).
 """
 
 from __future__ import annotations
@@ -11,42 +21,65 @@ from __future__ import annotations
 import ctypes
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
 
 from .. import _ops
 from ..dtypes import itemsize, torch_dtype
+from ..errors import FsdpfastError
 from ..execute.parts import Piece
+from ..execute.rows import native_pair
 from ..plan.layout import OutputFile
-from .state import LiveTensor, local_run
+from .state import LiveTensor, LocalPiece, dtype_name, local_run
 
-IN_FLIGHT = 2  # buffers cast and waiting to be written, at most
+IN_FLIGHT = 2  # pieces prepared and waiting to be written, at most
+CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
+MAX_PIECES = 16  # a rank's runs of one tensor sent as Pieces up to this many; more as one Spread
+# "native": CPU pieces cast by the kernel; "torch": by torch's .to() first (kept to measure the two:
+# benchmarks/live_save.py).
+CAST = "native"
 
 
-def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, rank: int) -> list[Piece]:
-    """Write what this rank holds of `tensors` (every rank calls this with the same list: redistribution
-    is collective); `open_file(name, size)` gives a writable descriptor of an output file."""
+@dataclass(frozen=True)
+class Spread:
+    """The CRC-32C of a tensor's bytes with this rank's `nbytes` of them in place and zeros elsewhere."""
+
+    file: str
+    tensor: str
+    nbytes: int
+    crc: int | None
+
+
+def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, rank: int) -> list[Piece | Spread]:
+    """Write what this rank holds of `tensors` (every rank calls this with the same list: a
+    redistribution is collective); `open_file(name, size)` gives a writable descriptor of an output file."""
 
     where = {p.tensor.name: (f, p) for f in files for p in f.tensors}
     fds: dict[str, int] = {}
-    pieces: list[Piece] = []
+    pieces: list[Piece | Spread] = []
     pending: list[Future] = []
+    threads = _threads()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpfast-write") as writer:
         try:
             for tensor in tensors:
-                run = local_run(tensor.value, rank)
+                local = local_run(tensor.value, rank, tensor.key)
+                if isinstance(local, tuple):  # (first element, data): one run of rows
+                    local = LocalPiece.rows(*local)
                 file, placed = where[tensor.name]
-                if run is None or not run[1].numel():
+                if local is None or not local.data.numel():
                     continue
-                start, data = run
-                host = data.to(torch_dtype(placed.tensor.target_dtype)).to("cpu").contiguous()
+                data, target = local.data.contiguous(), placed.tensor.target_dtype
+                if not _kernel_casts(data, target):
+                    data = data.to(torch_dtype(target)).to("cpu").contiguous()
                 if file.name not in fds:
                     fds[file.name] = open_file(file.name, file.size)
-                offset = start * itemsize(placed.tensor.target_dtype)
-                pending.append(
-                    writer.submit(_write, fds[file.name], host, placed.offset + offset, file.name, tensor.name, offset)
-                )
+                job = (fds[file.name], data, local.extents, target, placed, file.name, threads)
+                pending.append(writer.submit(_write, *job))
                 while len(pending) >= IN_FLIGHT:
-                    pieces.append(pending.pop(0).result())
-            pieces += [future.result() for future in pending]
+                    pieces += pending.pop(0).result()
+            for future in pending:
+                pieces += future.result()
+            pending = []
             for fd in fds.values():
                 os.fsync(fd)
         finally:
@@ -57,15 +90,144 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
     return pieces
 
 
-def _write(fd: int, host, file_offset: int, file: str, tensor: str, tensor_offset: int) -> Piece:
-    view = _bytes_of(host)
+def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]:
+    """All ranks' Pieces, with every tensor that has Spreads given one Piece of its whole bytes:
+    the ranks' Spreads (and any Pieces of it, padded with zeros) joined."""
+    sizes = {(f.name, p.tensor.name): p.nbytes for f in files for p in f.tensors}
+    spread = {(s.file, s.tensor) for s in pieces if isinstance(s, Spread)}
+    images: dict[tuple[str, str], list[tuple[int, int | None]]] = {}
+    settled = []
+    for p in pieces:
+        key = (p.file, p.tensor)
+        if key not in spread:
+            settled.append(p)
+        elif isinstance(p, Spread):
+            images.setdefault(key, []).append((p.nbytes, p.crc))
+        else:
+            images.setdefault(key, []).append((p.nbytes, _image_crc([p.start], [p.nbytes], [p.crc], sizes[key])))
+    for (file, tensor), parts in images.items():
+        n, crc = sizes[(file, tensor)], 0
+        if sum(nbytes for nbytes, _ in parts) != n:  # the pieces must cover the tensor once (ranks write disjoint ones)
+            raise ValueError(f"the pieces written of {tensor} cover {sum(b for b, _ in parts)} of its {n} bytes")
+        for _, part in parts:
+            crc = None if crc is None or part is None else crc ^ part
+        if crc is not None and len(parts) % 2 == 0:
+            crc ^= _zeros_crc(n)
+        settled.append(Piece(file, tensor, 0, n, crc))
+    return settled
+
+
+def _kernel_casts(data, target: str) -> bool:
+    return (
+        CAST == "native"
+        and _ops.native_cpu()
+        and data.device.type == "cpu"
+        and native_pair(dtype_name(data.dtype), target)
+    )
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()  # what the job gave this process (torchrun: cores / local ranks)
+
+
+def _write(fd: int, data, extents, target: str, placed, file: str, threads: int) -> list[Piece | Spread]:
+    """Write `data`'s runs into the tensor's place in the file; what its checksums are sent as."""
+    size = itemsize(target)
+    runs = _runs(extents)  # (source element, count, tensor element) per run
+    if _ops.native_cpu():
+        crcs = _kernel_write(fd, data, runs, target, placed.offset, threads)
+    else:  # no kernel: no checksums either (the manifest records none)
+        view, step = _bytes_of(data), data.element_size()
+        for src, count, dst in runs.tolist():
+            _pwrite_all(fd, view[src * step : (src + count) * step], placed.offset + dst * size)
+        crcs = [None] * len(runs)
+    starts, lengths = runs[:, 2] * size, runs[:, 1] * size
+    if len(starts) <= MAX_PIECES:
+        return [Piece(file, placed.tensor.name, *run) for run in zip(starts.tolist(), lengths.tolist(), crcs)]
+    return [Spread(file, placed.tensor.name, int(lengths.sum()), _image_crc(starts, lengths, crcs, placed.nbytes))]
+
+
+def _runs(extents):
+    """(source element, count, tensor element) of every run, as an int64 tensor of 3 columns."""
+    import torch
+
+    blocks = []
+    for src, count, dst, repeats, src_stride, dst_stride in extents:
+        i = torch.arange(repeats, dtype=torch.int64)
+        blocks.append(torch.stack([src + i * src_stride, torch.full_like(i, count), dst + i * dst_stride], 1))
+    return torch.cat(blocks) if blocks else torch.zeros((0, 3), dtype=torch.int64)
+
+
+def _kernel_write(fd: int, data, runs, target: str, offset: int, threads: int) -> list[int]:
+    """One kernel call: run i is destination i (its bytes in the file), cast from `data` on the way."""
+    import torch
+
+    source = dtype_name(data.dtype)
+    same = source == target
+    rows = torch.zeros((len(runs), _ops.COLUMNS), dtype=torch.int64)  # csrc/plan_rows.h
+    rows[:, 1] = torch.arange(len(runs))
+    rows[:, 2], rows[:, 3] = (0, 0) if same else (_ops.code(source), _ops.code(target))
+    rows[:, 4], rows[:, 5] = data.element_size(), itemsize(target)
+    rows[:, 6], rows[:, 7], rows[:, 9] = runs[:, 0], runs[:, 1], 1
+    offsets = offset + runs[:, 2] * itemsize(target)
+    sizes = runs[:, 1] * itemsize(target)
+    try:
+        return _ops.native().gather_convert_to_file(
+            [_bytes_of(data)], _int64s(rows), _int64s(offsets), _int64s(sizes), fd, CHUNK_BYTES, threads
+        )
+    except RuntimeError as exc:  # the kernel's I/O errors, e.g. "writing the output file: File too large"
+        raise FsdpfastError(str(exc)) from None
+
+
+def _image_crc(starts, lengths, crcs, nbytes: int) -> int | None:
+    """CRC-32C of `nbytes` bytes that hold runs (at `starts`, `lengths` long, of CRC-32C `crcs`; in
+    order) and zeros elsewhere: in the native module (a few ns per run), else two combines per run."""
+    crcs = list(crcs)
+    if any(crc is None for crc in crcs):
+        return None
+    spread = getattr(_ops.native(), "crc32c_spread", None)
+    if spread is not None:
+        import torch
+
+        held = [torch.as_tensor(v, dtype=torch.int64).contiguous() for v in (starts, lengths, crcs)]
+        return spread(*map(_int64s, held), nbytes)
+    crc, at = 0, 0  # a build from before crc32c_spread was bound
+    for start, length, part in zip(list(map(int, starts)), list(map(int, lengths)), crcs):
+        if start > at:
+            crc = _ops.crc32c_combine(crc, _zeros_crc(start - at), start - at)
+        crc, at = _ops.crc32c_combine(crc, part, length), start + length
+    if nbytes > at:
+        crc = _ops.crc32c_combine(crc, _zeros_crc(nbytes - at), nbytes - at)
+    return crc
+
+
+@lru_cache(maxsize=256)
+def _zeros_crc(n: int) -> int | None:
+    """CRC-32C of n zero bytes, by doubling (log n combines)."""
+    crc, power, length = 0, _ops.crc32c(b"\0"), 1
+    if power is None:
+        return None
+    while n:
+        if n & 1:
+            crc = _ops.crc32c_combine(crc, power, length)
+        power, length, n = _ops.crc32c_combine(power, power, length), length * 2, n >> 1
+    return crc
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     written = 0
     while written < len(view):  # pwrite may write less than asked (signals, very large runs)
-        written += os.pwrite(fd, view[written:], file_offset + written)
-    return Piece(file, tensor, tensor_offset, len(view), _ops.crc32c(view))
+        written += os.pwrite(fd, view[written:], offset + written)
 
 
 def _bytes_of(tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the caller keeps the tensor alive)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _int64s(tensor) -> memoryview:
+    """A contiguous int64 CPU tensor as the int64 buffer the native module takes (no numpy needed)."""
+    return _bytes_of(tensor).cast("q")

@@ -342,3 +342,14 @@ def _decode_split_factors(placements, mesh_shape) -> tuple[tuple[int, tuple[int,
         else:
             return None
     return tuple((dim, tuple(mesh_dims)) for dim, mesh_dims in sorted(by_dim.items()))
+
+
+def live_layout(global_shape, dtype: str, mesh_shape, coordinate, placements, recorded_order=()) -> DTensorLayout:
+    """The layout of a DTensor held in memory (fsdpfast.save_pretrained): `placements` as
+    (kind, dim, split factor), `recorded_order` its spec's shard order as (tensor dim, mesh dims) pairs
+    (torch records none beside _StridedShard placements, whose split factors say the order)."""
+    placements, mesh_shape = tuple(placements), tuple(mesh_shape)
+    strided = any(kind == "strided" for kind, _, _ in placements)
+    spec = {} if strided else {"shard_order": [{"tensor_dim": d, "mesh_dims": tuple(m)} for d, m in recorded_order]}
+    order = _shard_order(spec, placements, mesh_shape, "a DTensor in memory")
+    return DTensorLayout(tuple(global_shape), dtype, mesh_shape, tuple(coordinate), placements, order)

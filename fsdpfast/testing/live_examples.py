@@ -1,7 +1,8 @@
 """Live FSDP2 models saved by `fsdpfast.save_pretrained` on spawned gloo ranks, for the tests.
 
 Each rank builds the same tiny model, shards it with FSDP2 `fully_shard` (dim 0, another dim via
-shard_placement_fn, or HSDP), trains one step, then writes three things: the folder
+shard_placement_fn, or HSDP; or tensor parallel with torch's `parallelize_module` over a (dp, tp)
+mesh and FSDP2 over dp, as fsdpfast.testing.tp_examples does), trains one step, then writes three things: the folder
 save_pretrained makes (`live/`), the verl-style rank files of the same model for an offline merge
 (`ckpt/`), and, on rank 0, the reference: `get_model_state_dict(full_state_dict=True)` saved the
 usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
@@ -18,6 +19,9 @@ from functools import partial
 import torch
 
 from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
+from .tp_examples import TpSpec, parallelize
+from .tp_examples import _example as _tp_example
+from .tp_examples import _train_one_step as _train_tp_one_step
 
 
 @dataclass(frozen=True)
@@ -26,17 +30,32 @@ class LiveSpec:
     model: str = "llama"  # "llama-tied": tied embeddings
     dtype: str = "float32"  # the parameters'
     shard_dim: int = 0  # FSDP2's Shard(dim) of 2-D parameters
-    hsdp: bool = False  # a (replicate, shard) mesh: world size 4
+    hsdp: bool = False  # a (replicate, shard) mesh: world size 4 (with tp: (replicate, shard, tp), world size 8)
     save_dtype: str | None = None  # save_pretrained(dtype=...)
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
+    tp: int = 1  # > 1: a (dp, tp) mesh, tensor parallel (torch's parallelize_module) over tp, then FSDP2 over dp
+    # a DTensor buffer save_pretrained must refuse, added just before it is called: "partial" (a Partial
+    # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
+    refused: str | None = None
+    # the measured alternatives save_pretrained keeps reachable: redistribute column blocks to Shard(0)
+    # first (live.state.REDISTRIBUTE), cast CPU tensors with torch's .to() (live.write.CAST = "torch")
+    redistribute: bool = False
+    torch_cast: bool = False
     seed: int = 0
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
 
     def as_checkpoint_spec(self) -> CheckpointSpec:
+        if self.tp > 1:
+            return _tp_example(self.as_tp_spec())
         return CheckpointSpec(self.name, model=self.model, dtype=self.dtype, seed=self.seed)
+
+    def as_tp_spec(self, world_size: int = 4) -> TpSpec:
+        """hsdp: a (replicate, shard, tp) mesh with two replica groups, else (dp, tp)."""
+        dp = (2, world_size // (2 * self.tp)) if self.hsdp else (world_size // self.tp,)
+        return TpSpec(self.name, mesh=(*dp, self.tp), model=self.model, dtype=self.dtype, seed=self.seed)
 
 
 def save_live(root: str, specs: list[LiveSpec], world_size: int) -> None:
@@ -57,27 +76,39 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     from torch.distributed.tensor import Shard
 
     import fsdpfast
+    import fsdpfast.live.state
+    import fsdpfast.live.write
 
     folder = spec.folder(root)
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
     base = spec.as_checkpoint_spec()
     model = build_model(base)
-    mesh = (
-        init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-        if spec.hsdp
-        else init_device_mesh("cpu", (world_size,))
-    )
-    placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
-    for layer in _layers(model):
-        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-    _train_one_step(model, base)
+    if spec.tp > 1:
+        mesh = parallelize(model, spec.as_tp_spec(world_size))
+        _train_tp_one_step(model, spec.seed)
+    else:
+        mesh = (
+            init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+            if spec.hsdp
+            else init_device_mesh("cpu", (world_size,))
+        )
+        placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
+        for layer in _layers(model):
+            fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+        _train_one_step(model, base)
     torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         _write_hf_files(os.path.join(folder, "ckpt", "huggingface"), base)
         model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
+    if spec.refused is not None:
+        model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
+    fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = (
+        spec.redistribute,
+        "torch" if spec.torch_cast else "native",
+    )
     try:
         report = fsdpfast.save_pretrained(
             model, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size
@@ -86,12 +117,24 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
+        fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = False, "native"
         if limit is not None:
             import resource
 
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)
+
+
+def _refused_dtensor(kind: str, mesh, rank: int, world_size: int):
+    """A DTensor made by torch's own DTensor.from_local that save_pretrained cannot write."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    if kind == "partial":
+        return DTensor.from_local(torch.full((3, 4), float(rank)), mesh, [Partial()])
+    rows = [world_size + 1 if r == 0 else 1 for r in range(world_size)]  # not torch.chunk's split of the rows
+    local = torch.arange(rows[rank] * 4, dtype=torch.float32).reshape(rows[rank], 4)
+    return DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((sum(rows), 4)), stride=(4, 1))
 
 
 def _limit_file_size(limit: int) -> tuple[int, int]:
