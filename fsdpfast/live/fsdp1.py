@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import BadInput
+from ..plan.normalise import clean_name
 
 _REFUSE = "save a checkpoint and merge it instead"
 
@@ -132,7 +133,10 @@ def _walk(module, prefix: str, owners, names, managed, flat_type, state: dict, c
 
     cls = type(module)
     if getattr(cls, "get_extra_state", torch.nn.Module.get_extra_state) is not torch.nn.Module.get_extra_state:
-        raise BadInput(f"save_pretrained: {prefix}{cls.__name__} saves extra state, which is not a tensor; {_REFUSE}")
+        raise BadInput(
+            f"save_pretrained: the module {clean_name(prefix.rstrip('.')) or '(the root)'} ({cls.__name__}) saves extra "
+            f"state, which is not a tensor; {_REFUSE}"
+        )
     own = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, flat_type)]
     own += [n for n in names.get(id(module), ()) if n not in own]  # use_orig_params=False took them out
     for name in own:
@@ -140,14 +144,16 @@ def _walk(module, prefix: str, owners, names, managed, flat_type, state: dict, c
         if run is None:
             param = module._parameters[name]
             if id(param) in managed:
-                raise BadInput(f"save_pretrained: {prefix}{name} is FSDP1's, but no unit records it here; {_REFUSE}")
+                raise BadInput(
+                    f"save_pretrained: {clean_name(prefix + name)} is FSDP1's, but no unit records it here; {_REFUSE}"
+                )
             run = param  # a parameter FSDP1 ignores: whole on every rank
         state[prefix + name] = run
     for name, buffer in module._buffers.items():
         if buffer is not None and name not in module._non_persistent_buffers_set:
             if cast_buffers:
                 raise BadInput(
-                    f"save_pretrained: FSDP1 holds the buffer {prefix}{name} in MixedPrecision's buffer_dtype, "
+                    f"save_pretrained: FSDP1 holds the buffer {clean_name(prefix + name)} in MixedPrecision's buffer_dtype, "
                     f"not its own; {_REFUSE}"
                 )
             state[prefix + name] = buffer

@@ -33,13 +33,16 @@ class LiveFsdp1Spec:
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
     untie: bool = False  # the config ties the embeddings, the model holds two parameters: refused
+    cast_buffers: bool = False  # a persistent buffer, and MixedPrecision(buffer_dtype=bf16): refused
     seed: int = 0
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
 
     def as_checkpoint_spec(self) -> CheckpointSpec:
-        return CheckpointSpec(self.name, model=self.model, dtype=self.dtype, seed=self.seed, architecture=True)
+        return CheckpointSpec(
+            self.name, model=self.model, dtype=self.dtype, seed=self.seed, architecture=True, buffer=self.cast_buffers
+        )
 
 
 def save_live_fsdp1(root: str, specs: list[LiveFsdp1Spec], world_size: int) -> None:
@@ -50,12 +53,12 @@ def save_live_fsdp1(root: str, specs: list[LiveFsdp1Spec], world_size: int) -> N
 
 
 def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[LiveFsdp1Spec]) -> None:
-    serve_rank(rank, world_size, port, "gloo", [partial(_save_one, rank, root, spec) for spec in specs])
+    serve_rank(rank, world_size, port, "gloo", [partial(save_one, rank, root, spec) for spec in specs])
 
 
-def _save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
+def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
     from safetensors.torch import save_file
-    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -81,6 +84,7 @@ def _save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         auto_wrap_policy=ModuleWrapPolicy(wrap),
         use_orig_params=spec.use_orig_params,
         device_id=torch.device("cpu"),
+        mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16) if spec.cast_buffers else None,
     )
     _train_one_step(fsdp, base)
     with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
@@ -95,12 +99,12 @@ def _save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         save_file(full, os.path.join(folder, "reference.safetensors"))
         with open(os.path.join(folder, "reference-order.json"), "w") as f:
             json.dump(list(full), f)
-    walked = [clean_name(key) for key in live_state(fsdp)[0]]  # the names save_pretrained plans, in its order
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
     try:
         report = fsdpfast.save_pretrained(
             fsdp, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size
         )
+        walked = [clean_name(key) for key in live_state(fsdp)[0]]  # the names save_pretrained planned, in its order
         outcome = {"ok": True, "files": report.files, "tied": report.tied, "walked": walked}
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
