@@ -4,7 +4,7 @@ Each rank writes the runs of FSDP1's flat shard that are its, with no collective
 hold, bit for bit, FSDP1's own FULL_STATE_DICT (gathered in the writing processes), load with
 transformers, and its safetensors files must be byte for byte those an offline merge of the same
 model's LOCAL_STATE_DICT rank files writes; 2 and 3 ranks split the flat parameters unevenly
-(and parameters across ranks), 1 rank is FSDP1's NO_SHARD; a rank whose writes fail publishes nothing.
+(and parameters across ranks), 1 rank is FSDP1's NO_SHARD, 4 ranks HYBRID_SHARD (two replica groups); a rank whose writes fail publishes nothing.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ SPECS = {
         LiveFsdp1Spec("w3-orig-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=45),
         LiveFsdp1Spec("w3-flat-fp32", use_orig_params=False, max_shard_size="40KB", seed=46),
     ],
+    4: [LiveFsdp1Spec("w4-hybrid-tied", model="llama-tied", hybrid=True, seed=48)],  # HYBRID_SHARD: replica 0 writes
 }
 ALL = {spec.name: (world, spec) for world, specs in SPECS.items() for spec in specs}
 SAVED = [name for name, (_, spec) in ALL.items() if spec.fail_rank is None]
-# NO_SHARD's LOCAL_STATE_DICT holds a plain flat tensor, not the ShardedTensor the offline reader reads
-MERGED = [name for name in SAVED if ALL[name][0] > 1]
+# NO_SHARD's LOCAL_STATE_DICT holds a plain flat tensor, not the ShardedTensor the offline reader reads;
+# FSDP1 on a device mesh (HYBRID_SHARD here) has no LOCAL_STATE_DICT
+MERGED = [name for name in SAVED if ALL[name][0] > 1 and not ALL[name][1].hybrid]
 
 
 @pytest.fixture(scope="module")

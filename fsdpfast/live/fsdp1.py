@@ -65,9 +65,10 @@ def live_state(model) -> tuple[dict, int]:
         if handle is None:  # a unit with no parameters of its own
             continue
         _check_unit(unit, handle)
-        world = max(world, handle.world_size)
+        replica, replicas = _replica(unit, handle)
+        world = max(world, handle.world_size * replicas)
         flat = handle.flat_param
-        for info, run in zip(flat._param_infos, _unit_runs(handle)):
+        for info, run in zip(flat._param_infos, _unit_runs(handle, replica == 0)):
             owners[(id(info.module), info.param_name)] = run
             names.setdefault(id(info.module), []).append(info.param_name)
         for shared in flat._shared_param_infos:
@@ -80,13 +81,7 @@ def live_state(model) -> tuple[dict, int]:
 
 
 def _check_unit(unit, handle) -> None:
-    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
-
     flat = handle.flat_param
-    if handle._sharding_strategy in (HandleShardingStrategy.HYBRID_SHARD, HandleShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise BadInput(
-            f"save_pretrained: an FSDP1 unit uses {unit.sharding_strategy.name}: not written live yet; {_REFUSE}"
-        )
     if any(e is not None for e in flat._param_extensions):
         raise BadInput(f"save_pretrained: FSDP1 parameters with an FSDP extension (tensor parallel): {_REFUSE}")
     if not all(flat._contiguities):
@@ -96,8 +91,24 @@ def _check_unit(unit, handle) -> None:
         )
 
 
-def _unit_runs(handle) -> list[FlatRun]:
-    """Each of the unit's parameters' run in this rank's shard of its flat parameter."""
+def _replica(unit, handle) -> tuple[int, int]:
+    """(this rank's replica group, how many): HYBRID_SHARD shards within a group and replicates across
+    groups (the unit's inter-node group); the other strategies have one group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+    if handle._sharding_strategy not in (
+        HandleShardingStrategy.HYBRID_SHARD,
+        HandleShardingStrategy._HYBRID_SHARD_ZERO2,
+    ):
+        return 0, 1
+    across = unit._inter_node_pg
+    return dist.get_rank(across), dist.get_world_size(across)
+
+
+def _unit_runs(handle, first_replica: bool) -> list[FlatRun]:
+    """Each of the unit's parameters' run in this rank's shard of its flat parameter (none outside
+    the first replica group: the others hold the same bytes)."""
     flat = handle.flat_param
     # The sharded flat parameter, full precision (the optimizer's; mixed precision computes in a copy).
     local = getattr(flat, "_local_shard", None)
@@ -109,7 +120,7 @@ def _unit_runs(handle) -> list[FlatRun]:
         local = flat
     local = local.detach()
     # NO_SHARD: every rank holds the whole flat parameter (its records span all of it): the group's rank 0 writes
-    writes = handle.uses_sharded_strategy or handle.rank == 0
+    writes = first_replica and (handle.uses_sharded_strategy or handle.rank == 0)
     runs = []
     for info, shape, numel in zip(flat._shard_param_infos, flat._shapes, flat._numels):
         shape = tuple(shape)

@@ -33,6 +33,7 @@ class LiveFsdp1Spec:
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
     untie: bool = False  # the config ties the embeddings, the model holds two parameters: refused
+    hybrid: bool = False  # HYBRID_SHARD on a (replicate 2, shard world/2) mesh
     cast_buffers: bool = False  # a persistent buffer, and MixedPrecision(buffer_dtype=bf16): refused
     seed: int = 0
 
@@ -79,16 +80,27 @@ def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         layers = _layers(model)
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
+    hybrid = {}
+    if spec.hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import ShardingStrategy
+
+        world = torch.distributed.get_world_size()
+        hybrid = dict(
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, world // 2))
+        )
     fsdp = FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy(wrap),
         use_orig_params=spec.use_orig_params,
         device_id=torch.device("cpu"),
         mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16) if spec.cast_buffers else None,
+        **hybrid,
     )
     _train_one_step(fsdp, base)
-    with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
-        torch.save(fsdp.state_dict(), os.path.join(folder, "ckpt", FILE_NAME.format(rank=rank)))
+    if not spec.hybrid:  # FSDP1 on a device mesh has no LOCAL_STATE_DICT: no offline merge to compare with
+        with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
+            torch.save(fsdp.state_dict(), os.path.join(folder, "ckpt", FILE_NAME.format(rank=rank)))
     full_config = FullStateDictConfig(
         offload_to_cpu=False, rank0_only=False
     )  # offload would free a CPU model's storage
