@@ -1,7 +1,8 @@
-"""`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 model, no gather.
+"""`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 or FSDP1 model, no gather.
 
 Called on every rank of the job. The stages are an offline merge's, with the model in memory as
-the source: every rank plans the same folder from the DTensors' metadata (live.state), rank 0
+the source: every rank plans the same folder from metadata (the DTensors', live.state; FSDP1's
+flat-parameter records, live.fsdp1), rank 0 checks that all planned the same (live.agree) and
 makes the output (the staging folder beside OUT_DIR) and writes the headers, every rank writes
 its own rows at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
 writes the index, config and manifest and publishes after all have succeeded: a failure on any
@@ -50,7 +51,9 @@ def save_pretrained(
     group=None,
     overwrite: bool = False,
 ) -> SaveReport:
-    """Write `model` (FSDP2-sharded: DTensor parameters on a 1-D or HSDP mesh) as a Hugging Face folder.
+    """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh),
+    FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False; FULL_SHARD, SHARD_GRAD_OP,
+    HYBRID_SHARD, NO_SHARD), or plain (one process; or replicas on every rank: rank 0's copy).
 
     Call it on every rank of the process group, as the model's forward is called. The folder is
     the one an offline merge of the same model's checkpoint writes (same files, headers and
