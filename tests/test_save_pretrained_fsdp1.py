@@ -4,7 +4,8 @@ Each rank writes the runs of FSDP1's flat shard that are its, with no collective
 hold, bit for bit, FSDP1's own FULL_STATE_DICT (gathered in the writing processes), load with
 transformers, and its safetensors files must be byte for byte those an offline merge of the same
 model's LOCAL_STATE_DICT rank files writes; 2 and 3 ranks split the flat parameters unevenly
-(and parameters across ranks), 1 rank is FSDP1's NO_SHARD, 4 ranks HYBRID_SHARD (two replica groups); a rank whose writes fail publishes nothing.
+(and parameters across ranks); FULL_SHARD, SHARD_GRAD_OP, NO_SHARD (also FSDP1's choice on 1 rank)
+and HYBRID_SHARD (4 ranks, two replica groups); a rank whose writes fail publishes nothing.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ SPECS = {
         LiveFsdp1Spec(
             "w2-orig-wrapped-to-bf16", checkpoint_wrappers=True, save_dtype="bf16", max_shard_size="40KB", seed=43
         ),
+        LiveFsdp1Spec("w2-no-shard", use_orig_params=False, strategy="NO_SHARD", seed=49),  # rank 0 writes
+        LiveFsdp1Spec("w2-shard-grad-op", strategy="SHARD_GRAD_OP", seed=50),
         LiveFsdp1Spec("w2-fails", fail_rank=1, seed=44),
     ],
     3: [
         LiveFsdp1Spec("w3-orig-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=45),
         LiveFsdp1Spec("w3-flat-fp32", use_orig_params=False, max_shard_size="40KB", seed=46),
     ],
-    4: [LiveFsdp1Spec("w4-hybrid-tied", model="llama-tied", hybrid=True, seed=48)],  # HYBRID_SHARD: replica 0 writes
+    4: [
+        LiveFsdp1Spec("w4-hybrid-tied", model="llama-tied", strategy="HYBRID_SHARD", seed=48)
+    ],  # HYBRID_SHARD: replica 0 writes
 }
 ALL = {spec.name: (world, spec) for world, specs in SPECS.items() for spec in specs}
 SAVED = [name for name, (_, spec) in ALL.items() if spec.fail_rank is None]
 # NO_SHARD's LOCAL_STATE_DICT holds a plain flat tensor, not the ShardedTensor the offline reader reads;
 # FSDP1 on a device mesh (HYBRID_SHARD here) has no LOCAL_STATE_DICT
-MERGED = [name for name in SAVED if ALL[name][0] > 1 and not ALL[name][1].hybrid]
+MERGED = [name for name in SAVED if ALL[name][0] > 1 and ALL[name][1].strategy not in ("NO_SHARD", "HYBRID_SHARD")]
 
 
 @pytest.fixture(scope="module")

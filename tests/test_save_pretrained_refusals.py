@@ -28,6 +28,7 @@ CASES = [
     LiveCase("fsdp2-untied", "fsdp2-untied", seed=51),
     LiveCase("mixed", "mixed", seed=52),
     LiveCase("plain", "plain", seed=53),
+    LiveCase("clash-on-rank-1", "clash-on-rank-1", seed=59),
     LiveFsdp1Spec("fsdp1-untied", model="llama-tied", untie=True, seed=54),
     LiveFsdp1Spec("fsdp1-cast-buffers", cast_buffers=True, seed=55),
 ]
@@ -161,4 +162,13 @@ def test_fsdp1_buffers_cast_by_mixed_precision_are_refused(saved):
             "BadInput: save_pretrained: FSDP1 holds the buffer fsdpfast_probe_buffer in MixedPrecision's "
             "buffer_dtype, not its own; save a checkpoint and merge it instead"
         ), (rank, outcome)
+    assert nothing_published(folder, "live")
+
+
+def test_a_rank_that_cannot_plan_stops_every_rank(saved):
+    folder = saved / "clash-on-rank-1"
+    first, second = outcomes(folder)
+    refusal = "lm_head.weight and _orig_mod.lm_head.weight both become lm_head.weight once wrapper prefixes are removed"
+    assert second["error"] == f"BadInput: {refusal}", second
+    assert first["error"] == f"OtherRankFailed: rank 1 failed: {refusal}; nothing was published", first
     assert nothing_published(folder, "live")

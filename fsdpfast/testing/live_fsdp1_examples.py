@@ -33,7 +33,7 @@ class LiveFsdp1Spec:
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
     untie: bool = False  # the config ties the embeddings, the model holds two parameters: refused
-    hybrid: bool = False  # HYBRID_SHARD on a (replicate 2, shard world/2) mesh
+    strategy: str = "FULL_SHARD"  # FSDP1's ShardingStrategy; HYBRID_SHARD on a (replicate 2, shard world/2) mesh
     cast_buffers: bool = False  # a persistent buffer, and MixedPrecision(buffer_dtype=bf16): refused
     seed: int = 0
 
@@ -59,7 +59,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Liv
 
 def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
     from safetensors.torch import save_file
-    from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, StateDictType
+    from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -80,25 +80,23 @@ def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         layers = _layers(model)
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
-    hybrid = {}
-    if spec.hybrid:
+    strategy = {"sharding_strategy": ShardingStrategy[spec.strategy]}
+    if spec.strategy == "HYBRID_SHARD":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import ShardingStrategy
 
-        world = torch.distributed.get_world_size()
-        hybrid = dict(
-            sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, world // 2))
-        )
+        strategy["device_mesh"] = init_device_mesh("cpu", (2, torch.distributed.get_world_size() // 2))
     fsdp = FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy(wrap),
         use_orig_params=spec.use_orig_params,
         device_id=torch.device("cpu"),
         mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16) if spec.cast_buffers else None,
-        **hybrid,
+        **strategy,
     )
     _train_one_step(fsdp, base)
-    if not spec.hybrid:  # FSDP1 on a device mesh has no LOCAL_STATE_DICT: no offline merge to compare with
+    if (
+        spec.strategy != "HYBRID_SHARD"
+    ):  # FSDP1 on a device mesh has no LOCAL_STATE_DICT: no offline merge to compare with
         with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
             torch.save(fsdp.state_dict(), os.path.join(folder, "ckpt", FILE_NAME.format(rank=rank)))
     full_config = FullStateDictConfig(

@@ -4,6 +4,8 @@ Cases (every rank builds the same tiny transformers Llama from the same seed):
 * "fsdp2-untied": FSDP2, config.json ties the embeddings, the model holds two parameters whose
   values differ after one training step: refused on every rank;
 * "mixed": FSDP2 on rank 0, the same model plain on the others: refused before anything is made;
+* "clash-on-rank-1": plain models, rank 1's with two keys that become one name: rank 1 cannot plan,
+  and every rank stops;
 * "plain": a plain model on every rank (DDP replicas: the same values): rank 0's copy is written;
   rank 0 also saves its state dict with safetensors (`reference.safetensors`).
 FSDP1 cases are live_fsdp1_examples' specs, run in the same process group.
@@ -26,7 +28,7 @@ from .live_fsdp1_examples import LiveFsdp1Spec, save_one
 @dataclass(frozen=True)
 class LiveCase:
     name: str
-    kind: str  # "fsdp2-untied" | "mixed" | "plain"
+    kind: str  # "fsdp2-untied" | "mixed" | "clash-on-rank-1" | "plain"
     seed: int = 0
 
     def folder(self, root: str) -> str:
@@ -69,6 +71,9 @@ def _save_case(rank: int, root: str, case: LiveCase) -> None:
         for layer in _layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    if case.kind == "clash-on-rank-1" and rank == 1:
+        model.add_module("_orig_mod", torch.nn.Module())  # torch.compile's wrapper name, removed from names
+        model._orig_mod.add_module("lm_head", model.lm_head)
     if case.kind != "mixed":  # a mixed model cannot train: its ranks' collectives do not match
         _train_one_step(model, spec)
     if case.kind == "plain" and rank == 0:
