@@ -16,6 +16,10 @@ parameters out of their modules; they come back from the flat parameter's record
 (FSDP1's own FULL_STATE_DICT re-registers them in that order too). A parameter under two names
 (tied) is one run under both, which plan_live writes once.
 Plain tensors (buffers; parameters FSDP1 ignores) are whole on every rank: rank 0 writes them.
+HYBRID_SHARD: the first replica group writes; NO_SHARD: each unit's rank 0.
+
+The records are FSDP1's private attributes (torch 2.x's FlatParamHandle); a torch without them is
+refused in one line rather than guessed at.
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ def is_fsdp1(model) -> bool:
 
 def live_state(model) -> tuple[dict, int]:
     """(the model's state dict, FlatRuns standing for FSDP1's parameters; FSDP1's world size)."""
+    try:
+        return _live_state(model)
+    except AttributeError as exc:  # another torch's FSDP1 internals
+        import torch
+
+        raise BadInput(
+            f"save_pretrained: torch {torch.__version__}'s FSDP1 does not record its flat parameters as expected "
+            f"({exc}); {_REFUSE}"
+        ) from None
+
+
+def _live_state(model) -> tuple[dict, int]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
