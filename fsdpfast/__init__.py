@@ -23,7 +23,7 @@ Functions:
     plan_merge(src, ...)    the MergePlan (every tensor's pieces), from metadata alone
     save_pretrained(model, out_dir, ...)
                             on every rank of a job: a Hugging Face folder written straight from a
-                            live FSDP2 model, no gather; a SaveReport
+                            live FSDP2 or FSDP1 model, no gather; a SaveReport
 
 Layout options, keyword arguments of all four, each for one layout: prefix (dcp), tag and
 exclude_frozen (deepspeed-zero), wrap and use_orig_params (fsdp1-flat).

@@ -1,7 +1,8 @@
-"""`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 model, no gather.
+"""`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 or FSDP1 model, no gather.
 
 Called on every rank of the job. The stages are an offline merge's, with the model in memory as
-the source: every rank plans the same folder from the DTensors' metadata (live.state), rank 0
+the source: every rank plans the same folder from metadata (the DTensors', live.state; FSDP1's
+flat-parameter records, live.fsdp1), rank 0 checks that all planned the same (live.agree) and
 makes the output (the staging folder beside OUT_DIR) and writes the headers, every rank writes
 its own pieces at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
 writes the index, config and manifest and publishes after all have succeeded: a failure on any
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..execute.parts import tensor_checksums
 from ..group import MergeGroup
@@ -20,6 +21,8 @@ from ..io.staging import JoinedTarget, LocalTarget, with_dtype
 from ..manifest import MANIFEST_NAME, build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
+from .agree import agree, holding
+from .fsdp1 import is_fsdp1, live_state
 from .state import plan_live
 from .write import settle, write_runs
 
@@ -48,7 +51,10 @@ def save_pretrained(
     group=None,
     overwrite: bool = False,
 ) -> SaveReport:
-    """Write `model` (FSDP2-sharded: DTensors on a 1-D or HSDP mesh, or FSDP2 + TP) as a Hugging Face folder.
+    """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh,
+    or FSDP2 + tensor parallel), FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False;
+    FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD), or plain (one process; or replicas on every
+    rank: rank 0's copy).
 
     Call it on every rank of the process group, as the model's forward is called. The folder is
     the one an offline merge of the same model's checkpoint writes (same files, headers and
@@ -64,9 +70,18 @@ def save_pretrained(
     processes = MergeGroup(_default_group(group))
     config = config if config is not None else getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
-    plan, tensors = plan_live(model.state_dict(), dtype, config_dict)
+    planned = []
+
+    def plan_here():
+        planned.extend(_plan(model, dtype, config_dict))
+        return holding(*planned)
+
+    holdings = processes.gather(plan_here)  # a rank that cannot plan stops all; rank 0 gets every rank's holding
+    plan, tensors = planned
     files = plan_files(plan, max_shard_size)
-    output = processes.lead(lambda: _make_output(out_dir, overwrite, files), abandon=lambda made: made.target.discard())
+    output = processes.lead(
+        lambda: _make_output(out_dir, overwrite, files, holdings), abandon=lambda made: made.target.discard()
+    )
     target = output.target if processes.rank == 0 else None
     try:
         if target is None:
@@ -92,6 +107,14 @@ def save_pretrained(
             target.discard()
 
 
+def _plan(model, dtype, config: dict | None):
+    if is_fsdp1(model):  # FSDP1's state dicts gather; its flat shards are read in place (live.fsdp1)
+        state, world = live_state(model)
+        plan, tensors = plan_live(state, dtype, config)
+        return replace(plan, world_size=world), tensors
+    return plan_live(model.state_dict(), dtype, config)
+
+
 @dataclass
 class _Output:
     """Rank 0's target, and the token the other ranks join it by (only the token travels)."""
@@ -103,7 +126,8 @@ class _Output:
         return {"token": self.token, "target": None}
 
 
-def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile]) -> _Output:
+def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile], holdings) -> _Output:
+    agree(holdings)  # before anything is made: ranks that plan differently would write a wrong folder
     target = LocalTarget(out_dir, overwrite)
     try:
         for f in files:  # the headers first: the ranks write tensor bytes only

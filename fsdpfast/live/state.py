@@ -22,6 +22,7 @@ from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
 from ..readers.placements import choose_reading, live_layout
+from .fsdp1 import FlatRun
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
 # Pieces that are not whole rows (Shard(d>0)) redistributed to Shard(0) before writing (one collective per
@@ -61,7 +62,8 @@ def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[Merg
     for kept, other in tied_pairs(tensors, None, config or {}):
         if not _same_values(state[seen[kept]], state[seen[other]]):
             raise BadInput(
-                f"config.json ties {other} to {kept}, but the model holds different values under the two names; "
+                f"config.json ties {other} to {kept}, but the model holds different values (or, under FSDP1, two "
+                "separate parameters) under the two names; "
                 "if they were trained untied, set tie_word_embeddings to false in the config"
             )
         dropped[other] = kept
@@ -124,6 +126,9 @@ def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     collective, so every rank must then call this for every tensor, in the same order."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if isinstance(value, FlatRun):  # FSDP1: the rank's run of the flat parameter (live.fsdp1)
+        run = value.run()
+        return None if run is None else LocalPiece.rows(*run)
     if not isinstance(value, DTensor):
         return LocalPiece.rows(0, value.detach().contiguous()) if rank == 0 else None
     kinds = placement_kinds(value, name)
@@ -154,6 +159,8 @@ def _same_values(a, b) -> bool:
     """Tied names hold one parameter (the same object) in a model that ties them; else compare every rank's piece."""
     if a is b:
         return True
+    if isinstance(a, FlatRun) or isinstance(b, FlatRun):
+        return False  # FSDP1 keeps tied names on one parameter; two parameters' runs lie apart: not compared live
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

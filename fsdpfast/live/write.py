@@ -30,7 +30,7 @@ from ..errors import FsdpfastError
 from ..execute.parts import Piece
 from ..execute.rows import native_pair
 from ..plan.layout import OutputFile
-from .state import LiveTensor, LocalPiece, dtype_name, local_run
+from .state import LiveTensor, dtype_name, local_run
 
 IN_FLIGHT = 2  # pieces prepared and waiting to be written, at most
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
@@ -63,8 +63,6 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
         try:
             for tensor in tensors:
                 local = local_run(tensor.value, rank, tensor.key)
-                if isinstance(local, tuple):  # (first element, data): one run of rows
-                    local = LocalPiece.rows(*local)
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue

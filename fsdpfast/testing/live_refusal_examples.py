@@ -1,0 +1,90 @@
+"""Live models that `fsdpfast.save_pretrained` must refuse (or, for a plain model, write), on spawned gloo ranks.
+
+Cases (every rank builds the same tiny transformers Llama from the same seed):
+* "fsdp2-untied": FSDP2, config.json ties the embeddings, the model holds two parameters whose
+  values differ after one training step: refused on every rank;
+* "mixed": FSDP2 on rank 0, the same model plain on the others: refused before anything is made;
+* "clash-on-rank-1": plain models, rank 1's with two keys that become one name: rank 1 cannot plan,
+  and every rank stops;
+* "plain": a plain model on every rank (DDP replicas: the same values): rank 0's copy is written;
+  rank 0 also saves its state dict with safetensors (`reference.safetensors`).
+FSDP1 cases are live_fsdp1_examples' specs, run in the same process group.
+Each rank records how its call ended in `outcome-{rank}.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, build_model, serve_rank
+from .live_fsdp1_examples import LiveFsdp1Spec, save_one
+
+
+@dataclass(frozen=True)
+class LiveCase:
+    name: str
+    kind: str  # "fsdp2-untied" | "mixed" | "clash-on-rank-1" | "plain"
+    seed: int = 0
+
+    def folder(self, root: str) -> str:
+        return os.path.join(root, self.name)
+
+
+def save_cases(root: str, cases: list, world_size: int) -> None:
+    """Run every case (a LiveCase or a LiveFsdp1Spec) on `world_size` spawned ranks of one process group."""
+    import torch.multiprocessing as mp
+
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_rank_main, args=(world_size, _free_port(), root, cases), nprocs=world_size, join=True)
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, cases: list) -> None:
+    jobs = [
+        partial(save_one, rank, root, case)
+        if isinstance(case, LiveFsdp1Spec)
+        else partial(_save_case, rank, root, case)
+        for case in cases
+    ]
+    serve_rank(rank, world_size, port, "gloo", jobs)
+
+
+def _save_case(rank: int, root: str, case: LiveCase) -> None:
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdpfast
+
+    folder = case.folder(root)
+    os.makedirs(folder, exist_ok=True)
+    spec = CheckpointSpec(case.name, model="llama-tied" if case.kind == "fsdp2-untied" else "llama", seed=case.seed)
+    model = build_model(spec)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))  # collective: every rank makes it
+    if case.kind == "fsdp2-untied":
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    if case.kind == "fsdp2-untied" or (case.kind == "mixed" and rank == 0):
+        for layer in _layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if case.kind == "clash-on-rank-1" and rank == 1:
+        model.add_module("_orig_mod", torch.nn.Module())  # torch.compile's wrapper name, removed from names
+        model._orig_mod.add_module("lm_head", model.lm_head)
+    if case.kind != "mixed":  # a mixed model cannot train: its ranks' collectives do not match
+        _train_one_step(model, spec)
+    if case.kind == "plain" and rank == 0:
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+            os.path.join(folder, "reference.safetensors"),
+        )
+    try:
+        report = fsdpfast.save_pretrained(model, os.path.join(folder, "live"))
+        outcome = {"ok": True, "files": report.files, "tied": report.tied}
+    except Exception as exc:  # recorded for the test
+        outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
+        json.dump(outcome, f)

@@ -1,0 +1,140 @@
+"""`fsdpfast.save_pretrained` from live FSDP1 models (FullyShardedDataParallel) on real gloo ranks.
+
+Each rank writes the runs of FSDP1's flat shard that are its, with no collective. The folder must
+hold, bit for bit, FSDP1's own FULL_STATE_DICT (gathered in the writing processes), load with
+transformers, and its safetensors files must be byte for byte those an offline merge of the same
+model's LOCAL_STATE_DICT rank files writes; 2 and 3 ranks split the flat parameters unevenly
+(and parameters across ranks); FULL_SHARD, SHARD_GRAD_OP, NO_SHARD (also FSDP1's choice on 1 rank)
+and HYBRID_SHARD (4 ranks, two replica groups); a rank whose writes fail publishes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdpfast
+from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec, save_live_fsdp1
+
+SPECS = {
+    1: [LiveFsdp1Spec("w1-no-shard", seed=47)],  # one rank: FSDP1 switches to NO_SHARD
+    2: [
+        LiveFsdp1Spec("w2-orig-fp32", seed=41),
+        LiveFsdp1Spec("w2-flat-tied-bf16", model="llama-tied", dtype="bfloat16", use_orig_params=False, seed=42),
+        LiveFsdp1Spec(
+            "w2-orig-wrapped-to-bf16", checkpoint_wrappers=True, save_dtype="bf16", max_shard_size="40KB", seed=43
+        ),
+        LiveFsdp1Spec("w2-no-shard", use_orig_params=False, strategy="NO_SHARD", seed=49),  # rank 0 writes
+        LiveFsdp1Spec("w2-shard-grad-op", strategy="SHARD_GRAD_OP", seed=50),
+        LiveFsdp1Spec("w2-fails", fail_rank=1, seed=44),
+    ],
+    3: [
+        LiveFsdp1Spec("w3-orig-tied-bf16-to-fp32", model="llama-tied", dtype="bfloat16", save_dtype="fp32", seed=45),
+        LiveFsdp1Spec("w3-flat-fp32", use_orig_params=False, max_shard_size="40KB", seed=46),
+    ],
+    4: [
+        LiveFsdp1Spec("w4-hybrid-tied", model="llama-tied", strategy="HYBRID_SHARD", seed=48)
+    ],  # HYBRID_SHARD: replica 0 writes
+}
+ALL = {spec.name: (world, spec) for world, specs in SPECS.items() for spec in specs}
+SAVED = [name for name, (_, spec) in ALL.items() if spec.fail_rank is None]
+# NO_SHARD's LOCAL_STATE_DICT holds a plain flat tensor, not the ShardedTensor the offline reader reads;
+# FSDP1 on a device mesh (HYBRID_SHARD here) has no LOCAL_STATE_DICT
+MERGED = [name for name in SAVED if ALL[name][0] > 1 and ALL[name][1].strategy not in ("NO_SHARD", "HYBRID_SHARD")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("live-fsdp1")
+    for world, specs in SPECS.items():
+        save_live_fsdp1(str(root), specs, world)
+    return root
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+def outcomes(folder: Path, world: int) -> list[dict]:
+    return [json.loads((folder / f"outcome-{rank}.json").read_text()) for rank in range(world)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_folder_is_fsdp1s_full_state_dict(saved, name):
+    world, spec = ALL[name]
+    folder = saved / name
+    assert all(o["ok"] for o in outcomes(folder, world)), outcomes(folder, world)
+    live, reference = tensors_of(folder / "live"), load_file(folder / "reference.safetensors")
+    tied = outcomes(folder, world)[0]["tied"]  # written once, as the offline merge writes it
+    assert bool(tied) == (spec.model == "llama-tied"), tied
+    for kept, aliases in tied.items():
+        for alias in aliases:
+            assert alias not in live
+            live[alias] = live[kept]
+    assert set(live) == set(reference)
+    cast = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec.save_dtype]
+    for key, want in reference.items():
+        want = want.to(cast) if cast is not None and want.is_floating_point() else want
+        assert same_bits(live[key], want), key
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_names_come_in_the_state_dicts_order(saved, name):
+    world, _ = ALL[name]
+    folder = saved / name
+    order = json.loads((folder / "reference-order.json").read_text())
+    for outcome in outcomes(folder, world):
+        assert outcome["walked"] == order
+
+
+@pytest.mark.parametrize("name", MERGED)
+def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
+    _, spec = ALL[name]
+    folder = saved / name
+    fsdpfast.merge(
+        folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size
+    )
+    weights = sorted(p.name for p in (folder / "live").iterdir() if p.name.endswith((".safetensors", ".index.json")))
+    assert weights == sorted(
+        p.name for p in (tmp_path / "merged").iterdir() if p.name.endswith((".safetensors", ".index.json"))
+    )
+    for weight in weights:
+        assert (folder / "live" / weight).read_bytes() == (tmp_path / "merged" / weight).read_bytes(), weight
+    if spec.max_shard_size != "5GB":
+        assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split (the order) is tested too
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_folder_loads_and_verifies(saved, name):
+    import transformers
+
+    world, _ = ALL[name]
+    folder = saved / name / "live"
+    assert fsdpfast.verify(folder).ok
+    assert json.loads((folder / "fsdpfast-manifest.json").read_text())["world_size"] == world
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    live = tensors_of(folder)
+    for key, value in model.state_dict().items():
+        if key in live:
+            assert torch.equal(value, live[key]), key
+
+
+def test_a_rank_whose_writes_fail_publishes_nothing(saved):
+    world, _ = ALL["w2-fails"]
+    folder = saved / "w2-fails"
+    results = outcomes(folder, world)
+    assert not any(o["ok"] for o in results), results
+    assert "rank 1" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
+    assert not (folder / "live").exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".live")], list(folder.iterdir())
