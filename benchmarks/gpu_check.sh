@@ -4,13 +4,16 @@
 # 1. builds the C++ and CUDA ops in place with the machine's python3, its torch (a CUDA build, as
 #    it is there) and nvcc: nothing is installed, the tree is put on PYTHONPATH;
 # 2. runs the CUDA tests: the engine and its ops (tests/test_cuda_engine.py), the LoRA op on the
-#    GPU (tests/test_lora_merge_op.py), every engine writing the same bytes (tests/test_engines.py);
+#    GPU (tests/test_lora_merge_op.py), every engine writing the same bytes (tests/test_engines.py),
+#    save_pretrained from live FSDP2 models with CUDA tensors (tests/test_save_pretrained_cuda.py);
 # 3. runs benchmarks/gpu_bench.py: an offline merge of a 3.8 GB fp32 FSDP2 checkpoint with every
 #    engine at --dtype keep and bf16 (outputs compared across engines), the device kernel, pinned copies;
+#    then benchmarks/live_save.py --device cuda: saving a live 3.5 GB fp32 model on the GPU (one NCCL
+#    rank) as a bf16 folder, fsdpfast vs full-state-dict gather + save_pretrained vs DCP + consolidation;
 # 4. only if the tests passed, records the engine measured fastest per kind of job where
 #    `--engine auto` reads it on this machine (fsdpfast/execute/measurements.py).
 # REPORT_DIR (default $OUT, else /tmp/fsdpfast-gpu-report) gets gpu.txt, build.log, tests.log,
-# gpu_bench.md and engine-measurements.json. FSDPFAST_GPU_CHECK_SECONDS (default 480) bounds the whole run.
+# gpu_bench.md, live_save_gpu.md and engine-measurements.json. FSDPFAST_GPU_CHECK_SECONDS (default 480) bounds the whole run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -45,7 +48,7 @@ python3 -c "from fsdpfast import _ops; print('native cpu', _ops.native_cpu(), '|
 
 step "CUDA tests"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=200 \
-  tests/test_cuda_engine.py tests/test_lora_merge_op.py tests/test_engines.py 2>&1 | tee "$REPORT_DIR/tests.log" | tail -25
+  tests/test_cuda_engine.py tests/test_lora_merge_op.py tests/test_engines.py tests/test_save_pretrained_cuda.py 2>&1 | tee "$REPORT_DIR/tests.log" | tail -25
 TESTS=${PIPESTATUS[0]}
 RECORD=()
 if [ "$TESTS" = 0 ]; then
@@ -55,11 +58,18 @@ else
 fi
 
 step "benchmark ($(left) s left)"
-BENCH_SECONDS=$(( $(left) - 90 ))   # the rounds stop in time for the kernel figures and the report
+LIVE_SECONDS=120                    # kept for the live-save benchmark after it
+BENCH_SECONDS=$(( $(left) - 90 - LIVE_SECONDS ))   # the rounds stop in time for the kernel figures and the report
 [ "$BENCH_SECONDS" -lt 60 ] && BENCH_SECONDS=60
 python3 benchmarks/gpu_bench.py --report "$REPORT_DIR/gpu_bench.md" --rounds 3 --seconds "$BENCH_SECONDS" "${RECORD[@]}"
 BENCH=$?
+
+step "live save benchmark ($(left) s left)"
+# one round of each way in fresh processes: 2048 hidden, 16 layers (0.9 B parameters, 3.5 GB fp32 on the GPU)
+timeout "$LIVE_SECONDS" python3 benchmarks/live_save.py --device cuda --world 1 --hidden 2048 --layers 16 \
+  --rounds 1 --report "$REPORT_DIR/live_save_gpu.md"
+LIVE=$?
 [ "${#RECORD[@]}" -gt 0 ] && [ -f "${RECORD[1]}" ] && cp "${RECORD[1]}" "$REPORT_DIR/engine-measurements.json"
 
-step "done: tests exit $TESTS, benchmark exit $BENCH"
-[ "$TESTS" = 0 ] && [ "$BENCH" = 0 ]
+step "done: tests exit $TESTS, benchmark exit $BENCH, live save benchmark exit $LIVE"
+[ "$TESTS" = 0 ] && [ "$BENCH" = 0 ] && [ "$LIVE" = 0 ]

@@ -1,4 +1,6 @@
-"""Saving a live FSDP2 model as a Hugging Face folder: three ways, side by side, on gloo ranks (CPU).
+"""Saving a live FSDP2 model as a Hugging Face folder: three ways, side by side, on gloo ranks (CPU),
+or with the model on a GPU (--device cuda: NCCL, one rank per GPU; --backend gloo for more ranks
+sharing one GPU, with CUDA tensors).
 
   fsdpfast      fsdpfast.save_pretrained(model, out): every rank writes its pieces in place
   gather        get_model_state_dict(full_state_dict=True, cpu_offload=True), then rank 0's
@@ -19,6 +21,11 @@ alone, from a barrier to a barrier) and rank 0's peak RSS growth during the save
 
     python benchmarks/live_save.py --world 4 --hidden 1024 --layers 8 --rounds 3
     python benchmarks/live_save.py --world 4 --shard-dim 1 --rounds 5 --ways fsdpfast fsdpfast-redistribute fsdpfast-torch-cast
+    python benchmarks/live_save.py --device cuda --world 1 --hidden 2048 --layers 16 --rounds 1 --report live_save_gpu.md
+
+With --device cuda, fsdpfast casts on the GPU (the extension's CUDA op, or torch's .to() for
+fsdpfast-torch-cast) and writes from pinned host buffers; the others gather or save as they do.
+--report also writes the table to a file.
 """
 
 from __future__ import annotations
@@ -60,7 +67,9 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     from torch.distributed.tensor import Shard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # more ranks than GPUs share them (gloo)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     config = transformers.LlamaConfig(
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 11 // 4,
@@ -73,12 +82,12 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(args.device, (world,))
     placement = (lambda p: Shard(args.shard_dim) if p.ndim == 2 else None) if args.shard_dim else None
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-    model.to_empty(device="cpu")
+    model.to_empty(device=torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else "cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -113,6 +122,8 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
         consolidate_safetensors_files_on_every_rank(
             shards, out, fqn_to_index_mapping={k: 1 for k in state}, num_threads=1
         )
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
     seconds = time.perf_counter() - start
     if rank == 0:
@@ -148,7 +159,11 @@ def main() -> None:
     parser.add_argument("--shard-dim", type=int, default=0, help="FSDP2 shards 2-D weights on this dim")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS[:3]))
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model's tensors are")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, else gloo")
+    parser.add_argument("--report", default=None, help="also write the table to this file")
     args = parser.parse_args()
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="fsdpfast-live-")
     ways = ["fsdpfast"] + [w for w in args.ways if w != "fsdpfast"]
     results = {way: [] for way in ways}
@@ -157,23 +172,25 @@ def main() -> None:
             results[way].append(run_way(way, args))
     out = os.path.join(args.workdir, f"{ways[-1]}-out")
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
-    print(
+    where = f"on {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    lines = [
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
-        f"Shard({args.shard_dim}); {args.world} gloo ranks; {args.rounds} rounds"
-    )
-    print(
+        f"Shard({args.shard_dim}); {args.world} {args.backend} ranks {where}; {args.rounds} rounds",
         f"{'way':<23}{'min s':>8}{'median s':>10}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}",
-        flush=True,
-    )
+    ]
     base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
     for way in ways:
         low = min(r["seconds"] for r in results[way])
         secs = statistics.median(r["seconds"] for r in results[way])
         rss = statistics.median(r["rss_growth_mb"] for r in results[way])
-        print(
+        lines.append(
             f"{way:<23}{low:>8.2f}{secs:>10.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}"
             f"{rss / max(base['rss_growth_mb'], 1):>12.1f}"
         )
+    print("\n".join(lines), flush=True)
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write("```\n" + "\n".join(lines) + "\n```\n")
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

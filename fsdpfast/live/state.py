@@ -171,7 +171,8 @@ def _same_values(a, b) -> bool:
         return bool(torch.equal(a, b))
     if a.placements != b.placements:
         return False
-    same = torch.tensor([int(torch.equal(a.to_local(), b.to_local()))])
+    local = a.to_local()  # the flag goes where the tensors are: NCCL reduces only CUDA tensors
+    same = torch.tensor([int(torch.equal(local, b.to_local()))], device=local.device)
     for mesh_dim in range(a.device_mesh.ndim):  # the tensor's own mesh, which need not be the whole world
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a.device_mesh.get_group(mesh_dim))
     return bool(same.item())

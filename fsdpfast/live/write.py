@@ -3,10 +3,12 @@
 A piece is one or more runs of the tensor's bytes (live.state.LocalPiece): one for rows, many for
 a column block (one per row). A CPU piece goes to the native kernel as it is: it casts (rounding
 as an offline merge does), writes each run with pwrite and checksums it, many threads at once. A
-CUDA piece is cast on its GPU first (as torch's `.to()` rounds, the same rounding), then copied to
-host memory; so is a CPU piece the kernel has no cast for (float64) or when the native module is
-missing. A writer thread writes one piece while the next is prepared: two pieces in flight at
-most, so host memory stays at two tensors' shards, never the model.
+CUDA piece is cast on its GPU (by the extension's CUDA op where built, else torch's `.to()`: the
+same rounding), copied without blocking into one of two pinned host buffers used in turn, and
+written by the kernel once its copy's CUDA event has fired. A CPU piece the kernel has no cast
+for (float64), or any when the native module is missing, is cast by torch's `.to()` first. A
+writer thread writes one piece while the next is prepared (cast and copied, on a GPU): two pieces
+in flight at most, so host memory stays at two tensors' shards, never the model.
 
 Checksums: a tensor's CRC-32C is its pieces' combined in order (execute.parts.tensor_checksums)
 where each rank's bytes are a few ranges (Piece). Column blocks interleave the ranks' bytes row
@@ -59,6 +61,7 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
     pieces: list[Piece | Spread] = []
     pending: list[Future] = []
     threads = _threads()
+    staging = None  # pinned host buffers, made at the first CUDA piece (a CPU-only run never makes any)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpfast-write") as writer:
         try:
             for tensor in tensors:
@@ -66,12 +69,15 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue
-                data, target = local.data.contiguous(), placed.tensor.target_dtype
-                if not _kernel_casts(data, target):
+                data, target, ready = local.data.contiguous(), placed.tensor.target_dtype, None
+                if data.is_cuda:
+                    staging = staging or _PinnedSlots(IN_FLIGHT)
+                    data, ready = staging.stage(data, target)
+                elif not _kernel_casts(data, target):
                     data = data.to(torch_dtype(target)).to("cpu").contiguous()
                 if file.name not in fds:
                     fds[file.name] = open_file(file.name, file.size)
-                job = (fds[file.name], data, local.extents, target, placed, file.name, threads)
+                job = (fds[file.name], data, local.extents, target, placed, file.name, threads, ready)
                 pending.append(writer.submit(_write, *job))
                 while len(pending) >= IN_FLIGHT:
                     pieces += pending.pop(0).result()
@@ -124,14 +130,68 @@ def _kernel_casts(data, target: str) -> bool:
     )
 
 
+class _PinnedSlots:
+    """`count` pinned host buffers used in turn for CUDA pieces: a piece is cast on its GPU, then
+    copied into the next buffer without blocking, and the writer thread waits on the copy's event.
+    A buffer comes round again only after the piece before it in that buffer was written (write_runs
+    keeps count - 1 pieces in flight while it prepares the next), so the GPU's cast and copy of one
+    piece overlap the write of the one before, and host memory stays at `count` pieces' bytes."""
+
+    def __init__(self, count: int):
+        self.buffers: list = [None] * count
+        self.turn = 0
+
+    def stage(self, data, target: str):
+        """(a pinned CPU tensor of `data`'s elements as `target`, flat; the CUDA event its copy fires)."""
+        import torch
+
+        with torch.cuda.device(data.device):
+            cast = _cast_on_device(data.reshape(-1), target)
+            nbytes = cast.numel() * cast.element_size()
+            k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+            if self.buffers[k] is None or self.buffers[k].numel() < nbytes:
+                self.buffers[k] = None  # the smaller one goes back to torch's pinned cache first
+                self.buffers[k] = torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=True)
+            host = self.buffers[k][:nbytes].view(cast.dtype)
+            host.copy_(cast, non_blocking=True)
+            ready = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it, not spins
+            ready.record(torch.cuda.current_stream(data.device))
+        return host, ready
+
+
+def _cast_on_device(data, target: str):
+    """`data` (flat, contiguous, on a GPU) as `target`, on the same GPU: by the extension's CUDA op
+    where it is built and has the pair, else by torch's `.to()` (both round to nearest even)."""
+    import torch
+
+    source = dtype_name(data.dtype)
+    if source == target:
+        return data
+    if CAST == "native" and _ops.code(source) and _ops.code(target) and _ops.native_cuda_built():
+        out = torch.empty(data.numel() * itemsize(target), dtype=torch.uint8, device=data.device)
+        row = [0, 0, _ops.code(source), _ops.code(target), data.element_size(), itemsize(target)]
+        plan = torch.tensor([[*row, 0, data.numel(), 0, 1, 0, 0]], dtype=torch.int64)  # csrc/plan_rows.h
+        _ops.gather_convert([data.view(torch.uint8)], [out], plan)
+        return out.view(torch_dtype(target))
+    return data.to(torch_dtype(target))
+
+
+def _grown(nbytes: int) -> int:
+    """A pinned buffer's size for `nbytes`: rounded up to a power of two, so it is remade in few steps."""
+    return 1 << max(20, (nbytes - 1).bit_length())
+
+
 def _threads() -> int:
     import torch
 
     return torch.get_num_threads()  # what the job gave this process (torchrun: cores / local ranks)
 
 
-def _write(fd: int, data, extents, target: str, placed, file: str, threads: int) -> list[Piece | Spread]:
-    """Write `data`'s runs into the tensor's place in the file; what its checksums are sent as."""
+def _write(fd: int, data, extents, target: str, placed, file: str, threads: int, ready=None) -> list[Piece | Spread]:
+    """Write `data`'s runs into the tensor's place in the file (once `ready`, the CUDA event of its
+    copy to host, has fired); what its checksums are sent as."""
+    if ready is not None:
+        ready.synchronize()
     size = itemsize(target)
     runs = _runs(extents)  # (source element, count, tensor element) per run
     if _ops.native_cpu():

@@ -7,6 +7,7 @@ save_pretrained makes (`live/`), the verl-style rank files of the same model for
 (`ckpt/`), and, on rank 0, the reference: `get_model_state_dict(full_state_dict=True)` saved the
 usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
 ended in `outcome-{rank}.json`, so a test can check that a rank's failure failed them all.
+LiveSpec.device = "cuda" puts the model on the GPU instead (save_live's `backend`: NCCL or gloo).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class LiveSpec:
     redistribute: bool = False
     torch_cast: bool = False
     seed: int = 0
+    # "cuda": the model on GPU 0 (every rank shares it), sharded over a CUDA mesh. On NCCL (one rank: NCCL
+    # refuses two ranks on one GPU) it trains a step and the reference is gathered as on CPU; on gloo, whose
+    # CUDA collectives FSDP2's training does not have, it does not train, and the reference is rank 0's
+    # unsharded model saved before sharding (the same seed). No rank files are written (`ckpt/` is CPU only).
+    device: str = "cpu"
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
@@ -58,15 +64,17 @@ class LiveSpec:
         return TpSpec(self.name, mesh=(*dp, self.tp), model=self.model, dtype=self.dtype, seed=self.seed)
 
 
-def save_live(root: str, specs: list[LiveSpec], world_size: int) -> None:
+def save_live(root: str, specs: list[LiveSpec], world_size: int, backend: str = "gloo") -> None:
     import torch.multiprocessing as mp
 
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+    mp.spawn(_rank_main, args=(world_size, _free_port(), root, specs, backend), nprocs=world_size, join=True)
 
 
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[LiveSpec]) -> None:
-    serve_rank(rank, world_size, port, "gloo", [partial(_save_one, rank, world_size, root, spec) for spec in specs])
+def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[LiveSpec], backend: str = "gloo") -> None:
+    if any(spec.device == "cuda" for spec in specs):
+        torch.cuda.set_device(0)  # before the process group: NCCL binds to the current device
+    serve_rank(rank, world_size, port, backend, [partial(_save_one, rank, world_size, root, spec) for spec in specs])
 
 
 def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
@@ -83,7 +91,9 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
     base = spec.as_checkpoint_spec()
     model = build_model(base)
-    if spec.tp > 1:
+    if spec.device == "cuda":
+        mesh = _shard_on_cuda(model, base, spec, rank, world_size, folder)
+    elif spec.tp > 1:
         mesh = parallelize(model, spec.as_tp_spec(world_size))
         _train_tp_one_step(model, spec.seed)
     else:
@@ -97,11 +107,14 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
         fully_shard(model, mesh=mesh, shard_placement_fn=placement)
         _train_one_step(model, base)
-    torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        _write_hf_files(os.path.join(folder, "ckpt", "huggingface"), base)
-        model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
+    if spec.device == "cpu":
+        torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
+    if spec.device == "cpu" or _trains_on_cuda():
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            if spec.device == "cpu":
+                _write_hf_files(os.path.join(folder, "ckpt", "huggingface"), base)
+            model.save_pretrained(os.path.join(folder, "reference"), state_dict=full)
     if spec.refused is not None:
         model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
@@ -124,6 +137,37 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)
+
+
+def _trains_on_cuda() -> bool:
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend())
+
+
+def _shard_on_cuda(model, base: CheckpointSpec, spec: LiveSpec, rank: int, world_size: int, folder: str):
+    """Move the model to GPU 0 and shard it over a CUDA mesh; train one step where the backend can (NCCL),
+    else save rank 0's unsharded model first as the reference. The mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model.to("cuda")
+    if not _trains_on_cuda() and rank == 0:
+        model.save_pretrained(os.path.join(folder, "reference"))
+    mesh = init_device_mesh("cuda", (world_size,))
+    placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    if _trains_on_cuda():
+        generator = torch.Generator().manual_seed(1000 + base.seed)
+        ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=generator).to("cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return mesh
 
 
 def _refused_dtensor(kind: str, mesh, rank: int, world_size: int):
