@@ -114,7 +114,7 @@ def _drop_tied(
     tied_names = {name for pair in pairs for name in pair}
     shared: dict[tuple, str] = {}
     for tensor in tensors:
-        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
+        key = (tensor.shape, tensor.source_dtype, tensor.extents)  # a tuple or plan.columns.Records: hashable
         if tensor.extents and key in shared and tensor.name not in tied_names:
             notes.append(
                 f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
