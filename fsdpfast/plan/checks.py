@@ -19,11 +19,14 @@ from math import prod
 
 from ..dtypes import itemsize
 from ..errors import BadInput
+from .columns import Records
 from .model import Extent, MergePlan, SourceBuffer
 
 
 def check_plan(plan: MergePlan) -> None:
-    sizes = [source.nbytes for source in plan.sources]  # read once: a million buffers at 1,024 ranks
+    # read once, a million buffers at 1,024 ranks
+    sources = plan.sources
+    sizes = sources.column("nbytes") if isinstance(sources, Records) else [source.nbytes for source in sources]
     for tensor in plan.tensors:
         check_extents(tensor.name, tensor.shape, tensor.source_dtype, tensor.extents, plan.sources, sizes)
 

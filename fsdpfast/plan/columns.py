@@ -18,10 +18,11 @@ from itertools import chain
 
 
 class Records(Sequence):
-    __slots__ = ("kind", "_numbers", "_strings", "_text", "_width", "_hash")
+    __slots__ = ("kind", "_numbers", "_strings", "_text", "_width", "_names", "_hash")
 
     def __init__(self, kind: type, numbers: array, strings: tuple[str, ...], text: tuple[int, ...], width: int):
         self.kind, self._numbers, self._strings, self._text, self._width = kind, numbers, strings, text, width
+        self._names = tuple(f.name for f in fields(kind))
         self._hash = None
 
     @classmethod
@@ -58,6 +59,13 @@ class Records(Sequence):
             kind = self.kind
             return (kind(*row) for row in rows)
         return map(self._made, rows)
+
+    def column(self, name: str) -> array:
+        """One numeric field of every record, without making the records."""
+        at = self._names.index(name)
+        if at in self._text:
+            raise TypeError(f"{self.kind.__name__}.{name} is a string field")
+        return self._numbers[at :: self._width]
 
     def __eq__(self, other) -> bool:
         if isinstance(other, Records) and other.kind is self.kind and other._strings == self._strings:

@@ -13,6 +13,7 @@ class StorageSources:
 
     def __init__(self):
         self._buffers = RecordsBuilder(SourceBuffer)  # a million at 1,024 ranks: in columns
+        self._count = 0
         self._index: dict[str, dict[str, int]] = {}  # path -> storage key -> buffer
         self._opened: dict[str, TorchZip] = {}
 
@@ -28,7 +29,8 @@ class StorageSources:
                 if path not in self._opened:
                     self._opened[path] = TorchZip(path)
                 archive = self._opened[path]
-            found = known[key] = len(self._buffers)
+            found = known[key] = self._count
+            self._count += 1
             buffer = archive.storage_buffer(tensor.storage)
             self._buffers.append_values(buffer.path, buffer.byte_offset, buffer.nbytes, buffer.dtype)
         return found
