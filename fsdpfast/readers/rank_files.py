@@ -114,9 +114,8 @@ def load_rank_states(
             else:
                 skipped.append(str(name))
         states.append(state)
-        sources.forget(
-            path
-        )  # its DTensors' storages are placed; a storage they share with a plain tensor may be listed twice
+        # Its DTensors' storages have their buffers; one a plain tensor shares would get a second one.
+        sources.forget(path)
         layouts.forget_specs()  # the next file's records are others: let this file's go
     return states
 
