@@ -161,15 +161,17 @@ class _Reference:
                     stack.append(id(parent))
         made: dict[int, Any] = {}
 
-        def rebuilt(obj):
-            if id(obj) not in dirty:
+        def rebuilt(obj, again):  # given itself: a closure naming itself is a cycle, which would keep `made`
+            if id(obj) not in dirty:  # (the whole new value) until the garbage collector, paused while planning
                 return obj
             if id(obj) not in made:
                 own = changed.get(id(obj), {})
-                made[id(obj)] = _copy_with(obj, lambda field, child: own[field] if field in own else rebuilt(child))
+                made[id(obj)] = _copy_with(
+                    obj, lambda field, child: own[field] if field in own else again(child, again)
+                )
             return made[id(obj)]
 
-        return rebuilt(self.value)
+        return rebuilt(self.value, rebuilt)
 
 
 class _Probe:

@@ -1,11 +1,12 @@
-"""The merge plan: plain, immutable data shared by every stage (imports nothing of ours).
+"""The merge plan: plain, immutable data shared by every stage (imports nothing of ours but plan.columns).
 
 A reader turns a checkpoint folder into a MergePlan (what the checkpoint holds); normalisation
 returns a new one (what gets written: clean names, ties, target dtypes); the layout assigns output
 files and offsets; the engine executes the extents. Nothing changes a plan in place: each step
 returns a new one (`dataclasses.replace`, `MergePlan.noted`), so what a stage was given stays
 true. Dtypes are torch dtype names ("float32", "bfloat16", ...) so the plan can be printed and
-compared without torch.
+compared without torch. A reader may hand over its extents and source buffers as plan.columns.Records
+(a million of each at 1,024 ranks): sequences of the same records, kept in columns.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import prod
 
+from .columns import Records
+
 
 def _freeze(instance, names: tuple[str, ...]) -> None:
-    """Sequence fields become tuples, so a frozen plan's lists cannot be appended to either."""
+    """Sequence fields become tuples (or stay Records), so a frozen plan's lists cannot be appended to either."""
     for name in names:
         value = getattr(instance, name)
-        if not isinstance(value, tuple):
+        if not isinstance(value, (tuple, Records)):
             object.__setattr__(instance, name, tuple(value))
 
 
@@ -60,7 +63,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     source_dtype: str
     target_dtype: str
-    extents: tuple[Extent, ...]
+    extents: tuple[Extent, ...] | Records
     aliases: tuple[str, ...] = ()  # tied names not written, listed for the report
     # Set for a tensor computed from others rather than copied (lora.fuse.FusedWeight, --merge-lora): its
     # extents are the unmerged weight's; the writer computes it, engines never see it.
@@ -92,7 +95,7 @@ class Copy:
 class MergePlan:
     layout: str  # which reader produced it
     world_size: int
-    sources: tuple[SourceBuffer, ...]
+    sources: tuple[SourceBuffer, ...] | Records
     tensors: tuple[TensorPlan, ...]
     notes: tuple[str, ...] = ()  # what else the checkpoint holds, what was assumed
     left_out: tuple[str, ...] = ()  # names left out on request (--exclude-frozen), not missing

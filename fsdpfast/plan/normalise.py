@@ -112,15 +112,21 @@ def _drop_tied(
             aliases.setdefault(kept, []).append(other)
             dropped.add(other)
     tied_names = {name for pair in pairs for name in pair}
-    shared: dict[tuple, str] = {}
+    # (shape, dtype, first extent) -> [(extents, first name)]: whole extents are compared only where
+    # the first ones agree (a tensor of 1,024 ranks has a thousand)
+    shared: dict[tuple, list] = {}
     for tensor in tensors:
-        key = (tensor.shape, tensor.source_dtype, tuple(tensor.extents))
-        if tensor.extents and key in shared and tensor.name not in tied_names:
+        if not tensor.extents:
+            continue
+        same = shared.setdefault((tensor.shape, tensor.source_dtype, tensor.extents[0]), [])
+        first = next((name for extents, name in same if extents == tensor.extents), None)
+        if first is None:
+            same.append((tensor.extents, tensor.name))
+        elif tensor.name not in tied_names:
             notes.append(
-                f"{shared[key]} and {tensor.name} share one storage in the checkpoint, but the model's "
+                f"{first} and {tensor.name} share one storage in the checkpoint, but the model's "
                 "config does not tie them: both are written"
             )
-        shared.setdefault(key, tensor.name)
     kept = [
         replace(t, aliases=t.aliases + tuple(aliases[t.name])) if t.name in aliases else t
         for t in tensors

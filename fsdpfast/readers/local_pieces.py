@@ -7,7 +7,6 @@ from math import prod
 from .._parsing.safe_load import TensorRef
 from ..errors import BadInput
 from ..plan.model import Copy, Extent, TensorPlan
-from .placements import read_layout
 from .storage_sources import StorageSources
 
 WHOLE_COPIES_DIFFER = (
@@ -40,11 +39,13 @@ _ROW_MAJOR: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> a stride see
 
 def local_piece(state, name: str, local: TensorRef, sources: StorageSources) -> TensorPlan:
     """The local piece as a tensor of its own (its local shape), for comparing copies."""
-    source, offset = local_source(state, name, local, sources)
-    numel = prod(local.shape)
-    return TensorPlan(
-        name, tuple(local.shape), local.dtype, local.dtype, [Extent(source, offset, numel, 0)] if numel else []
-    )
+    return piece_plan(name, local.shape, local.dtype, *local_source(state, name, local, sources))
+
+
+def piece_plan(name: str, shape: tuple[int, ...], dtype: str, source: int, offset: int) -> TensorPlan:
+    """A contiguous piece at `offset` in source buffer `source`, as a tensor of its own."""
+    numel = prod(shape)
+    return TensorPlan(name, tuple(shape), dtype, dtype, [Extent(source, offset, numel, 0)] if numel else [])
 
 
 def whole_copies(name: str, pieces, sources: StorageSources, problem: str = WHOLE_COPIES_DIFFER) -> list[Copy]:
@@ -57,36 +58,40 @@ def whole_copies(name: str, pieces, sources: StorageSources, problem: str = WHOL
     ]
 
 
-def replica_copies(name: str, pieces, sources: StorageSources, layouts=None) -> list[Copy]:
+def replica_copies(name: str, pieces, layouts, located) -> list[Copy]:
     """HSDP: each replica's local piece against the primary replica's piece of the same shard (the one read).
-    The pieces' layouts were checked when the DTensor was planned (`layouts`: theirs, if at hand)."""
-    if layouts is None:
-        layouts = [read_layout(value.spec, f"{state.path}: {name}") for state, value in pieces]
+    `pieces`: (rank state, rank_files.DTensorPiece); `layouts`: theirs, checked when the DTensor was
+    planned; `located`: (source buffers, offsets) of the pieces."""
     if not any(kind == "replicate" for kind, _, _ in layouts[0].placements):
         return []  # no replica groups (the pieces' placements agree): nothing is held twice
     primary, replicas = {}, []
-    for (state, value), layout in zip(pieces, layouts):
+    for (state, value), layout, source, offset in zip(pieces, layouts, *located):
         shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
+        piece = (state, value, source, offset)
         if layout.is_primary_replica():
-            primary[shard] = (state, value)
+            primary[shard] = piece
         else:
-            replicas.append((shard, state, value, layout.coordinate))
+            replicas.append((shard, piece, layout.coordinate))
     copies = []
-    for shard, state, value, coordinate in replicas:
+    for shard, piece, coordinate in replicas:
         if shard not in primary:
             continue  # coverage of the primary replica is checked with the tensor's plan
-        kept_state, kept = primary[shard]
+        kept = primary[shard]
         copies.append(
             Copy(
                 name,
-                local_piece(kept_state, name, kept.local, sources),
-                local_piece(state, name, value.local, sources),
-                f"the primary replica's piece ({kept_state.path})",
-                f"the piece at mesh coordinate {list(coordinate)} ({state.path})",
+                _piece_plan(name, *kept),
+                _piece_plan(name, *piece),
+                f"the primary replica's piece ({kept[0].path})",
+                f"the piece at mesh coordinate {list(coordinate)} ({piece[0].path})",
                 REPLICAS_DIFFER,
             )
         )
     return copies
+
+
+def _piece_plan(name: str, state, value, source: int, offset: int) -> TensorPlan:
+    return piece_plan(name, value.shape, value.dtype, source, offset)
 
 
 def _at(state) -> str:

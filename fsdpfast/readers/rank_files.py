@@ -20,6 +20,7 @@ from .._parsing.pickle_twins import Twins
 from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
+from ..plan.columns import RecordsBuilder
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .local_pieces import local_source as _local_source
 from .local_pieces import replica_copies, whole_copies
@@ -28,14 +29,29 @@ from .plain_pieces import plan_plain_tensors
 from .storage_sources import StorageSources
 
 
+@dataclass(frozen=True, slots=True)
+class DTensorPiece:
+    """A rank's DTensor once its file is read: what planning needs, and no more. One object per
+    (layout, local shape, dtype): a rank's tensors of one shape share it. Where its bytes lie is
+    kept apart, in RankState.located (two numbers a piece, not a TensorRef and its storage record)."""
+
+    layout: DTensorLayout
+    shape: tuple[int, ...]  # the local piece's
+    dtype: str
+
+
 @dataclass
 class RankState:
     rank: int
     path: str
     archive: TorchZip  # read and closed: it answers where each storage record lies
-    tensors: dict[str, TensorRef | DTensorRef]  # a DTensorRef's spec is its layout, read once per spec record
+    tensors: dict[str, TensorRef | DTensorPiece]
     skipped: list[str]  # non-tensor entries of the state dict
     whole: Any  # the whole unpickled object, for readers that report what else it holds (None if not kept)
+    sources: StorageSources  # the plan's source buffers, one for all ranks
+    # (source buffer, element offset) of each DTensorPiece in `tensors`, in their order; source -1
+    # for an empty piece (nothing to read nor to check). Given up once planning has gathered them.
+    located: tuple[array, array] | None = None
 
 
 def whole_state_dict(whole, path: str) -> dict:
@@ -56,24 +72,36 @@ def load_rank_states(
 
     `unpickled`: {path: object} of files the reader already unpickled (detection reads rank 0 once).
     Each file is read whole and closed before the next is opened, and what planning does not need
-    is let go at once: the pickle's bytes, and (without `keep_whole`) the unpickled object, whose
-    DTensor spec records (a DeviceMesh lists every rank) give way to their layouts.
+    is let go at once: the pickle's bytes, and (without `keep_whole`) the unpickled object. A
+    DTensor becomes a DTensorPiece: its spec record (a DeviceMesh lists every rank) gives way to
+    its layout, its local TensorRef to the source buffer and offset where its bytes lie.
     """
     states = []
     names: dict[str, str] = {}  # one string per tensor name, whatever the number of ranks
     layouts = SpecLayouts()
+    pieces: dict[tuple, DTensorPiece] = {}
+    sources = StorageSources()
     twins = Twins()  # the files pickle one program: read the first, the others as their changes
     for rank, path in rank_paths:
         archive = TorchZip(path)  # read and closed: the storage spans stay, no file stays open
         whole = unpickled[path] if unpickled and path in unpickled else twins.load(archive.pickle_bytes, path)
         archive.close()
         state_dict = model_part(whole, path)
-        tensors, skipped = {}, []
+        state = RankState(rank, path, archive, {}, [], whole if keep_whole else None, sources, (array("q"), array("q")))
+        tensors, skipped, (where_source, where_offset) = state.tensors, state.skipped, state.located
         for name, value in state_dict.items():
             if isinstance(value, (TensorRef, DTensorRef)):
                 key = names.setdefault(str(name), str(name))
                 if isinstance(value, DTensorRef):
-                    value = DTensorRef(value.local, layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}"))
+                    layout = layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}")
+                    local = value.local
+                    source, offset = _local_source(state, key, local, sources) if prod(local.shape) else (-1, 0)
+                    where_source.append(source)
+                    where_offset.append(offset)
+                    kind = (id(layout), local.shape, local.dtype)  # layouts are interned: their ids stay theirs
+                    value = pieces.get(kind)
+                    if value is None:
+                        value = pieces[kind] = DTensorPiece(layout, local.shape, local.dtype)
                 tensors[key] = value
             elif isinstance(value, ShardedTensorRef) and not sharded_tensors:
                 archive.close()
@@ -85,7 +113,9 @@ def load_rank_states(
                 raise BadInput(f"{path}: {name} is a ShardedTensor; {hint}")
             else:
                 skipped.append(str(name))
-        states.append(RankState(rank, path, archive, tensors, skipped, whole if keep_whole else None))
+        states.append(state)
+        # Its DTensors' storages have their buffers; one a plain tensor shares would get a second one.
+        sources.forget(path)
         layouts.forget_specs()  # the next file's records are others: let this file's go
     return states
 
@@ -103,9 +133,8 @@ def plan_from_ranks(states: list[RankState], layout: str, config_dir: str | None
 def _plan(states: list[RankState], layout: str, config_dir: str | None) -> MergePlan:
     world = len(states)
     _check_same_names(states)
-    any_dtensor = any(isinstance(v, DTensorRef) for s in states for v in s.tensors.values())
-    sources = StorageSources()
-    layouts = SpecLayouts()
+    any_dtensor = any(type(v) is DTensorPiece for s in states for v in s.tensors.values())
+    sources = states[0].sources
     tensors, copies, notes = [], [], []
     columns: dict[str, list] = {name: [] for name in states[0].tensors}
     located: dict[str, tuple[array, array]] = {name: (array("q"), array("q")) for name in states[0].tensors}
@@ -113,23 +142,23 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
     # offset; -1 for an empty piece, which has nothing to read nor to check), gathered file by
     # file: one file's records at a time is what stays in the processor's cache.
     for state in states:
+        at = iter(zip(*state.located))
         for name, value in state.tensors.items():
             columns[name].append(value)
-            if type(value) is DTensorRef:
-                source, offset = (
-                    _local_source(state, name, value.local, sources) if prod(value.local.shape) else (-1, 0)
-                )
+            if type(value) is DTensorPiece:
+                source, offset = next(at)
                 located[name][0].append(source)
                 located[name][1].append(offset)
+        state.located = None
     for name, values in columns.items():
         pieces = list(zip(states, values))
         kinds = {type(v) for v in values}
         if len(kinds) > 1:
             raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
-        if kinds == {DTensorRef}:
-            tensor, piece_layouts = _plan_dtensor(name, pieces, world, sources, layouts, located[name])
+        if kinds == {DTensorPiece}:
+            tensor, piece_layouts = _plan_dtensor(name, pieces, world, located[name])
             tensors.append(tensor)
-            copies += replica_copies(name, pieces, sources, piece_layouts)
+            copies += replica_copies(name, pieces, piece_layouts, located[name])
         elif world == 1 or any_dtensor:
             tensors.append(plan_replicated(name, pieces, sources))
             copies += whole_copies(name, pieces, sources)
@@ -194,20 +223,20 @@ class _Wheres:
 
 
 def _plan_dtensor(
-    name: str, pieces, world: int, sources: StorageSources, spec_layouts: SpecLayouts, located: tuple[array, array]
+    name: str, pieces, world: int, located: tuple[array, array]
 ) -> tuple[TensorPlan, list[DTensorLayout]]:
     """The tensor's plan, and each piece's layout. (The loops run once per tensor per rank: a
     million times at 1,024 ranks, so the checks are direct and messages are made only when needed.)"""
     first_state, first = pieces[0]
     wheres = _Wheres(pieces, name)
-    reference = spec_layouts.of(first.spec, lambda: wheres[0])
+    reference = first.layout
     copies = _copies_per_coordinate(reference, world, wheres[0])
-    dtype = first.local.dtype
+    dtype = first.dtype
     layouts = []
     holders: dict[tuple[int, ...], list[str]] = {}
     for i, (state, value) in enumerate(pieces):
-        layout = value.spec if type(value.spec) is DTensorLayout else spec_layouts.of(value.spec, lambda i=i: wheres[i])
-        if value.local.dtype != dtype or (
+        layout = value.layout
+        if value.dtype != dtype or (
             layout is not reference
             and (
                 layout.global_shape != reference.global_shape
@@ -231,27 +260,32 @@ def _plan_dtensor(
                     f"{wheres[i]}: same mesh coordinate {layout.coordinate} as {same[0]}; are two files copies of one rank?"
                 )
         layouts.append(layout)
-    reading = choose_reading(layouts, [value.local.shape for _, value in pieces], wheres)
-    extents: list[Extent] = []
+    reading = choose_reading(layouts, [value.shape for _, value in pieces], wheres)
+    rows = []
+    covered = 0
     for (state, _), layout, source, offset in zip(pieces, layouts, *located):
         # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
         # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
         runs = layout.local_extents(reading)
         if not runs or not layout.primary or (copies > 1 and holders[layout.coordinate][0] != state.path):
             continue
-        extents += [
-            Extent(source, offset + src, count, dst, n, src_stride, dst_stride)
-            for src, count, dst, n, src_stride, dst_stride in runs
-        ]
-    _check_coverage(name, reference.global_shape, extents, first_state.path)
-    return TensorPlan(name, reference.global_shape, dtype, dtype, extents), layouts
+        for src, count, dst, n, src_stride, dst_stride in runs:
+            rows.append((source, offset + src, count, dst, n, src_stride, dst_stride))
+            covered += n * count
+    if covered != prod(reference.global_shape):  # distinct coordinates of a full mesh tile the tensor exactly
+        raise BadInput(
+            f"{first_state.path}: the pieces of {name} cover {covered} of its {prod(reference.global_shape)} elements"
+        )
+    extents = RecordsBuilder(Extent)  # a thousand a tensor at 1,024 ranks: in columns
+    extents.extend(rows)
+    return TensorPlan(name, reference.global_shape, dtype, dtype, extents.done()), layouts
 
 
 def _disagreement(where: str, layout, value, reference, first, first_state) -> None:
     """The error for a piece whose layout or dtype is not the first rank's."""
     for field, mine, theirs in (
         ("global shape", layout.global_shape, reference.global_shape),
-        ("dtype", value.local.dtype, first.local.dtype),
+        ("dtype", value.dtype, first.dtype),
         ("placements", layout.describe(), reference.describe()),
         ("mesh shape", layout.mesh_shape, reference.mesh_shape),
     ):
@@ -292,11 +326,3 @@ def plan_replicated(name: str, pieces, sources: StorageSources) -> TensorPlan:
     numel = prod(first.shape)
     extents = [Extent(source, offset, numel, 0)] if numel else []
     return TensorPlan(name, tuple(first.shape), first.dtype, first.dtype, extents)
-
-
-def _check_coverage(name: str, shape, extents: list[Extent], where: str) -> None:
-    # Distinct coordinates of a full mesh tile the tensor exactly; this catches anything else.
-    if sum(e.numel for e in extents) != prod(shape):
-        raise BadInput(
-            f"{where}: the pieces of {name} cover {sum(e.numel for e in extents)} of its {prod(shape)} elements"
-        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .._parsing.safe_load import TensorRef
 from .._parsing.torch_zip import TorchZip
+from ..plan.columns import Records, RecordsBuilder
 from ..plan.model import SourceBuffer
 
 
@@ -11,7 +12,8 @@ class StorageSources:
     """Source buffers by (file, storage record); archives not given are opened here, once each, until close()."""
 
     def __init__(self):
-        self.buffers: list[SourceBuffer] = []
+        self._buffers = RecordsBuilder(SourceBuffer)  # a million at 1,024 ranks: in columns
+        self._count = 0
         self._index: dict[str, dict[str, int]] = {}  # path -> storage key -> buffer
         self._opened: dict[str, TorchZip] = {}
 
@@ -27,9 +29,21 @@ class StorageSources:
                 if path not in self._opened:
                     self._opened[path] = TorchZip(path)
                 archive = self._opened[path]
-            found = known[key] = len(self.buffers)
-            self.buffers.append(archive.storage_buffer(tensor.storage))
+            found = known[key] = self._count
+            self._count += 1
+            buffer = archive.storage_buffer(tensor.storage)
+            self._buffers.append_values(buffer.path, buffer.byte_offset, buffer.nbytes, buffer.dtype)
         return found
+
+    @property
+    def buffers(self) -> Records:
+        """The buffers so far, for the plan."""
+        return self._buffers.done()
+
+    def forget(self, path: str) -> None:
+        """Let go of which storages of `path` have buffers (a million entries at 1,024 ranks); a
+        storage asked for again gets a second buffer, which reads the same bytes."""
+        self._index.pop(path, None)
 
     def close(self) -> None:
         for archive in self._opened.values():
