@@ -122,3 +122,8 @@ def write_many_ranks(folder: str, world_size: int, seed: int) -> str:
     command += ["--data", "values", "--seed", str(seed)]
     subprocess.run([sys.executable, *command], check=True, timeout=900, capture_output=True)
     return folder
+
+
+def live_outcomes(folder, world: int) -> list[dict]:
+    """How each rank's save_pretrained call ended (fsdpfast.testing.live_examples writes outcome-{rank}.json)."""
+    return [json.loads((Path(folder) / f"outcome-{rank}.json").read_text()) for rank in range(world)]

@@ -8,12 +8,11 @@ nothing, and every rank says so.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import live_outcomes, read_merged
 
 import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
@@ -58,26 +57,15 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        found.update(load_file(path))
-    return found
-
-
-def outcomes(folder: Path, world: int) -> list[dict]:
-    return [json.loads((folder / f"outcome-{rank}.json").read_text()) for rank in range(world)]
-
-
 @pytest.mark.parametrize("name", SAVED)
 def test_the_folder_is_the_gathered_state_dict(saved, name):
     world, spec = ALL[name]
     folder = saved / name
-    assert all(o["ok"] for o in outcomes(folder, world)), outcomes(folder, world)
-    live, reference = tensors_of(folder / "live"), tensors_of(folder / "reference")
+    assert all(o["ok"] for o in live_outcomes(folder, world)), live_outcomes(folder, world)
+    live, reference = read_merged(folder / "live"), read_merged(folder / "reference")
     # A tied name is written once, as the offline merge writes it (transformers ties it again on
     # load); the reference's own save keeps both names: each must hold the kept one's bytes.
-    tied = outcomes(folder, world)[0]["tied"]
+    tied = live_outcomes(folder, world)[0]["tied"]
     assert bool(tied) == (spec.model == "llama-tied"), tied
     for kept, aliases in tied.items():
         for alias in aliases:
@@ -116,7 +104,7 @@ def test_the_folder_loads_and_verifies(saved, name):
     folder = saved / name / "live"
     assert fsdpfast.verify(folder).ok
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    live = tensors_of(folder)
+    live = read_merged(folder)
     for key, value in model.state_dict().items():
         if key in live:
             assert torch.equal(value, live[key]), key
@@ -125,7 +113,7 @@ def test_the_folder_loads_and_verifies(saved, name):
 def test_a_rank_whose_writes_fail_publishes_nothing(saved):
     world, spec = ALL["w2-fails"]
     folder = saved / "w2-fails"
-    results = outcomes(folder, world)
+    results = live_outcomes(folder, world)
     assert not any(o["ok"] for o in results), results
     assert "rank 1" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
     assert not (folder / "live").exists()
@@ -136,7 +124,7 @@ def test_a_rank_whose_writes_fail_publishes_nothing(saved):
 def test_a_tensor_that_cannot_be_written_is_refused_on_every_rank(saved, name):
     world, spec = ALL[name]
     folder = saved / name
-    results = outcomes(folder, world)
+    results = live_outcomes(folder, world)
     for o in results:
         assert not o["ok"], results
         assert o["error"].startswith("BadInput: ") and "\n" not in o["error"], o

@@ -10,13 +10,12 @@ tensors bit for bit, cast where asked: on the GPU by the extension's CUDA op, or
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from helpers import live_outcomes, read_merged
 
 import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
@@ -49,22 +48,15 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        found.update(load_file(path))
-    return found
-
-
 @pytest.mark.parametrize("name", list(ALL))
 def test_the_folder_is_the_reference_bit_for_bit(saved, name):
     world, spec = ALL[name]
     folder = saved / name
     if not folder.exists():
         pytest.skip("NCCL is not available")
-    results = [json.loads((folder / f"outcome-{rank}.json").read_text()) for rank in range(world)]
+    results = live_outcomes(folder, world)
     assert all(o["ok"] for o in results), results
-    live, reference = tensors_of(folder / "live"), tensors_of(folder / "reference")
+    live, reference = read_merged(folder / "live"), read_merged(folder / "reference")
     assert set(live) == set(reference)
     cast = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec.save_dtype]
     for key, want in reference.items():

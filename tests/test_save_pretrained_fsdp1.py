@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import live_outcomes, read_merged
 from safetensors.torch import load_file
 
 import fsdpfast
@@ -55,17 +56,6 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        found.update(load_file(path))
-    return found
-
-
-def outcomes(folder: Path, world: int) -> list[dict]:
-    return [json.loads((folder / f"outcome-{rank}.json").read_text()) for rank in range(world)]
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -74,9 +64,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_the_folder_is_fsdp1s_full_state_dict(saved, name):
     world, spec = ALL[name]
     folder = saved / name
-    assert all(o["ok"] for o in outcomes(folder, world)), outcomes(folder, world)
-    live, reference = tensors_of(folder / "live"), load_file(folder / "reference.safetensors")
-    tied = outcomes(folder, world)[0]["tied"]  # written once, as the offline merge writes it
+    assert all(o["ok"] for o in live_outcomes(folder, world)), live_outcomes(folder, world)
+    live, reference = read_merged(folder / "live"), load_file(folder / "reference.safetensors")
+    tied = live_outcomes(folder, world)[0]["tied"]  # written once, as the offline merge writes it
     assert bool(tied) == (spec.model == "llama-tied"), tied
     for kept, aliases in tied.items():
         for alias in aliases:
@@ -94,7 +84,7 @@ def test_the_names_come_in_the_state_dicts_order(saved, name):
     world, _ = ALL[name]
     folder = saved / name
     order = json.loads((folder / "reference-order.json").read_text())
-    for outcome in outcomes(folder, world):
+    for outcome in live_outcomes(folder, world):
         assert outcome["walked"] == order
 
 
@@ -124,7 +114,7 @@ def test_the_folder_loads_and_verifies(saved, name):
     assert fsdpfast.verify(folder).ok
     assert json.loads((folder / "fsdpfast-manifest.json").read_text())["world_size"] == world
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    live = tensors_of(folder)
+    live = read_merged(folder)
     for key, value in model.state_dict().items():
         if key in live:
             assert torch.equal(value, live[key]), key
@@ -133,7 +123,7 @@ def test_the_folder_loads_and_verifies(saved, name):
 def test_a_rank_whose_writes_fail_publishes_nothing(saved):
     world, _ = ALL["w2-fails"]
     folder = saved / "w2-fails"
-    results = outcomes(folder, world)
+    results = live_outcomes(folder, world)
     assert not any(o["ok"] for o in results), results
     assert "rank 1" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
     assert not (folder / "live").exists()

@@ -36,6 +36,9 @@ class Twins:
     def __init__(self, extra_records: frozenset[str] = frozenset()):
         self.extra_records = extra_records
         self._references: list[_Reference] = []
+        # opcodes whose value could not be carried over, by pickle length (one program): a later
+        # reference of the same program would learn the same again, an unpickling per file more
+        self._unusable: dict[int, set[int]] = {}
 
     def load(self, data: bytes, where: str) -> Any:
         changes_of = _native_changes()
@@ -49,7 +52,9 @@ class Twins:
                     break
         value = safe_unpickle(data, where, self.extra_records)
         if changes_of is not None and _plain(data):
-            self._references.insert(0, _Reference(data, value, self.extra_records, where))
+            self._references.insert(
+                0, _Reference(data, value, self.extra_records, where, self._unusable.setdefault(len(data), set()))
+            )
             del self._references[_KEPT:]
         return value
 
@@ -73,11 +78,11 @@ class _Unusable(Exception):
 class _Reference:
     """A pickle read in full, what it gave, and where its values land in it."""
 
-    def __init__(self, data: bytes, value: Any, extra_records: frozenset[str], where: str):
+    def __init__(self, data: bytes, value: Any, extra_records: frozenset[str], where: str, unusable: set[int]):
         self.data, self.value, self.extra_records, self.where = data, value, extra_records, where
         # opcode offset -> where its value is kept: [(object, field, index in the field's tuple or None)]
         self.places: dict[int, list[tuple[Any, tuple, int | None]]] = {}
-        self.unusable: set[int] = set()
+        self.unusable = unusable  # shared by the references of one program (see Twins)
         self._parents: dict[int, list[tuple[Any, tuple]]] | None = None
 
     def variant(self, data: bytes, changes: list[int], where: str) -> Any | None:

@@ -134,14 +134,16 @@ def _unit_runs(handle, first_replica: bool) -> list[FlatRun]:
                 f"save_pretrained: an FSDP1 flat parameter is gathered (inside summon_full_params?); {_REFUSE}"
             )
         local = flat
-    local = local.detach()
+    local = (
+        local.detach()
+    )  # its dtype is the parameters' (a flat parameter gathered for compute may be MixedPrecision's)
     # NO_SHARD: every rank holds the whole flat parameter (its records span all of it): the group's rank 0 writes
     writes = first_replica and (handle.uses_sharded_strategy or handle.rank == 0)
     runs = []
     for info, shape, numel in zip(flat._shard_param_infos, flat._shapes, flat._numels):
         shape = tuple(shape)
         if not (writes and info.in_shard and info.numel_in_shard):
-            runs.append(FlatRun(shape, flat.dtype, 0))
+            runs.append(FlatRun(shape, local.dtype, 0))
             continue
         first, count, at = info.intra_param_start_idx, info.numel_in_shard, info.offset_in_shard
         if first + count > numel or at + count > local.numel():
@@ -149,7 +151,7 @@ def _unit_runs(handle, first_replica: bool) -> list[FlatRun]:
                 f"save_pretrained: an FSDP1 shard record ({count} elements from {first} at {at}) does not fit a "
                 f"parameter of {numel} elements in a shard of {local.numel()}; {_REFUSE}"
             )
-        runs.append(FlatRun(shape, flat.dtype, first, local[at : at + count]))
+        runs.append(FlatRun(shape, local.dtype, first, local[at : at + count]))
     return runs
 
 

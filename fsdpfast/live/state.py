@@ -156,26 +156,25 @@ def _writes_copy(mesh, coordinate, kinds) -> bool:
 
 
 def _same_values(a, b) -> bool:
-    """Tied names hold one parameter (the same object) in a model that ties them; else compare every rank's piece."""
+    """Tied names hold one parameter (the same object) in a model that ties them; else compare this
+    rank's pieces. No collective: planning runs before the ranks have agreed on anything, and a rank
+    that refuses here stops every rank through the plan exchange (save.py)."""
     if a is b:
         return True
     if isinstance(a, FlatRun) or isinstance(b, FlatRun):
         return False  # FSDP1 keeps tied names on one parameter; two parameters' runs lie apart: not compared live
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     if a.shape != b.shape or a.dtype != b.dtype or type(a) is not type(b):
         return False
     if not isinstance(a, DTensor):
         return bool(torch.equal(a, b))
-    if a.placements != b.placements:
-        return False
-    local = a.to_local()  # the flag goes where the tensors are: NCCL reduces only CUDA tensors
-    same = torch.tensor([int(torch.equal(local, b.to_local()))], device=local.device)
-    for mesh_dim in range(a.device_mesh.ndim):  # the tensor's own mesh, which need not be the whole world
-        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a.device_mesh.get_group(mesh_dim))
-    return bool(same.item())
+    return (
+        a.placements == b.placements
+        and a.device_mesh == b.device_mesh
+        and bool(torch.equal(a.to_local(), b.to_local()))
+    )
 
 
 def _world(state: dict) -> int:

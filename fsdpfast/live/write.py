@@ -34,7 +34,7 @@ from ..execute.rows import native_pair
 from ..plan.layout import OutputFile
 from .state import LiveTensor, dtype_name, local_run
 
-IN_FLIGHT = 2  # pieces prepared and waiting to be written, at most
+IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
 MAX_PIECES = 16  # a rank's runs of one tensor sent as Pieces up to this many; more as one Spread
 # "native": CPU pieces cast by the kernel; "torch": by torch's .to() first (kept to measure the two:
@@ -87,8 +87,9 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
             for fd in fds.values():
                 os.fsync(fd)
         finally:
-            for future in pending:
-                future.cancel()
+            # a write already running cannot be cancelled: wait for it before its descriptor is closed
+            # (else it could write into whatever file reuses the number)
+            writer.shutdown(wait=True, cancel_futures=True)
             for fd in fds.values():
                 os.close(fd)
     return pieces
