@@ -31,6 +31,8 @@ SPECS = {
         ),
         LiveFsdp1Spec("w2-no-shard", use_orig_params=False, strategy="NO_SHARD", seed=49),  # rank 0 writes
         LiveFsdp1Spec("w2-shard-grad-op", strategy="SHARD_GRAD_OP", seed=50),
+        # saved mid-step (a forward, no backward) under MixedPrecision(param_dtype=bf16): the fp32 shards written
+        LiveFsdp1Spec("w2-shard-grad-op-bf16-compute", strategy="SHARD_GRAD_OP", compute_in_bf16=True, seed=51),
         LiveFsdp1Spec("w2-fails", fail_rank=1, seed=44),
     ],
     3: [

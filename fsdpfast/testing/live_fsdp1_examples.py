@@ -17,7 +17,16 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
+from .examples import (
+    PROBE_INPUT,
+    CheckpointSpec,
+    _free_port,
+    _layers,
+    _train_one_step,
+    _write_hf_files,
+    build_model,
+    serve_rank,
+)
 from .fsdp1_examples import FILE_NAME, wrap_classes
 from .live_examples import _limit_file_size
 
@@ -35,6 +44,9 @@ class LiveFsdp1Spec:
     untie: bool = False  # the config ties the embeddings, the model holds two parameters: refused
     strategy: str = "FULL_SHARD"  # FSDP1's ShardingStrategy; HYBRID_SHARD on a (replicate 2, shard world/2) mesh
     cast_buffers: bool = False  # a persistent buffer, and MixedPrecision(buffer_dtype=bf16): refused
+    # MixedPrecision(param_dtype=bf16) and a forward just before the save, no backward (a save
+    # mid-step): the fp32 shards the optimizer updates are what must be written, not the bf16 copies
+    compute_in_bf16: bool = False
     seed: int = 0
 
     def folder(self, root: str) -> str:
@@ -90,7 +102,12 @@ def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         auto_wrap_policy=ModuleWrapPolicy(wrap),
         use_orig_params=spec.use_orig_params,
         device_id=torch.device("cpu"),
-        mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16) if spec.cast_buffers else None,
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16 if spec.compute_in_bf16 else None,
+            buffer_dtype=torch.bfloat16 if spec.cast_buffers else None,
+        )
+        if spec.cast_buffers or spec.compute_in_bf16
+        else None,
         **strategy,
     )
     _train_one_step(fsdp, base)
@@ -109,6 +126,8 @@ def save_one(rank: int, root: str, spec: LiveFsdp1Spec) -> None:
         save_file(full, os.path.join(folder, "reference.safetensors"))
         with open(os.path.join(folder, "reference-order.json"), "w") as f:
             json.dump(list(full), f)
+    if spec.compute_in_bf16:
+        fsdp(input_ids=torch.tensor(PROBE_INPUT))  # computes in bf16 copies of the parameters
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
     try:
         report = fsdpfast.save_pretrained(
