@@ -12,6 +12,7 @@ import random
 import pytest
 
 from fsdpfast import _ops
+from fsdpfast.errors import FsdpfastError
 from fsdpfast.execute.parts import Piece, tensor_checksums
 from fsdpfast.live.write import MAX_PIECES, Spread, _image_crc, settle
 from fsdpfast.plan.layout import plan_files
@@ -78,5 +79,5 @@ def test_pieces_that_miss_bytes_are_refused():
     files = plan_files(MergePlan("live", 1, (), [TensorPlan("w", (ROWS, COLUMNS), "float32", "float32", ())]), "5GB")
     data = bytes(ROWS * COLUMNS * ITEM)
     pieces = sent(files[0].name, data, column_block(range(ROWS), range(0, 12)))  # the other half never written
-    with pytest.raises(ValueError, match="cover"):
+    with pytest.raises(FsdpfastError, match="cover"):
         settle(files, pieces)

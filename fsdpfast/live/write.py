@@ -113,7 +113,10 @@ def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]
     for (file, tensor), parts in images.items():
         n, crc = sizes[(file, tensor)], 0
         if sum(nbytes for nbytes, _ in parts) != n:  # the pieces must cover the tensor once (ranks write disjoint ones)
-            raise ValueError(f"the pieces written of {tensor} cover {sum(b for b, _ in parts)} of its {n} bytes")
+            raise FsdpfastError(
+                f"save_pretrained: the ranks' pieces of {tensor} cover {sum(b for b, _ in parts)} of its {n} bytes; "
+                "nothing was published: this is a bug in fsdpfast, please report it with the model's sharding"
+            )
         for _, part in parts:
             crc = None if crc is None or part is None else crc ^ part
         if crc is not None and len(parts) % 2 == 0:

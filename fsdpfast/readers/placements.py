@@ -205,10 +205,8 @@ def _slice_runs(runs: Runs, start: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def read_layout(spec: Record | DTensorLayout, where: str) -> DTensorLayout:
-    """What a DTensor's spec says (a spec already read is its layout: rank_files reads them as it loads)."""
-    if isinstance(spec, DTensorLayout):
-        return spec
+def read_layout(spec: Record, where: str) -> DTensorLayout:
+    """What a DTensor's spec says."""
     mesh = spec.get("mesh")
     meta = spec.get("tensor_meta")
     raw_placements = spec.get("placements")

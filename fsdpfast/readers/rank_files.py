@@ -194,9 +194,7 @@ class SpecLayouts:
         self._interned: dict[DTensorLayout, DTensorLayout] = {}
 
     def of(self, spec, where: Callable[[], str]) -> DTensorLayout:
-        """The layout of `spec` (a spec record, or a layout already read); `where()` names it in a message."""
-        if isinstance(spec, DTensorLayout):
-            return spec
+        """The layout of `spec` (a spec record); `where()` names it in a message."""
         known = self._by_spec.get(id(spec))
         if known is not None and known[0] is spec:
             return known[1]
