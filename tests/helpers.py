@@ -127,3 +127,16 @@ def write_many_ranks(folder: str, world_size: int, seed: int) -> str:
 def live_outcomes(folder, world: int) -> list[dict]:
     """How each rank's save_pretrained call ended (fsdpfast.testing.live_examples writes outcome-{rank}.json)."""
     return [json.loads((Path(folder) / f"outcome-{rank}.json").read_text()) for rank in range(world)]
+
+
+def assert_same_weight_files(written, merged) -> list[str]:
+    """The safetensors files and index of two folders, the same names and bytes; their names."""
+
+    def weights(folder) -> list[str]:
+        return sorted(p.name for p in Path(folder).iterdir() if p.name.endswith((".safetensors", ".index.json")))
+
+    names = weights(written)
+    assert names == weights(merged)
+    for name in names:
+        assert (Path(written) / name).read_bytes() == (Path(merged) / name).read_bytes(), name
+    return names

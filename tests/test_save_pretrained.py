@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import live_outcomes, read_merged
+from helpers import assert_same_weight_files, live_outcomes, read_merged
 
 import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
@@ -87,12 +87,7 @@ def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
     fsdpfast.merge(
         folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size
     )
-    weights = sorted(p.name for p in (folder / "live").iterdir() if p.name.endswith((".safetensors", ".index.json")))
-    assert weights == sorted(
-        p.name for p in (tmp_path / "merged").iterdir() if p.name.endswith((".safetensors", ".index.json"))
-    )
-    for name_ in weights:
-        assert (folder / "live" / name_).read_bytes() == (tmp_path / "merged" / name_).read_bytes(), name_
+    weights = assert_same_weight_files(folder / "live", tmp_path / "merged")
     if spec.max_shard_size != "5GB":
         assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split is tested too
 
