@@ -134,17 +134,20 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
 
 
 def run_way(way: str, args) -> dict:
-    import socket
+    return spawn_way(_rank, way, args, leftovers=(f"{way}-out", "dcp-shards"))
 
+
+def spawn_way(rank_main, way: str, args, leftovers: tuple[str, ...]) -> dict:
+    """`rank_main(rank, world, port, way, args, result)` on `args.world` fresh processes, after removing
+    `leftovers` from the work folder; what rank 0 wrote to `result` (JSON)."""
     import torch.multiprocessing as mp
 
-    for leftover in (f"{way}-out", "dcp-shards"):
+    from fsdpfast.testing.examples import _free_port
+
+    for leftover in leftovers:
         shutil.rmtree(os.path.join(args.workdir, leftover), ignore_errors=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     result = os.path.join(args.workdir, f"{way}.json")
-    mp.spawn(_rank, args=(args.world, port, way, args, result), nprocs=args.world, join=True)
+    mp.spawn(rank_main, args=(args.world, _free_port(), way, args, result), nprocs=args.world, join=True)
     with open(result) as f:
         return json.load(f)
 

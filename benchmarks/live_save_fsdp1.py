@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.live_save import _rss_mb  # noqa: E402
+from benchmarks.live_save import _rss_mb, spawn_way  # noqa: E402
 
 
 def _reset_peak() -> None:
@@ -115,18 +115,7 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
 
 
 def run_way(way: str, args) -> dict:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    shutil.rmtree(os.path.join(args.workdir, f"{way}-out"), ignore_errors=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = os.path.join(args.workdir, f"{way}.json")
-    mp.spawn(_rank, args=(args.world, port, way, args, result), nprocs=args.world, join=True)
-    with open(result) as f:
-        return json.load(f)
+    return spawn_way(_rank, way, args, leftovers=(f"{way}-out",))
 
 
 def main() -> None:

@@ -140,3 +140,27 @@ def assert_same_weight_files(written, merged) -> list[str]:
     for name in names:
         assert (Path(written) / name).read_bytes() == (Path(merged) / name).read_bytes(), name
     return names
+
+
+def assert_loads_as_written(folder) -> None:
+    """The folder verifies, and transformers loads it with the bytes it holds."""
+    import transformers
+
+    from fsdpfast import verify
+
+    assert verify(folder).ok
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    written = read_merged(folder)
+    for key, value in model.state_dict().items():
+        if key in written:
+            assert torch.equal(value, written[key]), key
+
+
+def assert_nothing_published(folder, world: int, failed_rank: int) -> None:
+    """Every rank's save_pretrained failed, rank 0's message names the rank that failed, and neither
+    the output nor a staging folder is left in `folder`."""
+    results = live_outcomes(folder, world)
+    assert not any(o["ok"] for o in results), results
+    assert f"rank {failed_rank}" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
+    assert not (Path(folder) / "live").exists()
+    assert not [p for p in Path(folder).iterdir() if p.name.startswith(".live")], list(Path(folder).iterdir())

@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fsdpfast.testing.examples import _free_port
 
 
 class Ranks:
     """W processes of `fsdpfast merge`, each told its rank the way torchrun tells it, each alone on its "node"."""
 
     def __init__(self, argv_of_rank, world: int, scripts: dict[int, str] | None = None):
-        port = free_port()
+        port = _free_port()
         self.started = time.monotonic()
         self.processes = []
         for rank in range(world):

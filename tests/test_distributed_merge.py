@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
-from merge_processes import Ranks, free_port, left_beside, same_output
+from merge_processes import Ranks, left_beside, same_output
 
 import fsdpfast
 from fsdpfast import _ops
@@ -30,7 +30,7 @@ from fsdpfast.execute.writer import execute
 from fsdpfast.io.staging import LocalTarget
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
-from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints
+from fsdpfast.testing.examples import CheckpointSpec, _free_port, write_checkpoints
 
 pytestmark = pytest.mark.skipif(
     not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module"
@@ -167,7 +167,7 @@ def test_merge_with_a_process_group(wide, tmp_path):
     _, folder = wide.get("wide-dcp")
     single, out = tmp_path / "single", tmp_path / "out"
     fsdpfast.merge(folder, single, max_shard_size=SHARD)
-    mp.spawn(_api_rank, args=(3, free_port(), folder, str(out)), nprocs=3, join=True)
+    mp.spawn(_api_rank, args=(3, _free_port(), folder, str(out)), nprocs=3, join=True)
     same_output(single, out)
 
 

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_weight_files, live_outcomes, read_merged
+from helpers import (
+    assert_loads_as_written,
+    assert_nothing_published,
+    assert_same_weight_files,
+    live_outcomes,
+    read_merged,
+)
 
 import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
@@ -94,25 +100,12 @@ def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
 
 @pytest.mark.parametrize("name", SAVED)
 def test_the_folder_loads_and_verifies(saved, name):
-    import transformers
-
-    folder = saved / name / "live"
-    assert fsdpfast.verify(folder).ok
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    live = read_merged(folder)
-    for key, value in model.state_dict().items():
-        if key in live:
-            assert torch.equal(value, live[key]), key
+    assert_loads_as_written(saved / name / "live")
 
 
 def test_a_rank_whose_writes_fail_publishes_nothing(saved):
     world, spec = ALL["w2-fails"]
-    folder = saved / "w2-fails"
-    results = live_outcomes(folder, world)
-    assert not any(o["ok"] for o in results), results
-    assert "rank 1" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
-    assert not (folder / "live").exists()
-    assert not [p for p in folder.iterdir() if p.name.startswith(".live")], list(folder.iterdir())  # no staging left
+    assert_nothing_published(saved / "w2-fails", world, spec.fail_rank)
 
 
 @pytest.mark.parametrize("name", ["w2-refused-partial", "w2-refused-uneven"])
