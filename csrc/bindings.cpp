@@ -12,6 +12,7 @@
 #include "crc32c.h"
 #include "kernels.h"
 #include "pickle_scan.h"
+#include "plan_checks.h"
 #include "plan_rows.h"
 
 namespace py = pybind11;
@@ -132,6 +133,15 @@ uint32_t crc32c_spread(const py::buffer& starts, const py::buffer& lengths, cons
   return crc;
 }
 
+// The common case of plan/checks.py's check, natively (csrc/plan_checks.h); False: not sure.
+bool extents_tile(const py::buffer& extents, const py::buffer& source_bytes, int64_t total, int64_t itemsize) {
+  Int64Array rows = int64_array(extents, "extents"), sizes = int64_array(source_bytes, "source_bytes");
+  if (rows.size % fsdpfast::kExtentFields != 0) throw std::invalid_argument("extents length is not a multiple of 7");
+  if (total < 0 || itemsize <= 0) return false;
+  py::gil_scoped_release unlocked;
+  return fsdpfast::single_runs_tile(rows.data, rows.size / fsdpfast::kExtentFields, sizes.data, sizes.size, total, itemsize);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -151,6 +161,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("pickle_value_changes", &pickle_value_changes, py::arg("first"), py::arg("other"),
         "The offsets in `first` of the opcodes whose number or string value differs in `other`, if the two plain "
         "pickles differ in nothing else (csrc/pickle_scan.h); else None.");
+  m.def("extents_tile", &extents_tile, py::arg("extents"), py::arg("source_bytes"), py::arg("total"), py::arg("itemsize"),
+        "True if the extents (int64 rows of 7: plan.model.Extent's fields) are single runs inside their source "
+        "buffers (bytes each) that write each of the tensor's `total` elements exactly once; False means not sure "
+        "(csrc/plan_checks.h): plan/checks.py's check then decides.");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
   m.def("crc32c_spread", &crc32c_spread, py::arg("starts"), py::arg("lengths"), py::arg("crcs"), py::arg("total"),

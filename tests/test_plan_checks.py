@@ -8,6 +8,7 @@ count of every element, on random tilings made by the readers' own box_extents.
 from __future__ import annotations
 
 import pickle
+from array import array
 from itertools import product
 from math import prod
 from pathlib import Path
@@ -21,9 +22,12 @@ from hypothesis import strategies as st
 from test_bad_input import cli_refuses
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
+from fsdpfast import _ops
 from fsdpfast._parsing.boxes import box_extents
+from fsdpfast.dtypes import itemsize
 from fsdpfast.errors import BadInput
 from fsdpfast.plan.checks import check_extents
+from fsdpfast.plan.columns import Records
 from fsdpfast.plan.model import Extent, SourceBuffer
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64), two chunks of 32 rows in w2-dcp
@@ -161,6 +165,83 @@ def test_a_moved_or_dropped_box_is_caught_exactly_when_an_element_is_not_written
     else:
         with pytest.raises(BadInput, match="^t: "):
             check_extents("t", shape, "float32", extents, sources)
+
+
+# --- the native common case (csrc/plan_checks.h) against the Python check ----------------------
+
+native_tile = getattr(_ops.native(), "extents_tile", None)
+needs_native = pytest.mark.skipif(native_tile is None, reason="fsdpfast._native is not built")
+
+
+def native_sure(shape, extents, sources, dtype="float32") -> bool:
+    numbers = Records.of(Extent, extents).numbers()
+    return native_tile(numbers, array("q", [s.nbytes for s in sources]), prod(shape), itemsize(dtype))
+
+
+def python_accepts(shape, extents, sources, dtype="float32") -> bool:
+    try:
+        check_extents("t", shape, dtype, extents, sources)
+    except BadInput:
+        return False
+    return True
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(tilings(), st.data())
+def test_the_native_check_is_sure_of_single_run_tilings_and_of_nothing_wrong(tiling, data):
+    shape, boxes = tiling
+    i = data.draw(st.integers(0, len(boxes) - 1))
+    mutation = data.draw(st.sampled_from(["none", "drop", "nudge"]))
+    if mutation == "drop" and len(boxes) > 1:
+        extents, sources = plan_of(shape, boxes[:i] + boxes[i + 1 :])
+    elif mutation == "nudge":
+        nudge = (i, data.draw(st.integers(0, len(shape) - 1)), data.draw(st.integers(-3, 3)))
+        extents, sources = plan_of(shape, boxes, nudge)
+    else:
+        extents, sources = plan_of(shape, boxes)
+    accepted = python_accepts(shape, extents, sources)
+    if native_sure(shape, extents, sources):
+        assert accepted
+    if accepted and all(e.runs == 1 for e in extents):
+        assert native_sure(shape, extents, sources)
+
+
+small = st.integers(-1, 9)
+
+
+@needs_native
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=2),
+    st.lists(
+        st.tuples(st.integers(-1, 3), small, small, small, st.sampled_from([0, 1, 1, 1, 2]), small, small), max_size=6
+    ),
+    st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    st.sampled_from(["float32", "bfloat16"]),
+)
+def test_the_native_check_is_never_sure_of_what_the_python_check_refuses(shape, fields, sizes, dtype):
+    extents = [Extent(*f) for f in fields]
+    sources = [SourceBuffer(f"r{i}", 0, n, dtype) for i, n in enumerate(sizes)]
+    accepted = python_accepts(tuple(shape), extents, sources, dtype)
+    if native_sure(tuple(shape), extents, sources, dtype):
+        assert accepted
+    elif accepted:  # only what it does not handle: strided runs
+        assert any(e.runs > 1 and e.count for e in extents)
+
+
+@needs_native
+def test_the_native_check_handles_a_million_single_runs():
+    # 1,024 ranks x 1,024 rows, listed rank-major as a reader lists them, then shuffled by rows.
+    total, pieces = 1 << 20, 1024
+    extents = [Extent(r, 0, total // pieces, r * total // pieces) for r in range(pieces)]
+    sources = [SourceBuffer(f"r{r}", 0, total // pieces * 2, "bfloat16") for r in range(pieces)]
+    assert native_sure((total,), extents, sources, "bfloat16")
+    assert native_sure((total,), extents[::-1], sources, "bfloat16")
+    assert not native_sure((total,), extents[:-1], sources, "bfloat16")
+    assert not native_sure((total + 1,), extents, sources, "bfloat16")
+    assert not native_sure((total,), extents[:1] + extents, sources, "bfloat16")
+    assert not native_sure((total,), extents, sources, "float32")  # each piece reads past its record
 
 
 def test_strided_pieces_that_interleave_are_an_overlap():

@@ -164,19 +164,28 @@ class _Reference:
                 if id(parent) not in dirty:
                     dirty.add(id(parent))
                     stack.append(id(parent))
-        made: dict[int, Any] = {}
+        return _Remake(changed, dirty).of(self.value)
 
-        def rebuilt(obj, again):  # given itself: a closure naming itself is a cycle, which would keep `made`
-            if id(obj) not in dirty:  # (the whole new value) until the garbage collector, paused while planning
-                return obj
-            if id(obj) not in made:
-                own = changed.get(id(obj), {})
-                made[id(obj)] = _copy_with(
-                    obj, lambda field, child: own[field] if field in own else again(child, again)
-                )
-            return made[id(obj)]
 
-        return rebuilt(self.value, rebuilt)
+class _Remake:
+    """One variant's new objects: each dirty object (an updated one, or one holding a dirty one)
+    copied once, with its `changed` fields set; the rest shared with the reference. (A class, not a
+    closure naming itself: that is a cycle, which would keep every variant until the garbage
+    collector runs, and it is paused while planning.)"""
+
+    __slots__ = ("changed", "dirty", "made")
+
+    def __init__(self, changed: dict[int, dict[tuple, Any]], dirty: set[int]):
+        self.changed, self.dirty, self.made = changed, dirty, {}
+
+    def of(self, obj):
+        """`obj` in the variant."""
+        if id(obj) not in self.dirty:
+            return obj
+        new = self.made.get(id(obj))
+        if new is None:
+            new = self.made[id(obj)] = _copy_with(obj, self.changed.get(id(obj)), self)
+        return new
 
 
 class _Probe:
@@ -370,40 +379,72 @@ def _differences(a, b, out: list, seen: set) -> None:
                 out.append((x, field, None, cy))
 
 
-def _copy_with(obj, child_of):
-    """A copy of container `obj` whose every child is child_of(field, child), checked as the
-    unpickler checks what it makes."""
-    if isinstance(obj, dict):
-        new = type(obj)()
-        for key, value in obj.items():
-            new[key] = child_of(("item", key), value)
-        for name, value in getattr(obj, "__dict__", {}).items():
-            new.__dict__[name] = child_of(("attr", name), value)
-        return new
-    if type(obj) is list:
-        return [child_of(("index", i), v) for i, v in enumerate(obj)]
-    if type(obj) is tuple:
-        return tuple(child_of(("index", i), v) for i, v in enumerate(obj))
-    if isinstance(obj, Record):
-        new = object.__new__(type(obj))
-        new.args = tuple(child_of(("args", i), v) for i, v in enumerate(obj.args))
-        new.state = {key: child_of(("state", key), v) for key, v in obj.state.items()}
-        new.state_value = child_of(("state_value",), obj.state_value)
-        return new
-    if isinstance(obj, StorageRef):
-        key, dtype, numel = (child_of(("field", f), getattr(obj, f)) for f in ("key", "dtype", "numel"))
-        if not isinstance(key, str) or not is_count(numel):
-            raise _Unusable
-        return StorageRef(key, dtype, numel)
-    if isinstance(obj, TensorRef):
-        fields = [child_of(("field", f), getattr(obj, f)) for f in ("storage", "offset", "shape", "stride", "dtype")]
-        return _tensor_ref(*fields)
-    if isinstance(obj, DTensorRef):
-        local, spec = child_of(("field", "local"), obj.local), child_of(("field", "spec"), obj.spec)
+def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
+    """A copy of container `obj` with the fields in `own` set to their new values and every other
+    child as it is in the variant (remake.of), checked as the unpickler checks what it makes.
+    (Written out per kind: a variant copies a few hundred objects, a thousand variants a plan.)"""
+    dirty, of = remake.dirty, remake.of
+    if type(obj) is DTensorRef and not own:  # most of a variant: a DTensor whose spec's mesh changed
+        local, spec = obj.local, obj.spec
+        local = of(local) if id(local) in dirty else local
+        spec = of(spec) if id(spec) in dirty else spec
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise _Unusable
         return DTensorRef(local, spec)
+    if isinstance(obj, dict):
+        new = type(obj)()
+        for key, value in obj.items():
+            new[key] = of(value) if id(value) in dirty else value
+        for name, value in getattr(obj, "__dict__", {}).items():
+            new.__dict__[name] = of(value) if id(value) in dirty else value
+        for (kind, name), value in (own or {}).items():
+            (new if kind == "item" else new.__dict__)[name] = value
+        return new
+    if type(obj) is list or type(obj) is tuple:
+        items = [of(value) if id(value) in dirty else value for value in obj]
+        for (_, i), value in (own or {}).items():
+            items[i] = value
+        return items if type(obj) is list else tuple(items)
+    if isinstance(obj, Record):
+        new = object.__new__(type(obj))
+        args = [of(value) if id(value) in dirty else value for value in obj.args]
+        state = {key: of(value) if id(value) in dirty else value for key, value in obj.state.items()}
+        state_value = of(obj.state_value) if id(obj.state_value) in dirty else obj.state_value
+        for field, value in (own or {}).items():
+            if field[0] == "args":
+                args[field[1]] = value
+            elif field[0] == "state":
+                state[field[1]] = value
+            else:
+                state_value = value
+        new.args, new.state, new.state_value = tuple(args), state, state_value
+        return new
+    if isinstance(obj, (StorageRef, TensorRef, DTensorRef)):
+        names = _REF_FIELDS[type(obj)]
+        values = {name: getattr(obj, name) for name in names}
+        for name, value in values.items():
+            if id(value) in dirty:
+                values[name] = of(value)
+        for (_, name), value in (own or {}).items():
+            values[name] = value
+        if isinstance(obj, StorageRef):
+            if not isinstance(values["key"], str) or not is_count(values["numel"]):
+                raise _Unusable
+            return StorageRef(values["key"], values["dtype"], values["numel"])
+        if isinstance(obj, TensorRef):
+            return _tensor_ref(*values.values())
+        if not isinstance(values["local"], TensorRef) or not isinstance(values["spec"], Record):
+            raise _Unusable
+        return DTensorRef(values["local"], values["spec"])
     raise _Unusable
+
+
+# The fields each reference is made from, in its constructor's order.
+_REF_FIELDS = {
+    StorageRef: ("key", "dtype", "numel"),
+    TensorRef: ("storage", "offset", "shape", "stride", "dtype"),
+    DTensorRef: ("local", "spec"),
+}
 
 
 def _same(a, b) -> bool:

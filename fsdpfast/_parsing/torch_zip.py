@@ -138,10 +138,12 @@ class TorchZip:
         storages 0, 1, 2, ...: then two arrays indexed by the number (16 bytes a record; a planner
         holds a thousand files' worth); otherwise (start, size, method) by key."""
         prefix = self.prefix + "data/"
-        found = {name[len(prefix) :]: record for name, record in self._records.items() if name.startswith(prefix)}
-        if all(record.method == 0 for record in found.values()) and set(found) == {str(i) for i in range(len(found))}:
-            self._starts = array("q", (found[str(i)].start for i in range(len(found))))
-            self._sizes = array("q", (found[str(i)].size for i in range(len(found))))
+        cut = len(prefix)
+        found = {name[cut:]: record for name, record in self._records.items() if name.startswith(prefix)}
+        numbered = [found.get(str(i)) for i in range(len(found))]  # all of them, if their keys are 0, 1, 2, ...
+        if all(record is not None and record.method == 0 for record in numbered):
+            self._starts = array("q", [record.start for record in numbered])
+            self._sizes = array("q", [record.size for record in numbered])
             self._storages = None
         else:
             self._storages = {key: (record.start, record.size, record.method) for key, record in found.items()}
@@ -186,15 +188,16 @@ class TorchZip:
                 )
             flags, method, csize, size = fields[5], fields[6], fields[10], fields[11]
             name_len, extra_len, comment_len, header = fields[12], fields[13], fields[14], fields[18]
-            raw = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
-            extra = directory[at + _CENTRAL.size + name_len : at + _CENTRAL.size + name_len + extra_len]
-            at += _CENTRAL.size + name_len + extra_len + comment_len
+            name_at = at + _CENTRAL.size
+            raw = directory[name_at : name_at + name_len]
+            at = name_at + name_len + extra_len + comment_len
             if len(raw) != name_len or at > len(directory):
                 raise BadInput(
                     f"{self.where}: not a readable torch.save archive (the zip directory is cut short; the "
                     "file is truncated or corrupt)"
                 )
-            if _MAX32 in (csize, size, header):
+            if csize == _MAX32 or size == _MAX32 or header == _MAX32:
+                extra = directory[name_at + name_len : name_at + name_len + extra_len]
                 size, csize, header = _zip64_values(extra, size, csize, header)
             try:
                 name = raw.decode("utf-8" if flags & 0x800 else "cp437")
@@ -326,6 +329,10 @@ class TorchZip:
 
     def storage_buffer(self, storage) -> SourceBuffer:
         """The bytes of `storage` (a safe_load.StorageRef), in place in this file, for the engine to map."""
+        return SourceBuffer(self.path, *self.storage_bytes(storage), storage.dtype)
+
+    def storage_bytes(self, storage) -> tuple[int, int]:
+        """(byte offset in the file, byte length) of the bytes `storage` holds, checked against its record."""
         if storage.dtype not in DTYPES:
             raise BadInput(f"{self.where}: dtype {storage.dtype} is not supported")
         offset, length = self.storage_span(storage.key)
@@ -334,7 +341,7 @@ class TorchZip:
             raise BadInput(
                 f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt"
             )
-        return SourceBuffer(self.path, offset, nbytes, storage.dtype)
+        return offset, nbytes
 
 
 def _aligned_start(record: _Record, alignment: int) -> int:

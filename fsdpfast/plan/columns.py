@@ -67,6 +67,11 @@ class Records(Sequence):
             raise TypeError(f"{self.kind.__name__}.{name} is a string field")
         return self._numbers[at :: self._width]
 
+    def numbers(self) -> array | None:
+        """Every record's fields in one int64 array, row after row (for native code), or None for
+        kinds with string fields (their numbers are indices into a table of strings)."""
+        return None if self._text else self._numbers
+
     def __eq__(self, other) -> bool:
         if isinstance(other, Records) and other.kind is self.kind and other._strings == self._strings:
             return self._numbers == other._numbers

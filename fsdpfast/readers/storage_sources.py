@@ -31,8 +31,8 @@ class StorageSources:
                 archive = self._opened[path]
             found = known[key] = self._count
             self._count += 1
-            buffer = archive.storage_buffer(tensor.storage)
-            self._buffers.append_values(buffer.path, buffer.byte_offset, buffer.nbytes, buffer.dtype)
+            offset, nbytes = archive.storage_bytes(tensor.storage)
+            self._buffers.append_values(archive.path, offset, nbytes, tensor.storage.dtype)
         return found
 
     @property
