@@ -6,9 +6,11 @@ torch's fake process group, real metadata and sparse data. Then times `fsdpfast 
 (planning: every rank file read, every piece placed and checked) with the code of this tree and
 with the code of an earlier commit (--old, default the parent of the planner work), each run its
 own process, in turn; wall time, CPU time (user + sys) and peak RSS of the process tree
-(benchmarks/measure.py). This tree's planner runs under `ulimit -n 1024`; the old one needs two
-open files per rank file, so it runs under the machine's hard limit. --merge adds whole merges
-(cpu engine) and the I/O floor (benchmarks/io_floor.py) of the same output.
+(benchmarks/measure.py). Both packages are byte-compiled first, as pip does when it installs one
+(else, with PYTHONDONTWRITEBYTECODE set, every run compiles every module again). This tree's
+planner runs under `ulimit -n 1024`; the old one needs two open files per rank file, so it runs
+under the machine's hard limit. --merge adds whole merges (cpu engine) and the I/O floor
+(benchmarks/io_floor.py) of the same output.
 
     python benchmarks/planner.py --cases 8B:8,8B:64,8B:256 [--merge 1B:1024] [--repeat 3]
     python benchmarks/planner.py --cases 8B:1024,70B:512,70B:1024,405B:1024,dcp-8B:256   # about an hour to write
@@ -166,6 +168,8 @@ def main() -> None:
     codes = {"new": REPO}
     if args.old:
         codes["old"] = old_tree(args.root, args.old)
+    for code in codes.values():  # as an install does: no run pays for compiling the package
+        subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(code, "fsdpfast")], check=True)
     out = os.path.join(args.root, "out")
 
     rows = []
