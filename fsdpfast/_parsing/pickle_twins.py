@@ -28,6 +28,7 @@ from .safe_load import DTensorRef, Record, StorageRef, TensorRef, _plain, _tenso
 
 _KEPT = 4  # references tried per file: rank numbers past 255 (and past 65535) pickle wider
 _LEAF = (int, float, str, bytes, bool, type(None))
+_DIRTY_SETS_KEPT = 64  # per reference; rank files usually change one set of objects
 
 
 class Twins:
@@ -84,6 +85,7 @@ class _Reference:
         self.places: dict[int, list[tuple[Any, tuple, int | None]]] = {}
         self.unusable = unusable  # shared by the references of one program (see Twins)
         self._parents: dict[int, list[tuple[Any, tuple]]] | None = None
+        self._dirty_sets: dict[frozenset[int], frozenset[int]] = {}  # see _dirty
 
     def variant(self, data: bytes, changes: list[int], where: str) -> Any | None:
         """What unpickling `data` gives, made from this reference; None where it cannot be."""
@@ -157,14 +159,23 @@ class _Reference:
             else:  # an element of a tuple of numbers or strings (a shape, a mesh coordinate)
                 old = own.get(field, _field(holder, field))
                 own[field] = old[:index] + (value,) + old[index + 1 :]
-        dirty = set(changed)
-        stack = list(changed)
-        while stack:  # every object holding a changed one changes too
-            for parent, _ in parents.get(stack.pop(), ()):
-                if id(parent) not in dirty:
-                    dirty.add(id(parent))
-                    stack.append(id(parent))
-        return _Remake(changed, dirty).of(self.value)
+        return _Remake(changed, self._dirty(frozenset(changed), parents)).of(self.value)
+
+    def _dirty(self, changed: frozenset[int], parents) -> frozenset[int]:
+        """The objects changed and every object holding one (ids): the same for each variant that
+        changes the same objects (a checkpoint's rank files change the same mesh record), so kept."""
+        dirty = self._dirty_sets.get(changed)
+        if dirty is None:
+            found, stack = set(changed), list(changed)
+            while stack:
+                for parent, _ in parents.get(stack.pop(), ()):
+                    if id(parent) not in found:
+                        found.add(id(parent))
+                        stack.append(id(parent))
+            dirty = frozenset(found)
+            if len(self._dirty_sets) < _DIRTY_SETS_KEPT:
+                self._dirty_sets[changed] = dirty
+        return dirty
 
 
 class _Remake:

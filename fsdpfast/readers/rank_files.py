@@ -150,13 +150,14 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
                 located[name][0].append(source)
                 located[name][1].append(offset)
         state.located = None
+    placed: dict[tuple[int, ...], _Placement] = {}
     for name, values in columns.items():
         pieces = list(zip(states, values))
         kinds = {type(v) for v in values}
         if len(kinds) > 1:
             raise BadInput(f"{states[0].path}: {name} is a DTensor in some rank files and a plain tensor in others")
         if kinds == {DTensorPiece}:
-            tensor, piece_layouts = _plan_dtensor(name, pieces, world, located[name])
+            tensor, piece_layouts = _plan_dtensor(name, pieces, world, located[name], placed)
             tensors.append(tensor)
             copies += replica_copies(name, pieces, piece_layouts, located[name])
         elif world == 1 or any_dtensor:
@@ -220,11 +221,42 @@ class _Wheres:
         return f"{self.pieces[i][0].path}: {self.name}"
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where a tensor's pieces go, checked: the same for every tensor whose rank files hold the same
+    DTensorPieces (one per (layout, local shape, dtype)), as the tensors of one shape do."""
+
+    layouts: list[DTensorLayout]  # each piece's
+    read: tuple[tuple[int, tuple], ...]  # (piece, its extents relative to the piece) of the pieces read
+    global_shape: tuple[int, ...]
+    dtype: str
+
+
 def _plan_dtensor(
-    name: str, pieces, world: int, located: tuple[array, array]
+    name: str, pieces, world: int, located: tuple[array, array], placed: dict[tuple[int, ...], _Placement]
 ) -> tuple[TensorPlan, list[DTensorLayout]]:
-    """The tensor's plan, and each piece's layout. (The loops run once per tensor per rank: a
-    million times at 1,024 ranks, so the checks are direct and messages are made only when needed.)"""
+    """The tensor's plan, and each piece's layout. `placed`: the placements worked out so far, by
+    the ids of the pieces' DTensorPieces (alive while planning, so their ids stay theirs)."""
+    key = tuple([id(value) for _, value in pieces])
+    placement = placed.get(key)
+    if placement is None:
+        placement = placed[key] = _place(name, pieces, world)
+    sources, offsets = located
+    rows = [
+        (sources[i], offsets[i] + src, count, dst, n, src_stride, dst_stride)
+        for i, runs in placement.read
+        for src, count, dst, n, src_stride, dst_stride in runs
+    ]
+    extents = RecordsBuilder(Extent)  # a thousand a tensor at 1,024 ranks: in columns
+    extents.extend(rows)
+    dtype = placement.dtype
+    return TensorPlan(name, placement.global_shape, dtype, dtype, extents.done()), placement.layouts
+
+
+def _place(name: str, pieces, world: int) -> _Placement:
+    """Check that the pieces make one tensor and choose the copy of each piece to read. (The loops
+    run once per rank for each distinct placement, so the checks are direct and messages are made
+    only when needed.)"""
     first_state, first = pieces[0]
     wheres = _Wheres(pieces, name)
     reference = first.layout
@@ -259,24 +291,21 @@ def _plan_dtensor(
                 )
         layouts.append(layout)
     reading = choose_reading(layouts, [value.shape for _, value in pieces], wheres)
-    rows = []
+    read = []
     covered = 0
-    for (state, _), layout, source, offset in zip(pieces, layouts, *located):
+    for i, ((state, _), layout) in enumerate(zip(pieces, layouts)):
         # One copy of each piece is read: coordinate 0 on Replicate mesh dims, and of the files
         # holding one coordinate of a sub-mesh (copies across the other mesh dims), the first.
         runs = layout.local_extents(reading)
         if not runs or not layout.primary or (copies > 1 and holders[layout.coordinate][0] != state.path):
             continue
-        for src, count, dst, n, src_stride, dst_stride in runs:
-            rows.append((source, offset + src, count, dst, n, src_stride, dst_stride))
-            covered += n * count
+        read.append((i, runs))
+        covered += sum(n * count for _, count, _, n, _, _ in runs)
     if covered != prod(reference.global_shape):  # distinct coordinates of a full mesh tile the tensor exactly
         raise BadInput(
             f"{first_state.path}: the pieces of {name} cover {covered} of its {prod(reference.global_shape)} elements"
         )
-    extents = RecordsBuilder(Extent)  # a thousand a tensor at 1,024 ranks: in columns
-    extents.extend(rows)
-    return TensorPlan(name, reference.global_shape, dtype, dtype, extents.done()), layouts
+    return _Placement(layouts, tuple(read), reference.global_shape, dtype)
 
 
 def _disagreement(where: str, layout, value, reference, first, first_state) -> None:
