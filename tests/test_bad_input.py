@@ -586,3 +586,20 @@ def test_config_json_that_is_a_list_with_dtype(w2_copy, tmp_path):
     config = w2_copy / "huggingface" / "config.json"
     config.write_text("[]")
     cli_refuses(w2_copy, tmp_path / "merged", "--dtype", "bf16", mentions=[config])
+
+
+@pytest.mark.parametrize("shape", [None, "4", (2, None), -1])
+def test_a_device_mesh_layout_axis_of_no_size_is_refused(w2_copy, shape):
+    # Found by the fuzz target `merge`: a DeviceMesh whose layout axis has no whole-number size.
+    from fsdpfast._parsing.safe_load import safe_unpickle
+    from fsdpfast._parsing.torch_zip import TorchZip
+    from fsdpfast.readers.placements import read_layout
+
+    archive = TorchZip(str(rank_file(w2_copy, 0)))
+    state = safe_unpickle(archive.pickle_bytes, "rank 0")
+    spec = next(value.spec for value in state.values() if hasattr(value, "spec"))
+    axes = spec.get("mesh").get("_layout").get("axes")
+    assert read_layout(spec, "rank 0").mesh_shape == (2,)  # as torch wrote it
+    axes[0].state["shape"] = shape
+    with pytest.raises(BadInput, match="^rank 0: the DeviceMesh's layout is not one torch writes"):
+        read_layout(spec, "rank 0")

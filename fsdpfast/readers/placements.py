@@ -258,7 +258,11 @@ def _tensor_meta(meta: Record, where: str):
 def _mesh_shape(mesh: Record, where: str) -> tuple[int, ...]:
     layout = mesh.get("_layout")
     if isinstance(layout, Record) and layout.get("axes") is not None:
-        return tuple(prod(_as_tuple(axis.get("shape"))) for axis in layout.get("axes"))
+        axes = layout.get("axes")
+        sizes = [_axis_size(axis) for axis in axes] if isinstance(axes, (tuple, list)) else [None]
+        if None in sizes:
+            raise BadInput(f"{where}: the DeviceMesh's layout is not one torch writes (axes {axes!r:.80})")
+        return tuple(sizes)
     tensor = mesh.get("mesh")  # DeviceMesh of older releases pickles its rank tensor
     if isinstance(tensor, TensorRef):
         return tensor.shape
@@ -272,8 +276,12 @@ def _mesh_world(mesh: Record) -> int | None:
     return len(ranks) if isinstance(ranks, (tuple, list)) and ranks else None
 
 
-def _as_tuple(value) -> tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (int(value),)
+def _axis_size(axis) -> int | None:
+    """How many ranks a mesh layout's axis spans (its shape: a number or a tuple of them); None if
+    the axis is not one torch writes."""
+    shape = axis.get("shape") if isinstance(axis, Record) else None
+    sizes = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    return prod(sizes) if all(is_count(size) for size in sizes) else None
 
 
 def _placement(record: Record, where: str) -> tuple[str, int | None, int]:
