@@ -34,13 +34,13 @@ inline bool single_runs_tile(const int64_t* extents, int64_t n, const int64_t* s
   bool sorted = true;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* e = extents + i * kExtentFields;
-    for (int64_t f = 0; f < kExtentFields; ++f)
+    for (int64_t f = kExtentSrcOffset; f < kExtentFields; ++f)  // the source is checked below, as in Python
       if (e[f] < 0) return false;
     if (e[kExtentRuns] == 0 || e[kExtentCount] == 0) continue;  // writes nothing
     if (e[kExtentRuns] != 1) return false;
     int64_t end, src_end, src_bytes;
     if (__builtin_add_overflow(e[kExtentDstOffset], e[kExtentCount], &end) || end > total) return false;
-    if (e[kExtentSource] >= sources) return false;
+    if (e[kExtentSource] < 0 || e[kExtentSource] >= sources) return false;
     if (__builtin_add_overflow(e[kExtentSrcOffset], e[kExtentCount], &src_end) ||
         __builtin_mul_overflow(src_end, itemsize, &src_bytes) || src_bytes > source_bytes[e[kExtentSource]])
       return false;

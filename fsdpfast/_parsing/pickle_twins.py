@@ -26,9 +26,11 @@ from typing import Any
 from ..errors import FsdpfastError
 from .safe_load import DTensorRef, Record, StorageRef, TensorRef, _plain, _tensor_ref, is_count, safe_unpickle
 
-_KEPT = 4  # references tried per file: rank numbers past 255 (and past 65535) pickle wider
+_KEPT = 4  # references tried per file, the last used first: rank numbers past 255 (and 65535) pickle wider
 _LEAF = (int, float, str, bytes, bool, type(None))
 _DIRTY_SETS_KEPT = 64  # per reference; rank files usually change one set of objects
+# The fields of the records a tensor becomes, in their constructors' order.
+_REF_FIELDS = {kind: tuple(kind.__dataclass_fields__) for kind in (StorageRef, TensorRef, DTensorRef)}
 
 
 class Twins:
@@ -44,11 +46,14 @@ class Twins:
     def load(self, data: bytes, where: str) -> Any:
         changes_of = _native_changes()
         if changes_of is not None:
-            for reference in self._references:
+            for i, reference in enumerate(self._references):
                 changes = changes_of(reference.data, data)
                 if changes is not None:
                     value = reference.variant(data, changes, where)
                     if value is not None:
+                        # the most used first: files of another structure (a hash pickled a
+                        # byte shorter) become references too, and must not push this one out
+                        self._references.insert(0, self._references.pop(i))
                         return value
                     break
         value = safe_unpickle(data, where, self.extra_records)
@@ -186,7 +191,7 @@ class _Remake:
 
     __slots__ = ("changed", "dirty", "made")
 
-    def __init__(self, changed: dict[int, dict[tuple, Any]], dirty: set[int]):
+    def __init__(self, changed: dict[int, dict[tuple, Any]], dirty: frozenset[int]):
         self.changed, self.dirty, self.made = changed, dirty, {}
 
     def of(self, obj):
@@ -299,7 +304,7 @@ def _children(obj):
             yield ("state", key), value
         yield ("state_value",), obj.state_value
     elif isinstance(obj, (TensorRef, StorageRef, DTensorRef)):
-        for name in type(obj).__dataclass_fields__:
+        for name in _REF_FIELDS[type(obj)]:
             yield ("field", name), getattr(obj, name)
 
 
@@ -395,7 +400,7 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
     child as it is in the variant (remake.of), checked as the unpickler checks what it makes.
     (Written out per kind: a variant copies a few hundred objects, a thousand variants a plan.)"""
     dirty, of = remake.dirty, remake.of
-    if type(obj) is DTensorRef and not own:  # most of a variant: a DTensor whose spec's mesh changed
+    if type(obj) is DTensorRef and not own:  # most of a variant (its spec's mesh changed): the refs' branch, unrolled
         local, spec = obj.local, obj.spec
         local = of(local) if id(local) in dirty else local
         spec = of(spec) if id(spec) in dirty else spec
@@ -448,14 +453,6 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
             raise _Unusable
         return DTensorRef(values["local"], values["spec"])
     raise _Unusable
-
-
-# The fields each reference is made from, in its constructor's order.
-_REF_FIELDS = {
-    StorageRef: ("key", "dtype", "numel"),
-    TensorRef: ("storage", "offset", "shape", "stride", "dtype"),
-    DTensorRef: ("local", "spec"),
-}
 
 
 def _same(a, b) -> bool:

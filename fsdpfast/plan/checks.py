@@ -27,12 +27,12 @@ from .model import Extent, MergePlan, SourceBuffer
 def check_plan(plan: MergePlan) -> None:
     # read once, a million buffers at 1,024 ranks
     sources = plan.sources
-    sizes = sources.column("nbytes") if isinstance(sources, Records) else array("q", (s.nbytes for s in sources))
-    tiles = _native_tiles()
+    sizes = sources.column("nbytes") if isinstance(sources, Records) else [source.nbytes for source in sources]
+    tiles = _native_tiles() if isinstance(sizes, array) else None
     for tensor in plan.tensors:
-        extents = tensor.extents
+        extents, total = tensor.extents, prod(tensor.shape)
         numbers = extents.numbers() if tiles is not None and isinstance(extents, Records) else None
-        if numbers is not None and tiles(numbers, sizes, prod(tensor.shape), itemsize(tensor.source_dtype)):
+        if numbers is not None and total < 1 << 63 and tiles(numbers, sizes, total, itemsize(tensor.source_dtype)):
             continue  # surely right (csrc/plan_checks.h); anything else is decided, and named, below
         check_extents(tensor.name, tensor.shape, tensor.source_dtype, extents, plan.sources, sizes)
 

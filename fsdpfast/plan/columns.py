@@ -68,8 +68,9 @@ class Records(Sequence):
         return self._numbers[at :: self._width]
 
     def numbers(self) -> array | None:
-        """Every record's fields in one int64 array, row after row (for native code), or None for
-        kinds with string fields (their numbers are indices into a table of strings)."""
+        """Every record's fields in one int64 array, row after row (for native code; the array itself,
+        not a copy: never to be changed), or None for kinds with string fields (their numbers are
+        indices into a table of strings)."""
         return None if self._text else self._numbers
 
     def __eq__(self, other) -> bool:

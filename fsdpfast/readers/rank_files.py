@@ -224,9 +224,10 @@ class _Wheres:
 @dataclass(frozen=True)
 class _Placement:
     """Where a tensor's pieces go, checked: the same for every tensor whose rank files hold the same
-    DTensorPieces (one per (layout, local shape, dtype)), as the tensors of one shape do."""
+    sequence of DTensorPieces (rank by rank the same layout, local shape and dtype), as the tensors
+    of one shape do."""
 
-    layouts: list[DTensorLayout]  # each piece's
+    layouts: tuple[DTensorLayout, ...]  # each piece's
     read: tuple[tuple[int, tuple], ...]  # (piece, its extents relative to the piece) of the pieces read
     global_shape: tuple[int, ...]
     dtype: str
@@ -234,7 +235,7 @@ class _Placement:
 
 def _plan_dtensor(
     name: str, pieces, world: int, located: tuple[array, array], placed: dict[tuple[int, ...], _Placement]
-) -> tuple[TensorPlan, list[DTensorLayout]]:
+) -> tuple[TensorPlan, tuple[DTensorLayout, ...]]:
     """The tensor's plan, and each piece's layout. `placed`: the placements worked out so far, by
     the ids of the pieces' DTensorPieces (alive while planning, so their ids stay theirs)."""
     key = tuple([id(value) for _, value in pieces])
@@ -305,7 +306,7 @@ def _place(name: str, pieces, world: int) -> _Placement:
         raise BadInput(
             f"{first_state.path}: the pieces of {name} cover {covered} of its {prod(reference.global_shape)} elements"
         )
-    return _Placement(layouts, tuple(read), reference.global_shape, dtype)
+    return _Placement(tuple(layouts), tuple(read), reference.global_shape, dtype)
 
 
 def _disagreement(where: str, layout, value, reference, first, first_state) -> None:
