@@ -124,11 +124,19 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
         )
     if args.device == "cuda":
         torch.cuda.synchronize()
+    finish_rank(rank, result_path, start, before, _peak_mb)
+
+
+def finish_rank(rank: int, result_path: str, start: float, before_mb: float, peak_mb) -> None:
+    """A way's end on every rank: wait for all, rank 0 writes the time since `start` and the growth
+    of `peak_mb()` past `before_mb` for spawn_way, and the process leaves at once."""
+    import torch.distributed as dist
+
     dist.barrier()
     seconds = time.perf_counter() - start
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"seconds": seconds, "rss_growth_mb": _peak_mb() - before, "before_mb": before}, f)
+            json.dump({"seconds": seconds, "rss_growth_mb": peak_mb() - before_mb, "before_mb": before_mb}, f)
     dist.destroy_process_group()
     os._exit(0)
 
@@ -150,6 +158,22 @@ def spawn_way(rank_main, way: str, args, leftovers: tuple[str, ...]) -> dict:
     mp.spawn(rank_main, args=(args.world, _free_port(), way, args, result), nprocs=args.world, join=True)
     with open(result) as f:
         return json.load(f)
+
+
+def table_lines(results: dict[str, list[dict]]) -> list[str]:
+    """Each way's min and median seconds and median rank-0 RSS growth, against the first way's."""
+    first = next(iter(results))
+    lines = [f"{'way':<23}{'min s':>8}{'median s':>10}{'x ' + first:>12}{'rank-0 RSS growth MB':>22}{'x ' + first:>12}"]
+    base = {k: statistics.median(r[k] for r in results[first]) for k in ("seconds", "rss_growth_mb")}
+    for way, runs in results.items():
+        low = min(r["seconds"] for r in runs)
+        secs = statistics.median(r["seconds"] for r in runs)
+        rss = statistics.median(r["rss_growth_mb"] for r in runs)
+        lines.append(
+            f"{way:<23}{low:>8.2f}{secs:>10.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}"
+            f"{rss / max(base['rss_growth_mb'], 1):>12.1f}"
+        )
+    return lines
 
 
 def main() -> None:
@@ -179,17 +203,8 @@ def main() -> None:
     lines = [
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
         f"Shard({args.shard_dim}); {args.world} {args.backend} ranks {where}; {args.rounds} rounds",
-        f"{'way':<23}{'min s':>8}{'median s':>10}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}",
+        *table_lines(results),
     ]
-    base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
-    for way in ways:
-        low = min(r["seconds"] for r in results[way])
-        secs = statistics.median(r["seconds"] for r in results[way])
-        rss = statistics.median(r["rss_growth_mb"] for r in results[way])
-        lines.append(
-            f"{way:<23}{low:>8.2f}{secs:>10.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}"
-            f"{rss / max(base['rss_growth_mb'], 1):>12.1f}"
-        )
     print("\n".join(lines), flush=True)
     if args.report:
         with open(args.report, "w") as f:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.live_save import _rss_mb, spawn_way  # noqa: E402
+from benchmarks.live_save import _rss_mb, finish_rank, spawn_way, table_lines  # noqa: E402
 
 
 def _reset_peak() -> None:
@@ -105,13 +103,7 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
         if rank == 0:
             model.module.save_pretrained(out, state_dict={k: v.to(torch.bfloat16) for k, v in full.items()})
         del full
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"seconds": seconds, "rss_growth_mb": _peak_mb() - before, "before_mb": before}, f)
-    dist.destroy_process_group()
-    os._exit(0)
+    finish_rank(rank, result_path, start, before, _peak_mb)
 
 
 def run_way(way: str, args) -> dict:
@@ -142,14 +134,7 @@ def main() -> None:
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {size / 1e9:.2f} GB in bf16; "
         f"FSDP1 use_orig_params={args.use_orig_params}; {args.world} gloo ranks; {args.rounds} rounds, medians"
     )
-    print(f"{'way':<14}{'seconds':>9}{'x fsdpfast':>12}{'rank-0 RSS growth MB':>22}{'x fsdpfast':>12}")
-    base = {k: statistics.median(r[k] for r in results["fsdpfast"]) for k in ("seconds", "rss_growth_mb")}
-    for way in WAYS:
-        secs = statistics.median(r["seconds"] for r in results[way])
-        rss = statistics.median(r["rss_growth_mb"] for r in results[way])
-        print(
-            f"{way:<14}{secs:>9.2f}{secs / base['seconds']:>12.2f}{rss:>22.0f}{rss / max(base['rss_growth_mb'], 1):>12.1f}"
-        )
+    print("\n".join(table_lines(results)))
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -124,6 +124,35 @@ def write_many_ranks(folder: str, world_size: int, seed: int) -> str:
     return folder
 
 
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+
+
+def assert_holds_tied_once(written, reference, tied: dict[str, list[str]], save_dtype: str | None) -> None:
+    """A live save's tensors are the reference's (the model's own full state dict) bit for bit, floats
+    cast to `save_dtype`; tied names written once, under the kept name, whose bytes each alias holds."""
+    dtype = SAVE_DTYPES[save_dtype]
+    aliases = {alias: kept for kept, names in tied.items() for alias in names}
+    assert_bit_exact(written, reference, dtype, tied=aliases)
+    for alias, kept in aliases.items():
+        want = (
+            reference[alias].to(dtype)
+            if dtype is not None and reference[alias].is_floating_point()
+            else reference[alias]
+        )
+        assert torch.equal(bits(written[kept]), bits(want)), alias
+
+
+def assert_an_offline_merges_files(folder: Path, spec, out: Path) -> None:
+    """The live folder's weight files are byte for byte those the offline merge of the same model's
+    rank files (folder/ckpt) writes, with the spec's dtype and file size; split where it asks."""
+    import fsdpfast
+
+    fsdpfast.merge(folder / "ckpt", out, dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size)
+    weights = assert_same_weight_files(folder / "live", out)
+    if spec.max_shard_size != "5GB":
+        assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split (the order) is tested too
+
+
 def live_outcomes(folder, world: int) -> list[dict]:
     """How each rank's save_pretrained call ended (fsdpfast.testing.live_examples writes outcome-{rank}.json)."""
     return [json.loads((Path(folder) / f"outcome-{rank}.json").read_text()) for rank in range(world)]

@@ -11,16 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import (
+    assert_an_offline_merges_files,
+    assert_holds_tied_once,
     assert_loads_as_written,
     assert_nothing_published,
-    assert_same_weight_files,
     live_outcomes,
     read_merged,
 )
 
-import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
 
 SPECS = {
@@ -73,29 +72,13 @@ def test_the_folder_is_the_gathered_state_dict(saved, name):
     # load); the reference's own save keeps both names: each must hold the kept one's bytes.
     tied = live_outcomes(folder, world)[0]["tied"]
     assert bool(tied) == (spec.model == "llama-tied"), tied
-    for kept, aliases in tied.items():
-        for alias in aliases:
-            live[alias] = live[kept]
-    assert set(live) == set(reference)
-    cast = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec.save_dtype]
-    for key, want in reference.items():
-        want = want.to(cast) if cast is not None and want.is_floating_point() else want
-        assert live[key].dtype == want.dtype, key
-        assert torch.equal(
-            live[key].view(torch.uint8) if live[key].ndim else live[key], want.view(torch.uint8) if want.ndim else want
-        ), key
+    assert_holds_tied_once(live, reference, tied, spec.save_dtype)
 
 
 @pytest.mark.parametrize("name", SAVED)
 def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
     _, spec = ALL[name]
-    folder = saved / name
-    fsdpfast.merge(
-        folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size
-    )
-    weights = assert_same_weight_files(folder / "live", tmp_path / "merged")
-    if spec.max_shard_size != "5GB":
-        assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split is tested too
+    assert_an_offline_merges_files(saved / name, spec, tmp_path / "merged")
 
 
 @pytest.mark.parametrize("name", SAVED)

@@ -14,17 +14,16 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import (
+    assert_an_offline_merges_files,
+    assert_holds_tied_once,
     assert_loads_as_written,
     assert_nothing_published,
-    assert_same_weight_files,
     live_outcomes,
     read_merged,
 )
 from safetensors.torch import load_file
 
-import fsdpfast
 from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec, save_live_fsdp1
 
 SPECS = {
@@ -64,10 +63,6 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 @pytest.mark.parametrize("name", SAVED)
 def test_the_folder_is_fsdp1s_full_state_dict(saved, name):
     world, spec = ALL[name]
@@ -76,15 +71,7 @@ def test_the_folder_is_fsdp1s_full_state_dict(saved, name):
     live, reference = read_merged(folder / "live"), load_file(folder / "reference.safetensors")
     tied = live_outcomes(folder, world)[0]["tied"]  # written once, as the offline merge writes it
     assert bool(tied) == (spec.model == "llama-tied"), tied
-    for kept, aliases in tied.items():
-        for alias in aliases:
-            assert alias not in live
-            live[alias] = live[kept]
-    assert set(live) == set(reference)
-    cast = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[spec.save_dtype]
-    for key, want in reference.items():
-        want = want.to(cast) if cast is not None and want.is_floating_point() else want
-        assert same_bits(live[key], want), key
+    assert_holds_tied_once(live, reference, tied, spec.save_dtype)
 
 
 @pytest.mark.parametrize("name", SAVED)
@@ -99,13 +86,7 @@ def test_the_names_come_in_the_state_dicts_order(saved, name):
 @pytest.mark.parametrize("name", MERGED)
 def test_the_files_are_an_offline_merges_byte_for_byte(saved, name, tmp_path):
     _, spec = ALL[name]
-    folder = saved / name
-    fsdpfast.merge(
-        folder / "ckpt", tmp_path / "merged", dtype=spec.save_dtype or "keep", max_shard_size=spec.max_shard_size
-    )
-    weights = assert_same_weight_files(folder / "live", tmp_path / "merged")
-    if spec.max_shard_size != "5GB":
-        assert len([w for w in weights if w.endswith(".safetensors")]) > 1  # the split (the order) is tested too
+    assert_an_offline_merges_files(saved / name, spec, tmp_path / "merged")
 
 
 @pytest.mark.parametrize("name", SAVED)
