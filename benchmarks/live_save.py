@@ -70,15 +70,7 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # more ranks than GPUs share them (gloo)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 128,
-        vocab_size=args.vocab,
-        architectures=["LlamaForCausalLM"],
-    )
+    config = llama_config(args)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
@@ -125,6 +117,21 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     if args.device == "cuda":
         torch.cuda.synchronize()
     finish_rank(rank, result_path, start, before, _peak_mb)
+
+
+def llama_config(args):
+    """The benchmark model: Llama of --hidden, --layers and --vocab, heads of 64 and 2 per KV head."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        vocab_size=args.vocab,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def finish_rank(rank: int, result_path: str, start: float, before_mb: float, peak_mb) -> None:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.live_save import _rss_mb, finish_rank, spawn_way, table_lines  # noqa: E402
+from benchmarks.live_save import _rss_mb, finish_rank, llama_config, spawn_way, table_lines  # noqa: E402
 
 
 def _reset_peak() -> None:
@@ -58,15 +58,7 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 128,
-        vocab_size=args.vocab,
-        architectures=["LlamaForCausalLM"],
-    )
+    config = llama_config(args)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     model = FSDP(
