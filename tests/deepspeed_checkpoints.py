@@ -14,8 +14,9 @@ from helpers import CheckpointsByWorld
 from fsdpfast.testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied
-# embeddings, frozen parameters, buffers and a second tag (two saves of one run: stages 2 and 3). World size 3 leaves stage 1/2 padding at the
-# end of the last rank's partition and stage 3 padding in pieces of odd-sized parameters.
+# embeddings, frozen parameters, buffers and a second tag (two saves of one run, at stages 2 and 3).
+# World size 3 leaves stage 1/2 padding at the end of the last rank's partition and stage 3 padding
+# in pieces of odd-sized parameters.
 DS_SPECS: dict[str, tuple[int, DeepSpeedSpec]] = {}
 
 
