@@ -245,6 +245,11 @@ def dp_world_size_of_another_run(root: Path, others) -> list:
     return ["mp_rank_00_model_states.pt records dp_world_size 4", "over 2 ranks (partition_count)"]
 
 
+def model_states_of_a_stage_1_run(root: Path, others) -> list:
+    edit_model_states(model_states(root), lambda whole: whole["ds_config"]["zero_optimization"].update(stage=1))
+    return ["mp_rank_00_model_states.pt records the ZeRO stage 1", "the optimizer files are of ZeRO stage 2"]
+
+
 def ds_version_on_rank_1(root: Path, others) -> list:
     victim = optim_file(root, 1)
     whole = torch.load(victim, weights_only=False)
@@ -301,6 +306,7 @@ DAMAGES = {
     ),
     "stage 2: param_alignment_paddings differ on rank 1": Damage(Z2, alignment_paddings_on_rank_1),
     "stage 2: dp_world_size of another run": Damage(Z2, dp_world_size_of_another_run),
+    "stage 2: model states of a stage 1 run": Damage(Z2, model_states_of_a_stage_1_run),
     "stage 2: ds_version differs on rank 1": Damage(Z2, ds_version_on_rank_1),
 }
 

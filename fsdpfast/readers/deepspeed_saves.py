@@ -5,9 +5,10 @@ one folder; merged, they give neither step's model. Each file records which save
 - every optimizer file: the wrapped torch optimizer's step count (Adam's `step`), `ds_version`,
   stage 1/2 the `param_alignment_paddings` of its groups (the same on every rank);
 - every model-states file (stage 3: one per rank): `global_steps`, `global_samples`,
-  `skipped_steps`, `dp_world_size`, `ds_version`, and the shapes the merge is laid out by
-  (`param_shapes`, `frozen_param_shapes`, `buffer_names`). Not `shared_params`: DeepSpeed 0.19.8's
-  stage 3 records a tie on rank 0 only (the merge reads rank 0's, as zero_to_fp32 does).
+  `skipped_steps`, `ds_version`, the shapes the merge is laid out by (`param_shapes`,
+  `frozen_param_shapes`, `buffer_names`), and the run's `dp_world_size` and `ds_config` ZeRO stage,
+  which must be the optimizer files' `partition_count` and `zero_stage`. Not `shared_params`:
+  DeepSpeed 0.19.8's stage 3 records a tie in rank 0's file only (read from there, as zero_to_fp32 does).
 Equal counters are required between files of one kind. Across kinds only an inequality holds: the
 optimizer steps once per engine step that was not skipped, but restarts at 0 when a run resumed
 without its optimizer states, so an optimizer ahead of `global_steps - skipped_steps` is refused and
@@ -40,7 +41,7 @@ def check_one_save(tag_dir: str, files: RankFiles) -> str:
     versions = {p: f.ds_version for p, f in zip(optim_paths, files.optim_files)}
     _same(tag_dir, "ds_version", {**versions, **{path: model.get("ds_version") for path, model in files.model}})
     _optimizer_not_ahead(tag_dir, files)
-    _world_agrees(tag_dir, files)
+    _run_agrees(tag_dir, files)
     step = files.model[0][1].get("global_steps")
     optimizer_step = files.optim_files[0].step
     return (
@@ -83,15 +84,25 @@ def _optimizer_not_ahead(tag_dir: str, files: RankFiles) -> None:
             )
 
 
-def _world_agrees(tag_dir: str, files: RankFiles) -> None:
+def _run_agrees(tag_dir: str, files: RankFiles) -> None:
+    """The model states were saved by the run the optimizer files are from: its world size and ZeRO stage."""
     path, model = files.model[0]
-    recorded = model.get("dp_world_size")
-    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != files.world:
-        raise BadInput(
-            f"{tag_dir}: {_name(path)} records dp_world_size {recorded}, the optimizer files are partitioned "
-            f"over {files.world} ranks (partition_count): the folder mixes files of two runs; "
-            "point fsdpfast at one save's folder"
-        )
+    config = model.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    recorded = {
+        "dp_world_size": (model.get("dp_world_size"), files.world, "partitioned over {} ranks (partition_count)"),
+        "the ZeRO stage": (zero.get("stage") if isinstance(zero, dict) else None, files.stage, "of ZeRO stage {}"),
+    }
+    for what, (value, expected, optimizer) in recorded.items():
+        if _is_whole(value) and value != expected:
+            raise BadInput(
+                f"{tag_dir}: {_name(path)} records {what} {value}, the optimizer files are {optimizer.format(expected)}: "
+                "the folder mixes files of two runs; point fsdpfast at one save's folder"
+            )
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Names(tuple):
