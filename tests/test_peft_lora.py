@@ -315,16 +315,18 @@ def _rename_module(folder, old: str, new: str) -> None:
 
 @pytest.mark.parametrize("name", [n for n in ("verl", "guide", "dcp-hf", "deepspeed-zero2") if n in SPECS])
 def test_lora_alpha_the_two_files_disagree_on_is_refused(lora, tmp_path, name):
-    """verl's lora_train_meta.json says 16, peft's adapter_config.json 32: neither wins; --lora-alpha settles it."""
+    """verl's lora_train_meta.json says one lora_alpha, peft's adapter_config.json 32: neither wins; --lora-alpha
+    settles it."""
     spec, _ = lora.get(name)
     folder = lora.copy(name, tmp_path)
     _save_adapter_config(spec, folder, lora_alpha=32)
-    mentions = ["adapter_config.json records lora_alpha 32", "lora_train_meta.json records lora_alpha 16"]
+    alpha = spec.lora_alpha  # what verl's meta records
+    mentions = ["adapter_config.json records lora_alpha 32", f"lora_train_meta.json records lora_alpha {alpha}"]
     cli_refuses(folder, tmp_path / "out", mentions=[*mentions, "--lora-alpha A"])
     cli_refuses(folder, tmp_path / "out", "--merge-lora", mentions=mentions)
     api_refuses(folder, tmp_path / "out", mentions=[*mentions, "lora_alpha=A"])
-    report = fsdpfast.merge(folder, tmp_path / "settled", merge_lora=True, lora_alpha=16)
-    assert any("--lora-alpha 16 replaces lora_alpha 32 of adapter_config.json" in n for n in report.notes)
+    report = fsdpfast.merge(folder, tmp_path / "settled", merge_lora=True, lora_alpha=alpha)
+    assert any(f"--lora-alpha {alpha} replaces lora_alpha 32 of adapter_config.json" in n for n in report.notes)
     fused = read_merged(tmp_path / "settled")
     assert_same(fused, untied(lora.reference(name)["merged"], fused))
 
