@@ -413,7 +413,7 @@ def test_an_adapter_for_a_module_the_model_lacks_is_refused(lora, tmp_path, flag
         tmp_path / "out",
         *flags,
         "--allow-extra-tensors",
-        mentions=["qq_proj", "the checkpoint's base weights does not have"],
+        mentions=["qq_proj", "the checkpoint's base model does not have", "do not belong together"],
     )
 
 

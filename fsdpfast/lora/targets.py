@@ -31,8 +31,10 @@ def check_targets(plan: MergePlan, expected: ExpectedModel | None, why_not: str)
         if expected.base_only:  # the head is not in the model built: the checkpoint's base weights say
             shapes = {**base, **shapes}
         against, error = f"{expected.architecture} built from {expected.config_path}", ModelMismatch
+        hint = f"check that config.json describes the model it was trained on ({option('config', meta='DIR')})"
     elif base:
-        shapes, against, error = base, "the checkpoint's base weights", BadInput
+        shapes, against, error = base, "the checkpoint's base model", BadInput
+        hint = "the checkpoint's adapter and base weights do not belong together"
     else:
         return plan.noted(
             f"the LoRA adapters' modules were not checked against a model ({why_not}, and a LoRA-only checkpoint "
@@ -46,8 +48,8 @@ def check_targets(plan: MergePlan, expected: ExpectedModel | None, why_not: str)
         if len(missing) > 1:
             more = f" (and {len(missing) - 1} more: {', '.join(missing[1 : SHOWN + 1])}{', ...' * (len(missing) > SHOWN + 1)})"
         raise error(
-            f"{wanted[missing[0]][1]} is for a weight {against} does not have{more}; the adapter is not this model's: "
-            f"check that config.json describes the model it was trained on ({option('config', meta='DIR')})"
+            f"{wanted[missing[0]][1]} is for a weight {against} does not have{more}; the adapter is not this "
+            f"model's: {hint}"
         )
     for name, (fits, who) in wanted.items():
         if fits and tuple(shapes[name]) not in fits:
