@@ -18,6 +18,7 @@ from .io.sources import rebased
 from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
 from .lora import output as lora_output
 from .lora import plan as lora_plan
+from .lora.targets import check_targets
 from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.checks import check_plan
 from .plan.copies import check_copies
@@ -113,13 +114,16 @@ def plan_merge(
     plan = check_copies(plan, full=full_copy_check)
     if config is not None:
         plan = plan.but(config_dir=os.fspath(config))
-    plan = lora_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    lora = dict(merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    plan = lora_plan.read_adapters(plan, os.fspath(src), **lora)
+    expected, why_not = load_expected_model(plan.config_dir, plan.built_config)
+    plan = check_targets(plan, expected, why_not)  # each adapted module the model's, written or fused
+    plan = lora_plan.fuse_chosen(plan, os.fspath(src), **lora)
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
-    expected, why_not = (
-        load_expected_model(plan.config_dir, plan.built_config) if not lora_only else (None, "a LoRA-only checkpoint")
-    )
+    if lora_only:
+        expected, why_not = None, "a LoRA-only checkpoint"
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})

@@ -168,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-alpha",
         type=float,
         default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
     )
     inspect.add_argument(
         "--lora-r",
         type=int,
         default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
@@ -258,13 +258,13 @@ def _add_lora_options(verb) -> None:
         "--lora-alpha",
         type=float,
         default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
     )
     verb.add_argument(
         "--lora-r",
         type=int,
         default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
     )
     verb.add_argument(
         "--base",
