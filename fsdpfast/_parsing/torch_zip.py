@@ -149,32 +149,7 @@ class TorchZip:
             self._storages = {key: (record.start, record.size, record.method) for key, record in found.items()}
 
     def _end_record(self, tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
-        """(entries, directory size, directory offset, where the end records begin)."""
-        at = len(tail) - _EOCD.size
-        if tail[at : at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
-            at = tail.rfind(_EOCD_MAGIC, max(0, len(tail) - _EOCD.size - 0xFFFF))
-            if at < 0:
-                raise BadInput(f"{self.where}: not a readable torch.save archive ({self._not_zip()})")
-        fields = _EOCD.unpack_from(tail, at)
-        count, cd_size, cd_offset = fields[4], fields[5], fields[6]
-        end = tail_start + at
-        locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator : locator + 4] == _ZIP64_LOCATOR_MAGIC:
-            record = locator - _ZIP64_EOCD.size  # the zip64 end record sits right before its locator
-            if record < 0 or tail[record : record + 4] != _ZIP64_EOCD_MAGIC:
-                raise BadInput(
-                    f"{self.where}: not a readable torch.save archive (damaged zip64 end record; "
-                    "the file is truncated or corrupt)"
-                )
-            zip64 = _ZIP64_EOCD.unpack_from(tail, record)
-            count, cd_size, cd_offset = zip64[7], zip64[8], zip64[9]
-            end = tail_start + record
-        elif _MAX32 in (cd_size, cd_offset) or count == 0xFFFF:
-            raise BadInput(
-                f"{self.where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
-                "the file is truncated or corrupt)"
-            )
-        return count, cd_size, cd_offset, end
+        return end_record(tail, tail_start, self.where, self._not_zip)
 
     def _central_directory(self, directory: bytes, count: int, cd_offset: int) -> dict[str, _Record]:
         records: dict[str, _Record] = {}
@@ -370,3 +345,70 @@ def _zip64_values(extra: bytes, size: int, csize: int, header: int) -> tuple[int
             return size, csize, header
         at += 4 + length
     raise ValueError("zip64 sizes without their extra field")
+
+
+def end_record(
+    tail: bytes, tail_start: int, where: str, not_zip=lambda: "no zip end record"
+) -> tuple[int, int, int, int]:
+    """(entries, directory size, directory offset, where the end records begin)."""
+    at = len(tail) - _EOCD.size
+    if tail[at : at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
+        at = tail.rfind(_EOCD_MAGIC, max(0, len(tail) - _EOCD.size - 0xFFFF))
+        if at < 0:
+            raise BadInput(f"{where}: not a readable torch.save archive ({not_zip()})")
+    fields = _EOCD.unpack_from(tail, at)
+    count, cd_size, cd_offset = fields[4], fields[5], fields[6]
+    end = tail_start + at
+    locator = at - _ZIP64_LOCATOR.size
+    if locator >= 0 and tail[locator : locator + 4] == _ZIP64_LOCATOR_MAGIC:
+        record = locator - _ZIP64_EOCD.size  # the zip64 end record sits right before its locator
+        if record < 0 or tail[record : record + 4] != _ZIP64_EOCD_MAGIC:
+            raise BadInput(
+                f"{where}: not a readable torch.save archive (damaged zip64 end record; "
+                "the file is truncated or corrupt)"
+            )
+        zip64 = _ZIP64_EOCD.unpack_from(tail, record)
+        count, cd_size, cd_offset = zip64[7], zip64[8], zip64[9]
+        end = tail_start + record
+    elif _MAX32 in (cd_size, cd_offset) or count == 0xFFFF:
+        raise BadInput(
+            f"{where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
+            "the file is truncated or corrupt)"
+        )
+    return count, cd_size, cd_offset, end
+
+
+def record_checksums(fd: int, file_size: int, where: str) -> list[tuple[bytes, int, int]]:
+    """(name, CRC-32, size) of every record the zip directory of the open file `fd` lists, read from
+    its tail (and the directory, where the tail does not hold it): what each record's bytes are,
+    as torch.save recorded them, without reading any. BadInput if the file is not a zip archive."""
+    tail_start = max(0, file_size - _TAIL)
+    tail = os.pread(fd, file_size - tail_start, tail_start)
+    if len(tail) < _EOCD.size:
+        raise BadInput(f"{where}: not a zip archive")
+    count, cd_size, cd_offset, end = end_record(tail, tail_start, where)
+    if cd_offset + cd_size > end:
+        raise BadInput(f"{where}: the zip directory lies past its end record")
+    if cd_offset >= tail_start:
+        directory = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
+    else:
+        directory = os.pread(fd, cd_size, cd_offset)
+    records, at = [], 0
+    for _ in range(count):
+        if at + _CENTRAL.size > len(directory):
+            raise BadInput(f"{where}: the zip directory is cut short")
+        fields = _CENTRAL.unpack_from(directory, at)
+        if fields[0] != _CENTRAL_MAGIC:
+            raise BadInput(f"{where}: damaged zip directory")
+        crc, csize, size, name_len, extra_len, comment_len = fields[9], fields[10], fields[11], *fields[12:15]
+        name_at = at + _CENTRAL.size
+        if size == _MAX32 or csize == _MAX32:
+            try:
+                size, _, _ = _zip64_values(
+                    directory[name_at + name_len : name_at + name_len + extra_len], size, csize, 0
+                )
+            except (ValueError, struct.error):
+                raise BadInput(f"{where}: damaged zip64 sizes") from None
+        records.append((directory[name_at : name_at + name_len], crc, size))
+        at = name_at + name_len + extra_len + comment_len
+    return records
