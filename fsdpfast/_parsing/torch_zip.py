@@ -379,20 +379,33 @@ def end_record(
 
 
 def record_checksums(fd: int, file_size: int, where: str) -> list[tuple[bytes, int, int]]:
-    """(name, CRC-32, size) of every record the zip directory of the open file `fd` lists, read from
-    its tail (and the directory, where the tail does not hold it): what each record's bytes are,
-    as torch.save recorded them, without reading any. BadInput if the file is not a zip archive."""
-    tail_start = max(0, file_size - _TAIL)
-    tail = os.pread(fd, file_size - tail_start, tail_start)
-    if len(tail) < _EOCD.size:
-        raise BadInput(f"{where}: not a zip archive")
-    count, cd_size, cd_offset, end = end_record(tail, tail_start, where)
-    if cd_offset + cd_size > end:
-        raise BadInput(f"{where}: the zip directory lies past its end record")
-    if cd_offset >= tail_start:
-        directory = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
-    else:
-        directory = os.pread(fd, cd_size, cd_offset)
+    """(name, CRC-32, size) of every record of the torch.save archives that make up the open file
+    `fd`: one (torch.save) or several end to end (DCP's .distcp: one a tensor), from the last to
+    the first. Each archive's zip directory, read from its tail, says what its records' bytes are,
+    as torch.save recorded them, and where the archive begins: the end of the one before. Reads
+    nothing else. BadInput if the file is not such archives, first byte to last."""
+    records: list[tuple[bytes, int, int]] = []
+    end = file_size
+    while end > 0:
+        tail_start = max(0, end - (_TAIL if end == file_size else _WINDOW_TAIL))
+        tail = os.pread(fd, end - tail_start, tail_start)
+        if len(tail) < _EOCD.size or tail[-_EOCD.size : -_EOCD.size + 4] != _EOCD_MAGIC:
+            raise BadInput(f"{where}: no zip end record at byte {end}")
+        count, cd_size, cd_offset, directory_end = end_record(tail, tail_start, where)
+        start = directory_end - cd_size - cd_offset  # the archive's first byte: its offsets count from there
+        if start < 0 or cd_offset < 0:
+            raise BadInput(f"{where}: a zip directory that points before the file")
+        at_file = start + cd_offset
+        if at_file >= tail_start:
+            directory = tail[at_file - tail_start : at_file - tail_start + cd_size]
+        else:
+            directory = os.pread(fd, cd_size, at_file)
+        records += _directory_checksums(directory, count, where)
+        end = start
+    return records
+
+
+def _directory_checksums(directory: bytes, count: int, where: str) -> list[tuple[bytes, int, int]]:
     records, at = [], 0
     for _ in range(count):
         if at + _CENTRAL.size > len(directory):
@@ -404,11 +417,12 @@ def record_checksums(fd: int, file_size: int, where: str) -> list[tuple[bytes, i
         name_at = at + _CENTRAL.size
         if size == _MAX32 or csize == _MAX32:
             try:
-                size, _, _ = _zip64_values(
-                    directory[name_at + name_len : name_at + name_len + extra_len], size, csize, 0
-                )
+                extra = directory[name_at + name_len : name_at + name_len + extra_len]
+                size, _, _ = _zip64_values(extra, size, csize, 0)
             except (ValueError, struct.error):
                 raise BadInput(f"{where}: damaged zip64 sizes") from None
         records.append((directory[name_at : name_at + name_len], crc, size))
         at = name_at + name_len + extra_len + comment_len
+    if at != len(directory):
+        raise BadInput(f"{where}: the zip directory holds more than its entries")
     return records
