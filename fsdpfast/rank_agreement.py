@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import BadInput, option
+from .errors import BadInput, on_command_line, option
 from .execute.engines import check_engine_name
 from .io.fingerprint import fingerprints, first_difference, planned_from
 from .plan.layout import parse_size
@@ -30,21 +30,29 @@ def compared_options(asked: dict) -> dict[str, tuple]:
     return {name: (_compared(name, value), value) for name, value in asked.items()}
 
 
-def check_same_options(mine: dict[str, tuple], rank0: dict[str, tuple], rank: int) -> None:
-    """Refuse, naming the option and both values, the first option this rank was given otherwise."""
+def check_same_options(mine: dict[str, tuple], rank0: dict[str, tuple], rank: int, function: str = "merge") -> None:
+    """Refuse, naming the option and both values, the first option this rank was given otherwise
+    (`function`: what was called, for the message from Python)."""
     for name in sorted(set(mine) | set(rank0)):
         own, theirs = mine.get(name, (None, None)), rank0.get(name, (None, None))
         if own[0] == theirs[0]:
             continue
+        if on_command_line():
+            given, fix = f"rank {rank} was started with", "start every rank with the same options"
+        else:
+            given, fix = f"rank {rank} called {function} with", "call it with the same arguments on every rank"
         if own[1] == theirs[1]:  # the same folder's path, with other files in it on this rank
             raise RankDisagrees(
-                f"rank {rank} was started with {_given(name, own[1])} as rank 0 was, but the folder holds "
-                "other files on this rank; every rank must see the same folder"
+                f"{given} {_given(name, own[1])} as rank 0 did, but the folder holds other files on "
+                "this rank; every rank must see the same folder"
             )
-        raise RankDisagrees(
-            f"rank {rank} was started with {_given(name, own[1])}, rank 0 with {_given(name, theirs[1])}; "
-            "start every rank with the same options"
-        )
+        raise RankDisagrees(f"{given} {_given(name, own[1])}, rank 0 with {_given(name, theirs[1])}; {fix}")
+
+
+def check_ranks_options(options_by_rank: list[dict[str, tuple]], function: str) -> None:
+    """The same, on rank 0, for every rank's options gathered there."""
+    for rank, options in enumerate(options_by_rank):
+        check_same_options(options, options_by_rank[0], rank, function)
 
 
 def content_of(checkpoint: str, paths) -> dict[str, str]:
