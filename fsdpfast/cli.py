@@ -370,6 +370,7 @@ def _plan_options(args) -> dict:
 
 def _merge(args) -> int:
     from .api import dry_run, merge
+    from .rank_agreement import RankDisagrees
 
     if args.verbose:
         handler = logging.StreamHandler(sys.stderr)
@@ -400,7 +401,8 @@ def _merge(args) -> int:
             **_plan_options(args),
         )
     except FsdpfastError as exc:
-        if several and not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
+        told = (group.OtherRankFailed, group.LostRank, RankDisagrees)  # these name the rank already
+        if several and not isinstance(exc, told):  # say which process found it
             exc.args = (f"rank {group.this_rank()}: {exc}",)
         raise
     finally:

@@ -29,6 +29,8 @@ CASES = [
     LiveCase("mixed", "mixed", seed=52),
     LiveCase("plain", "plain", seed=53),
     LiveCase("clash-on-rank-1", "clash-on-rank-1", seed=59),
+    LiveCase("shard-size-on-rank-1", "shard-size-on-rank-1", seed=60),
+    LiveCase("spelled-otherwise-on-rank-1", "spelled-otherwise-on-rank-1", seed=61),
     LiveFsdp1Spec("fsdp1-untied", model="llama-tied", untie=True, seed=54),
     LiveFsdp1Spec("fsdp1-cast-buffers", cast_buffers=True, seed=55),
 ]
@@ -172,3 +174,26 @@ def test_a_rank_that_cannot_plan_stops_every_rank(saved):
     assert second["error"] == f"BadInput: {refusal}", second
     assert first["error"] == f"OtherRankFailed: rank 1 failed: {refusal}; nothing was published", first
     assert nothing_published(folder, "live")
+
+
+def test_a_rank_given_another_shard_size_is_refused_before_anything_is_made(saved):
+    """Each rank lays out the files from its own max_shard_size: rank 1's would write at other offsets."""
+    folder = saved / "shard-size-on-rank-1"
+    first, second = outcomes(folder)
+    refusal = (
+        "rank 1 called save_pretrained with max_shard_size='100KB', rank 0 with max_shard_size='5GB'; "
+        "call it with the same arguments on every rank"
+    )
+    assert first["error"] == f"RankDisagrees: {refusal}", first
+    assert second["error"] == f"OtherRankFailed: rank 0 failed: {refusal}; nothing was published", second
+    assert nothing_published(folder, "live")
+
+
+def test_the_same_arguments_spelled_otherwise_are_written(saved):
+    """The look-alike: bf16 and bfloat16, 5GB and 5000MB agree; the folder holds torch's bf16 casts."""
+    folder = saved / "spelled-otherwise-on-rank-1"
+    assert all(o["ok"] for o in outcomes(folder)), outcomes(folder)
+    written, reference = tensors_of(folder / "live"), load_file(folder / "reference.safetensors")
+    assert set(written) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(written[key].view(torch.uint8), value.view(torch.uint8)), key
