@@ -36,7 +36,7 @@ from .safe_load import (
     safe_unpickle,
 )
 
-_KEPT = 4  # references tried per file, the last used first: rank numbers past 255 (and 65535) pickle wider
+_KEPT = 4  # references kept: rank numbers past 255 (and 65535) pickle wider, a hash may a byte shorter
 _LEAF = (int, float, str, bytes, bool, type(None))
 _DIRTY_SETS_KEPT = 64  # per reference; rank files usually change one set of objects
 # The fields of the records a tensor becomes, in their constructors' order.
@@ -56,23 +56,33 @@ class Twins:
     def load(self, data: bytes, where: str) -> Any:
         changes_of = _native_changes()
         if changes_of is not None:
-            for i, reference in enumerate(self._references):
+            for reference in self._references:
                 changes = changes_of(reference.data, data)
                 if changes is not None:
                     value = reference.variant(data, changes, where)
                     if value is not None:
-                        # the most used first: files of another structure (a hash pickled a
-                        # byte shorter) become references too, and must not push this one out
-                        self._references.insert(0, self._references.pop(i))
+                        reference.uses += 1
+                        self._references.sort(key=_most_used)  # stable: the older of two as used first
                         return value
-                    break
         value = safe_unpickle(data, where, self.extra_records)
         if changes_of is not None and _plain(data):
-            self._references.insert(
-                0, _Reference(data, value, self.extra_records, where, self._unusable.setdefault(len(data), set()))
+            if len(self._references) >= _KEPT:
+                # The least used goes, the oldest of those: never the one most files are read from
+                # for a run of files of other structures (each with one of its DTensors' hashes a
+                # byte shorter, as one hash in 256 is), each kept in case more are like it.
+                self._references.remove(min(self._references, key=_uses))
+            self._references.append(
+                _Reference(data, value, self.extra_records, where, self._unusable.setdefault(len(data), set()))
             )
-            del self._references[_KEPT:]
         return value
+
+
+def _most_used(reference: _Reference) -> int:
+    return -reference.uses
+
+
+def _uses(reference: _Reference) -> int:
+    return reference.uses
 
 
 def _native_changes():
@@ -102,6 +112,7 @@ class _Reference:
         self._parents: dict[int, list[tuple[Any, tuple]]] | None = None
         self._dirty_sets: dict[frozenset[int], frozenset[int]] = {}  # see _dirty
         self._storages: dict[str, tuple[int, str, int]] | None = None  # see _storages_agree
+        self.uses = 0  # files read as its variants
 
     def variant(self, data: bytes, changes: list[int], where: str) -> Any | None:
         """What unpickling `data` gives, made from this reference; None where it cannot be."""
