@@ -464,7 +464,7 @@ def safe_unpickle(
     return _load(_RestrictedUnpickler, data, where, extra_records, check_records)
 
 
-def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str], check_records: bool) -> Any:
+def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str], check_records: bool = True) -> Any:
     try:
         value = unpickler(data, where, extra_records, check_records).load()
     except _RecordError as exc:  # raised by a stand-in, which does not know the file
