@@ -36,7 +36,7 @@ from .safe_load import (
     safe_unpickle,
 )
 
-_KEPT = 4  # references kept: rank numbers past 255 (and 65535) pickle wider, a hash may a byte shorter
+_KEPT = 4  # references kept: rank numbers past 255 (and 65535) pickle wider, a hash may pickle a byte shorter
 _LEAF = (int, float, str, bytes, bool, type(None))
 _DIRTY_SETS_KEPT = 64  # per reference; rank files usually change one set of objects
 # The fields of the records a tensor becomes, in their constructors' order.
@@ -190,7 +190,7 @@ class _Reference:
                 own[field] = old[:index] + (value,) + old[index + 1 :]
         remake = _Remake(changed, self._dirty(frozenset(changed), parents), checked)
         value = remake.of(self.value)
-        if remake.storages and not self._storages_agree(remake.storages):
+        if checked and remake.storages and not self._storages_agree(remake.storages):
             raise _Unusable  # unpickled in full, the file is refused in the unpickler's words
         return value
 
