@@ -296,3 +296,17 @@ def test_a_twin_whose_view_moved_within_its_storage_is_read_as_changes(shared_vi
     assert moved not in read, "read in full, not as changes"
     assert value["state_dict"][K_PROJ].offset == 0
     _assert_same(value, safe_unpickle(moved, "rank 1"))
+
+
+@needs_twins
+def test_a_twin_whose_shared_storage_grew_is_read_as_changes(shared_views, monkeypatch):
+    first, second = shared(shared_views)
+    numel = first["numel"][1]
+    grown = with_number(with_number(shared_views, first["numel"], numel + 1), second["numel"], numel + 1)
+    twins = Twins()
+    twins.load(shared_views, "rank 0")
+    read = read_in_full_counted(monkeypatch)
+    value = twins.load(grown, "rank 1")
+    assert grown not in read, "read in full, not as changes"
+    assert value["state_dict"][K_PROJ].storage.numel == numel + 1
+    _assert_same(value, safe_unpickle(grown, "rank 1"))
