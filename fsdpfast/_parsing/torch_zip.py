@@ -307,14 +307,16 @@ class TorchZip:
         return SourceBuffer(self.path, *self.storage_bytes(storage), storage.dtype)
 
     def storage_bytes(self, storage) -> tuple[int, int]:
-        """(byte offset in the file, byte length) of the bytes `storage` holds, checked against its record."""
+        """(byte offset in the file, byte length) of the bytes `storage` holds, checked against its record
+        as torch.load checks it: the record holds exactly the storage's elements, no byte more or less."""
         if storage.dtype not in DTYPES:
             raise BadInput(f"{self.where}: dtype {storage.dtype} is not supported")
         offset, length = self.storage_span(storage.key)
         nbytes = storage.numel * itemsize(storage.dtype)
-        if length < nbytes:
+        if length != nbytes:
             raise BadInput(
-                f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt"
+                f"{self.where}: storage record {self.prefix}data/{storage.key} holds {length} bytes, the pickle "
+                f"says {storage.numel} {storage.dtype} elements ({nbytes} bytes); the file is corrupt"
             )
         return offset, nbytes
 
