@@ -24,7 +24,17 @@ import struct
 from typing import Any
 
 from ..errors import FsdpfastError
-from .safe_load import DTensorRef, Record, StorageRef, TensorRef, _plain, _tensor_ref, is_count, safe_unpickle
+from .safe_load import (
+    DTensorRef,
+    Record,
+    StorageRef,
+    TensorRef,
+    _plain,
+    _tensor_ref,
+    as_dims,
+    is_count,
+    safe_unpickle,
+)
 
 _KEPT = 4  # references tried per file, the last used first: rank numbers past 255 (and 65535) pickle wider
 _LEAF = (int, float, str, bytes, bool, type(None))
@@ -406,7 +416,7 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
         spec = of(spec) if id(spec) in dirty else spec
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise _Unusable
-        return DTensorRef(local, spec)
+        return DTensorRef(local, spec, obj.shape, obj.stride)
     if isinstance(obj, dict):
         new = type(obj)()
         for key, value in obj.items():
@@ -451,7 +461,10 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
             return _tensor_ref(*values.values())
         if not isinstance(values["local"], TensorRef) or not isinstance(values["spec"], Record):
             raise _Unusable
-        return DTensorRef(values["local"], values["spec"])
+        shape, stride = as_dims(values["shape"]), as_dims(values["stride"])
+        if shape is None or stride is None:
+            raise _Unusable
+        return DTensorRef(values["local"], values["spec"], shape, stride)
     raise _Unusable
 
 
