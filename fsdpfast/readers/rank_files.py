@@ -28,7 +28,6 @@ from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
 from .storage_sources import StorageSources
 
-
 UNORDERED_MESH_NOTE = (
     "the DeviceMesh does not list its ranks in increasing order: each piece is placed at its rank's place in "
     "the mesh dim's process group (torch sorts a group's ranks; FSDP2 shards and full_tensor() gathers by them), "
