@@ -38,22 +38,60 @@ def mesh_place(mesh: Record, rank: int | None, recorded: tuple[int, ...], where:
     if found is None or rank is None:
         return None
     ranks, dims = found
-    at = _index_of(ranks, rank, where)
-    coordinate, groups = [], []
-    for sub_dims in dims:
-        digits = [(at // stride) % size for size, stride in sub_dims]
-        base = at - sum(d * stride for d, (_, stride) in zip(digits, sub_dims))
-        members = _group(ranks, base, sub_dims, where)
-        coordinate.append(_row_major(digits, sub_dims))
-        groups.append(sum(1 for member in members if member < rank))
-    coordinate = tuple(coordinate)
+    table = _table(ranks, dims, where)
+    at = table.index.get(rank)
+    if at is None:
+        raise BadInput(f"{where}: saved by rank {rank}, which its DeviceMesh (ranks {_shown(ranks)}) does not hold")
+    coordinate = tuple(_row_major([(at // stride) % size for size, stride in sub_dims], sub_dims) for sub_dims in dims)
     if coordinate != tuple(recorded):
         raise BadInput(
             f"{where}: rank {rank}'s DeviceMesh (ranks {_shown(ranks)}) puts rank {rank} at coordinate "
             f"{coordinate}, but the DTensor records coordinate {tuple(recorded)}; the file was altered or is "
             "damaged, so where its pieces go cannot be told"
         )
-    return MeshPlace(coordinate, tuple(groups))
+    return MeshPlace(coordinate, tuple(places[at] for places in table.group_places))
+
+
+@dataclass(frozen=True)
+class _MeshTable:
+    """A rank map read once for all the files that hold it (each file holds the whole map)."""
+
+    index: dict[int, int]  # rank -> its position in the rank map
+    group_places: tuple[tuple[int, ...], ...]  # per mesh dim, per position: its rank's place in that dim's group
+
+
+_TABLES: dict[tuple, _MeshTable] = {}
+_TABLES_KEPT = 16
+
+
+def _table(ranks: tuple[int, ...], dims: tuple[SubDims, ...], where: str) -> _MeshTable:
+    key = (ranks, dims)
+    table = _TABLES.get(key)
+    if table is None:
+        if not all(is_count(r) for r in ranks) or len(set(ranks)) != len(ranks):
+            raise BadInput(f"{where}: the DeviceMesh's ranks {_shown(ranks)} are not distinct whole numbers")
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        index = {r: i for i, r in enumerate(ranks)}
+        table = _TABLES[key] = _MeshTable(index, tuple(_group_places(ranks, sub_dims, where) for sub_dims in dims))
+    return table
+
+
+def _group_places(ranks: tuple[int, ...], sub_dims: SubDims, where: str) -> tuple[int, ...]:
+    """For each position of the rank map, its rank's place among the ranks of its group along this
+    mesh dim, sorted as torch sorts a process group's ranks."""
+    places = [0] * len(ranks)
+    for base in range(len(ranks)):
+        if any((base // stride) % size for size, stride in sub_dims):
+            continue  # not the first position of a group
+        members = [base]
+        for size, stride in sub_dims:
+            members = [p + k * stride for p in members for k in range(size)]
+        if max(members) >= len(ranks):
+            raise BadInput(f"{where}: the DeviceMesh's layout reaches past its {len(ranks)} ranks")
+        for place, position in enumerate(sorted(members, key=ranks.__getitem__)):
+            places[position] = place
+    return tuple(places)
 
 
 def _rank_map(mesh: Record, where: str) -> tuple[tuple[int, ...], tuple[SubDims, ...]] | None:
@@ -69,7 +107,7 @@ def _rank_map(mesh: Record, where: str) -> tuple[tuple[int, ...], tuple[SubDims,
             return None
         shape = tensor.shape
         dims = tuple(((size, prod(shape[i + 1 :])),) for i, size in enumerate(shape))
-    if not isinstance(ranks, (tuple, list)) or not all(is_count(r) for r in ranks) or len(set(ranks)) != len(ranks):
+    if not isinstance(ranks, (tuple, list)):
         raise BadInput(f"{where}: the DeviceMesh's ranks {_shown(ranks)} are not distinct whole numbers")
     return tuple(ranks), dims
 
@@ -82,25 +120,6 @@ def _sub_dims(axis, where: str) -> SubDims:
     if len(shape) != len(stride) or not all(is_count(n) for n in shape + stride):
         raise BadInput(f"{where}: the DeviceMesh's layout is not one torch writes (axis {axis!r:.80})")
     return tuple(zip(shape, stride))
-
-
-def _index_of(ranks: tuple[int, ...], rank: int, where: str) -> int:
-    try:
-        return ranks.index(rank)
-    except ValueError:
-        raise BadInput(
-            f"{where}: saved by rank {rank}, which its DeviceMesh (ranks {_shown(ranks)}) does not hold"
-        ) from None
-
-
-def _group(ranks: tuple[int, ...], base: int, sub_dims: SubDims, where: str) -> list[int]:
-    """The ranks of one mesh dim's group: every position along the dim from `base`."""
-    positions = [base]
-    for size, stride in sub_dims:
-        positions = [p + k * stride for p in positions for k in range(size)]
-    if positions and (min(positions) < 0 or max(positions) >= len(ranks)):
-        raise BadInput(f"{where}: the DeviceMesh's layout reaches past its {len(ranks)} ranks")
-    return [ranks[p] for p in positions]
 
 
 def _row_major(digits: list[int], sub_dims: SubDims) -> int:
