@@ -66,10 +66,15 @@ _TABLES_KEPT = 16
 
 def _table(ranks: tuple[int, ...], dims: tuple[SubDims, ...], where: str) -> _MeshTable:
     key = (ranks, dims)
-    table = _TABLES.get(key)
+    try:
+        table = _TABLES.get(key)
+    except TypeError:  # something unhashable among the ranks
+        table = None
     if table is None:
         if not all(is_count(r) for r in ranks) or len(set(ranks)) != len(ranks):
             raise BadInput(f"{where}: the DeviceMesh's ranks {_shown(ranks)} are not distinct whole numbers")
+        if prod(size for sub_dims in dims for size, _ in sub_dims) > len(ranks):
+            raise BadInput(f"{where}: the DeviceMesh's layout spans more than its {len(ranks)} ranks")
         if len(_TABLES) >= _TABLES_KEPT:
             _TABLES.clear()
         index = {r: i for i, r in enumerate(ranks)}
@@ -106,6 +111,8 @@ def _rank_map(mesh: Record, where: str) -> tuple[tuple[int, ...], tuple[SubDims,
         if not isinstance(tensor, TensorRef) or ranks is None:
             return None
         shape = tensor.shape
+        if not all(shape):
+            raise BadInput(f"{where}: the DeviceMesh's mesh tensor has shape {shape}")
         dims = tuple(((size, prod(shape[i + 1 :])),) for i, size in enumerate(shape))
     if not isinstance(ranks, (tuple, list)):
         raise BadInput(f"{where}: the DeviceMesh's ranks {_shown(ranks)} are not distinct whole numbers")
@@ -117,7 +124,7 @@ def _sub_dims(axis, where: str) -> SubDims:
     shape, stride = (axis.get("shape"), axis.get("stride")) if isinstance(axis, Record) else (None, None)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     stride = tuple(stride) if isinstance(stride, (tuple, list)) else (stride,)
-    if len(shape) != len(stride) or not all(is_count(n) for n in shape + stride):
+    if len(shape) != len(stride) or not all(is_count(n) and n > 0 for n in shape + stride):
         raise BadInput(f"{where}: the DeviceMesh's layout is not one torch writes (axis {axis!r:.80})")
     return tuple(zip(shape, stride))
 
