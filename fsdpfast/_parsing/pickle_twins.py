@@ -31,6 +31,7 @@ from .safe_load import (
     TensorRef,
     _plain,
     _tensor_ref,
+    as_dims,
     check_fits_storage,
     is_count,
     safe_unpickle,
@@ -467,7 +468,7 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
         spec = of(spec) if id(spec) in dirty else spec
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise _Unusable
-        return DTensorRef(local, spec)
+        return DTensorRef(local, spec, obj.shape, obj.stride)
     if isinstance(obj, dict):
         new = type(obj)()
         for key, value in obj.items():
@@ -518,7 +519,10 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
             return tensor
         if not isinstance(values["local"], TensorRef) or not isinstance(values["spec"], Record):
             raise _Unusable
-        return DTensorRef(values["local"], values["spec"])
+        shape, stride = as_dims(values["shape"]), as_dims(values["stride"])
+        if shape is None or stride is None:
+            raise _Unusable
+        return DTensorRef(values["local"], values["spec"], shape, stride)
     raise _Unusable
 
 

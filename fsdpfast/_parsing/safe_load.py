@@ -73,6 +73,10 @@ class TensorRef:
 class DTensorRef:
     local: TensorRef
     spec: Record  # DTensorSpec stand-in; readers.placements interprets it
+    # the size and stride the DTensor itself was pickled with (torch's wrapper subclass), which
+    # its spec's tensor_meta must repeat (rank_files checks); None where no such size was read
+    shape: tuple[int, ...] | None = None
+    stride: tuple[int, ...] | None = None
 
 
 @_takes_no_state
@@ -193,6 +197,7 @@ class _WrapperShell:
     cls: Any
     dtype: str
     shape: tuple[int, ...]
+    stride: Any = None
 
 
 def _tensor_ref(storage, storage_offset, size, stride, dtype: str) -> TensorRef:
@@ -254,7 +259,7 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=Non
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
-    return _WrapperShell(cls, str(dtype), tuple(size))
+    return _WrapperShell(cls, str(dtype), tuple(size), stride)
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
@@ -269,7 +274,10 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         local, spec = state.get("_local_tensor"), state.get("_spec")
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise BadInput("a DTensor in this checkpoint lacks its local tensor or its spec")
-        return DTensorRef(local, spec)
+        shape, stride = as_dims(obj.shape), as_dims(obj.stride)
+        if shape is None or stride is None:
+            raise BadInput(f"a DTensor in this checkpoint has size {obj.shape!r:.80} and stride {obj.stride!r:.80}")
+        return DTensorRef(local, spec, shape, stride)
     if isinstance(obj, TensorRef) and new_type in (_PLAIN_TENSOR, _PARAMETER):
         return obj
     name = getattr(new_type, "qualname", new_type)
