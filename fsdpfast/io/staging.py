@@ -2,8 +2,8 @@
 published by one rename when complete.
 
 Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
-killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an earlier fsdpfast
-output, nothing else. Other processes of a merge under torchrun write into the same staging
+killed one left there. An empty OUT_DIR is replaced; --overwrite replaces a folder holding only
+what an earlier merge wrote, as its manifest lists it (io.earlier_output), nothing else. Other processes of a merge under torchrun write into the same staging
 folder through `LocalTarget.join` (a shared filesystem).
 """
 
@@ -18,8 +18,9 @@ import stat
 
 from ..configs import load_config
 from ..errors import BadInput, on_command_line, option
-from ..manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
-from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, write_marker
+from ..manifest import MANIFEST_NAME, WRITTEN  # MANIFEST_NAME: a merged folder given as --config is never copied whole
+from .earlier_output import overwrite_refusal, written_files
+from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, settle_old, write_marker
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model), nor
 # pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
@@ -81,12 +82,9 @@ class LocalTarget:
                 f"{out_dir} already exists and {held}; choose another output folder, or pass "
                 f"{option('overwrite', True)} to replace an earlier merge"
             )
-        if not replaceable(self.out_dir):
-            raise BadInput(
-                f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
-                f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
-                "remove it yourself or choose another folder"
-            )
+        refusal = overwrite_refusal(self.out_dir, out_dir)
+        if refusal:
+            raise BadInput(refusal)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -109,6 +107,11 @@ class LocalTarget:
 
     def write_json(self, name: str, value: dict) -> None:
         self.write_bytes(name, json_bytes(value))
+
+    def write_manifest(self, manifest: dict) -> None:
+        """The manifest, written last: it lists every file written before it, with its size, which
+        is what a later --overwrite may remove."""
+        self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: written_files(self.path, leave_out=(STAGING_MARKER,))})
 
     def publish(self) -> None:
         """Rename the staging folder to OUT_DIR: in one step over an empty OUT_DIR (rename(2) replaces
@@ -167,8 +170,7 @@ class LocalTarget:
             if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
                 return
             os.rename(previous, self.out_dir)
-        shutil.rmtree(previous, ignore_errors=True)  # before the marker, so a SIGKILL here is still cleaned up
-        shutil.rmtree(self._old, ignore_errors=True)
+        settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last (a SIGKILL is undone)
 
 
 class JoinedTarget:
@@ -196,7 +198,7 @@ class JoinedTarget:
     def write_bytes(self, name: str, data: bytes) -> None:
         raise RuntimeError("only the process that made the target writes whole files into it")
 
-    write_json = write_bytes
+    write_json = write_manifest = write_bytes
 
     def publish(self) -> None:
         raise RuntimeError("only the process that made the target publishes it")
@@ -270,15 +272,6 @@ def _empty_folder(path: str) -> bool:
         return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
     except OSError:
         return False
-
-
-def replaceable(out_dir: str) -> bool:
-    """May --overwrite replace this existing folder: empty, or an earlier fsdpfast output (its manifest)."""
-    try:
-        entries = os.listdir(out_dir)
-    except OSError as exc:
-        raise BadInput(f"{out_dir}: cannot read the existing output folder ({exc.strerror})") from None
-    return not entries or os.path.isfile(os.path.join(out_dir, MANIFEST_NAME))
 
 
 def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> None:
