@@ -285,6 +285,23 @@ def test_overwrite_replaces_every_file_an_earlier_merge_wrote(checkpoints, tmp_p
     assert leftovers(out) == [out.name]
 
 
+def test_overwrite_replaces_a_live_saves_folder(checkpoints, tmp_path):
+    """save_pretrained's folder (its tokenizer's files too) is an earlier output like a merge's."""
+    from test_save_pretrained_refusals import tiny_tokenizer
+
+    from fsdpfast.testing.examples import CheckpointSpec, build_model
+
+    _, folder = checkpoints.get("w2-llama")
+    out = tmp_path / "merged"
+    fsdpfast.save_pretrained(build_model(CheckpointSpec("live", seed=61)), out, tokenizer=tiny_tokenizer())
+    assert (out / "tokenizer.json").is_file()
+    result = run_cli("merge", folder, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "tokenizer.json").exists()
+    assert_is_the_model(checkpoints, out)
+    assert leftovers(out) == [out.name]
+
+
 @pytest.mark.parametrize("moment", ["after the check", "into the folder moved aside"])
 def test_a_file_added_during_the_swap_is_kept(checkpoints, tmp_path, monkeypatch, caplog, moment):
     """Between the last check and the removal of the previous OUT_DIR only the listed files go."""
