@@ -436,7 +436,7 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
         notes=list(plan.notes) + adapter_notes,
-        warnings=list(plan.warnings),
+        warnings=[*plan.warnings, *target.warnings],
         adapters=adapters,
         processes=processes,
     )

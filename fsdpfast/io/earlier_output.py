@@ -12,14 +12,12 @@ appeared in it meanwhile stays.
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 
 from ..errors import BadInput, option
 from ..manifest import MANIFEST_NAME, WRITTEN, load_manifest
 
-log = logging.getLogger("fsdpfast")
 _SHOWN = 5  # entries named in the refusal; the rest are counted
 
 
@@ -93,13 +91,10 @@ def remove_written(folder: str) -> list[str]:
     return left
 
 
-def keep_aside(folder: str, left: list[str], out_dir: str) -> None:
-    """Say where the entries that appeared in the previous OUT_DIR during the swap were kept."""
-    log.warning(
-        "%s appeared in %s while it was being replaced; not written by fsdpfast, kept in %s",
-        _names(left),
-        out_dir,
-        folder,
+def kept_note(folder: str, left: list[str], out_dir: str) -> str:
+    """Where the entries that appeared in the previous OUT_DIR during the swap were kept (a warning)."""
+    return (
+        f"{_names(left)} appeared in {out_dir} while it was being replaced: not written by fsdpfast, kept in {folder}"
     )
 
 

@@ -17,7 +17,7 @@ import os
 import shutil
 
 from ..errors import BadInput
-from .earlier_output import keep_aside, remove_written
+from .earlier_output import kept_note, remove_written
 
 STAGING_MARKER = ".fsdpfast-staging"  # inside a staging folder; holds the OUT_DIR it is for
 OLD_MARKER = ".fsdpfast-old"  # inside the folder an --overwrite moves the previous OUT_DIR into
@@ -77,37 +77,37 @@ def write_marker(folder: str, marker: str, out_dir: str) -> None:
 
 
 def remove_leftovers(out_dir: str) -> list[str]:
-    """Clean what killed merges into `out_dir` left beside it (call with the lock held); the names removed."""
+    """Clean what killed merges into `out_dir` left beside it (call with the lock held); a warning for
+    each folder kept because it holds what fsdpfast did not write."""
     parent, name = os.path.split(out_dir)
-    removed = []
+    warnings = []
     for entry in sorted(os.listdir(parent)):
         folder = os.path.join(parent, entry)
         if entry.startswith(f".{name}.fsdpfast-") and _marked(folder, STAGING_MARKER, out_dir):
             shutil.rmtree(folder)
-            removed.append(entry)
         elif entry.startswith(f".{name}.old-") and _marked(folder, OLD_MARKER, out_dir):
             previous = os.path.join(folder, "previous")
             if os.path.isdir(previous) and not os.path.lexists(out_dir):
                 os.rename(previous, out_dir)  # killed mid-swap: the earlier OUT_DIR comes back
-            if settle_old(folder, out_dir):
-                removed.append(entry)
-    return removed
+            kept = settle_old(folder, out_dir)
+            if kept:
+                warnings.append(kept)
+    return warnings
 
 
-def settle_old(folder: str, out_dir: str) -> bool:
+def settle_old(folder: str, out_dir: str) -> str | None:
     """Clear the folder an --overwrite moved the previous OUT_DIR into, once the new one is in place:
     only what the earlier merge wrote is removed. Anything else found in it is kept there, the
-    folder unmarked so that no later run touches it, and said. Whether the folder is gone."""
+    folder unmarked so that no later run touches it: the warning that says so, or None."""
     previous = os.path.join(folder, "previous")
     left = ["previous (a link)"] if os.path.islink(previous) else []
     if not left and os.path.lexists(previous):
         left = remove_written(previous)
     if left:
         os.unlink(os.path.join(folder, OLD_MARKER))
-        keep_aside(previous, left, out_dir)
-        return False
+        return kept_note(previous, left, out_dir)
     shutil.rmtree(folder, ignore_errors=True)  # its marker alone
-    return True
+    return None
 
 
 def _marked(folder: str, marker: str, out_dir: str) -> bool:

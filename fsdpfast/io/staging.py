@@ -54,6 +54,7 @@ class LocalTarget:
         parent = os.path.dirname(self.out_dir)
         self._check_out_dir(out_dir, overwrite)
         self.published = False
+        self.warnings: list[str] = []  # what was kept from an earlier OUT_DIR because fsdpfast did not write it
         self._old: str | None = None  # where --overwrite moves the previous OUT_DIR (as `previous`)
         self._made_parents = make_parents(parent)
         try:
@@ -62,7 +63,7 @@ class LocalTarget:
             remove_empty(self._made_parents)
             raise
         try:
-            self.cleaned = remove_leftovers(self.out_dir)
+            self.warnings += remove_leftovers(self.out_dir)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
@@ -119,7 +120,9 @@ class LocalTarget:
 
         Ctrl-C and SIGTERM arrive as KeyboardInterrupt between any two bytecodes, even right
         after a rename returned, so on any exception whether OUT_DIR was published is read from
-        the folders themselves; `discard` then removes or puts back the previous OUT_DIR.
+        the folders themselves; `discard` then removes or puts back the previous OUT_DIR. Once
+        published, the previous OUT_DIR loses what the earlier merge wrote (`warnings` says what
+        else it held and where that was kept).
         """
         _fsync_dir(self.path)
         parent, name = os.path.split(self.out_dir)
@@ -149,6 +152,8 @@ class LocalTarget:
             self.published = not os.path.lexists(self.path)  # the rename into place had happened
             raise
         _fsync_dir(parent)
+        if self._old:
+            self._settle_previous()  # here, so that what it kept is in the report
 
     def discard(self) -> None:
         """Remove the staging folder unless published, settle an --overwrite swap (the previous
@@ -170,7 +175,10 @@ class LocalTarget:
             if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
                 return
             os.rename(previous, self.out_dir)
-        settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last (a SIGKILL is undone)
+        kept = settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last
+        self._old = None
+        if kept:
+            self.warnings.append(kept)
 
 
 class JoinedTarget:
@@ -178,6 +186,7 @@ class JoinedTarget:
     Its maker locks, publishes and discards it."""
 
     published = False
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, out_dir: str, token: str):
         self.out_dir = os.path.abspath(out_dir)

@@ -38,6 +38,7 @@ class SaveReport:
     seconds: float
     processes: int
     tied: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what --overwrite kept from the earlier folder, and where
 
 
 def save_pretrained(
@@ -166,6 +167,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
         time.perf_counter() - start,
         processes,
         {t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+        list(target.warnings),
     )
 
 
