@@ -87,7 +87,10 @@ def remove_written(folder: str) -> list[str]:
         if not left:
             os.rmdir(folder)
     except OSError:  # what could not be removed stays, and is said
-        return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        try:
+            return sorted(os.listdir(folder)) if os.path.lexists(folder) else []
+        except OSError:
+            return ["(unreadable)"]
     return left
 
 

@@ -3,8 +3,9 @@ published by one rename when complete.
 
 Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
 killed one left there. An empty OUT_DIR is replaced; --overwrite replaces a folder holding only
-what an earlier merge wrote, as its manifest lists it (io.earlier_output), nothing else. Other processes of a merge under torchrun write into the same staging
-folder through `LocalTarget.join` (a shared filesystem).
+what an earlier merge wrote, as its manifest lists it (io.earlier_output), and removes nothing
+else. Other processes of a merge under torchrun write into the same staging folder through
+`LocalTarget.join` (a shared filesystem).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import stat
 
 from ..configs import load_config
 from ..errors import BadInput, on_command_line, option
-from ..manifest import MANIFEST_NAME, WRITTEN  # MANIFEST_NAME: a merged folder given as --config is never copied whole
+from ..manifest import MANIFEST_NAME, WRITTEN  # a --config folder's manifest describes other weights: not copied
 from .earlier_output import overwrite_refusal, written_files
 from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, settle_old, write_marker
 
@@ -207,7 +208,10 @@ class JoinedTarget:
     def write_bytes(self, name: str, data: bytes) -> None:
         raise RuntimeError("only the process that made the target writes whole files into it")
 
-    write_json = write_manifest = write_bytes
+    write_json = write_bytes
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.write_bytes(MANIFEST_NAME, b"")
 
     def publish(self) -> None:
         raise RuntimeError("only the process that made the target publishes it")
