@@ -14,12 +14,13 @@ from .execute.measurements import job_kind
 from .execute.parts import share_out, tensor_bytes, tensor_checksums
 from .execute.writer import execute
 from .group import MergeGroup, local_processes
+from .io.earlier_output import overwrite_refusal
 from .io.sources import rebased
-from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
+from .io.staging import LocalTarget, check_output_place, copy_config_files, write_built_config
 from .lora import output as lora_output
 from .lora import plan as lora_plan
 from .lora.targets import check_targets
-from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
+from .manifest import build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.checks import check_plan
 from .plan.copies import check_copies
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
@@ -403,7 +404,7 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
     manifest = build_manifest(job.src, plan, files, model_checksums, job.identity, job.engine.name, job.dtype)
     if adapters:
         manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)
-    target.write_json(MANIFEST_NAME, manifest)
+    target.write_manifest(manifest)  # last: it lists every file above
     job.check_sources()
     target.publish()
     return MergeReport(
@@ -420,7 +421,7 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
         notes=list(plan.notes) + adapter_notes,
-        warnings=list(plan.warnings),
+        warnings=[*plan.warnings, *target.warnings],
         adapters=adapters,
         processes=processes,
     )
@@ -492,12 +493,10 @@ def _existing_output_notes(dst: str) -> list[str]:
         return [] if os.path.isdir(parent) else [f"{parent} does not exist: the merge will create it"]
     if os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst):
         return [f"{dst} is an empty folder: the merge will replace it"]
-    if os.path.isdir(dst) and replaceable(dst):
+    refusal = overwrite_refusal(dst, dst) if os.path.isdir(dst) else f"{dst} is not a folder"
+    if refusal is None:
         return [f"{dst} exists: the merge needs {option('overwrite', True)}"]
-    return [
-        f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, "
-        f"even with {option('overwrite', True)}"
-    ]
+    return [f"{dst} exists: the merge will refuse it, even with {option('overwrite', True)} ({refusal})"]
 
 
 def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:

@@ -156,6 +156,8 @@ MANIFESTS = {
     "no tensors": _edit("tensors"),
     "no checksum field": _edit("checksum"),
     "an entry without its file": _edit("tensors", "WEIGHT", "file"),
+    "written is a list": _edit("written", value=["config.json"]),
+    "a written size as a string": _edit("written", "config.json", value="1"),
 }
 
 

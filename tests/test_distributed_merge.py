@@ -433,3 +433,28 @@ def _pairs(e: Extent):
                 e.src_offset + run * (e.src_stride or e.count) + i,
                 e.dst_offset + run * (e.dst_stride or e.count) + i,
             )
+
+
+def test_overwrite_under_torchrun_replaces_only_an_earlier_merge(wide, tmp_path):
+    """Rank 0 checks the earlier folder before any rank writes: a file fsdpfast did not write stops them all."""
+    _, folder = wide.get("wide")
+    single, out = tmp_path / "single", tmp_path / "out"
+    fsdpfast.merge(folder, single, max_shard_size=SHARD)
+    fsdpfast.merge(folder, out, dtype="bf16")  # the earlier merge: one bf16 file
+    (out / "eval_results.json").write_text('{"accuracy": 0.5}')
+
+    def argv(rank):
+        return [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 120, "--overwrite"]
+
+    results = Ranks(argv, 2).wait()
+    assert [status for status, *_ in results] == [EXIT_BAD_INPUT] * 2, results
+    (own,) = _error_lines(results[0][2])
+    (told,) = _error_lines(results[1][2])
+    assert "1 entry fsdpfast did not write (eval_results.json)" in own
+    assert told.startswith("fsdpfast: error: rank 0 failed: ") and "eval_results.json" in told
+    assert (out / "eval_results.json").read_text() == '{"accuracy": 0.5}' and left_beside(out) == []
+    (out / "eval_results.json").unlink()
+    results = Ranks(argv, 2).wait()
+    assert [status for status, *_ in results] == [0, 0], results
+    same_output(single, out)
+    assert left_beside(out) == []

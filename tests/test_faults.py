@@ -29,8 +29,9 @@ from fsdpfast.cli import main
 from fsdpfast.errors import EXIT_FAILURE
 from fsdpfast.io.output_guard import STAGING_MARKER, lock_path
 
-# The real CLI, held after the first output file is written (`file`) or after the previous
-# OUT_DIR was moved aside by --overwrite (`swap`), until the test deletes the ready file.
+# The real CLI, held after the first output file is written (`file`), after the previous
+# OUT_DIR was moved aside by --overwrite (`swap`) or after the new one took its place
+# (`published`), until the test deletes the ready file.
 HELD_CLI = r"""
 import os, sys, time
 import fsdpfast.execute.writer as writer
@@ -55,7 +56,8 @@ else:
     real_rename = os.rename
     def rename_then_hold(src, dst):
         real_rename(src, dst)
-        if str(dst).endswith(os.sep + "previous"):
+        moved_aside = str(dst).endswith(os.sep + "previous")
+        if moved_aside == (point == "swap"):  # "published": the new folder renamed into place
             hold()
     os.rename = rename_then_hold
 sys.exit(main(sys.argv[1:]))
@@ -151,6 +153,27 @@ def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoi
     assert_mentions(line, [out, "already exists"])
     assert tree_digest(out) == earlier
     assert leftovers(out) == [out.name]
+
+
+def test_killed_once_the_overwrite_published_the_next_run_removes_only_the_earlier_merge(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, dtype="bf16")
+    held = HeldMerge(tmp_path, folder, out, "--overwrite", point="published")
+    held.kill()
+    (old,) = [name for name in leftovers(out) if name.startswith(f".{out.name}.old-")]  # the earlier merge, aside
+    previous = tmp_path / old / "previous"
+    (previous / "eval_results.json").write_text("written into it meanwhile")
+
+    result = run_cli("merge", folder, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"fsdpfast: warning: eval_results.json appeared in {out} while it was being replaced: "
+        f"not written by fsdpfast, kept in {previous}"
+    ]
+    assert [p.name for p in previous.iterdir()] == ["eval_results.json"]  # the earlier merge's own files are gone
+    reference, tied = reference_of(checkpoints, "w2-llama")
+    assert_bit_exact(read_merged(out), reference, tied=tied)
 
 
 @pytest.mark.parametrize("rename,when", [(1, "before"), (1, "after"), (2, "before"), (2, "after")])

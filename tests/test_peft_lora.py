@@ -433,3 +433,26 @@ def test_a_lora_only_adapter_for_a_module_the_model_lacks(lora, tmp_path):
     assert_same(
         read_merged(tmp_path / "checked" / "lora_adapter"), lora.reference("verl-lora-only")["adapters"]["default"]
     )
+
+
+def test_overwrite_replaces_the_adapter_folders_and_nothing_added_to_them(lora, tmp_path):
+    """An earlier merge's adapter folders (nested: lora_adapter/second) are its own; a file put in one is not."""
+    from test_bad_input import run_cli, the_error_line, tree_digest
+
+    _, folder = lora.get("two-adapters")
+    ref = lora.reference("two-adapters")
+    out = tmp_path / "out"
+    fsdpfast.merge(folder, out)
+    (out / "lora_adapter" / "second" / "README.md").write_text("my notes on the second adapter")
+    before = tree_digest(out)
+    line = the_error_line(run_cli("merge", folder, "--out", out, "--overwrite", "--merge-lora", "default"))
+    assert "1 entry fsdpfast did not write (lora_adapter/second/README.md)" in line, line
+    assert tree_digest(out) == before
+    (out / "lora_adapter" / "second" / "README.md").unlink()
+    fsdpfast.merge(folder, out, merge_lora="default", overwrite=True)  # now one fused model, no adapter folder
+    assert not (out / "lora_adapter").exists()
+    fused = read_merged(out)
+    assert_same(fused, untied(ref["merged"], fused))
+    fsdpfast.merge(folder, out, overwrite=True)  # and back: the base model and both adapter folders
+    assert_same(read_merged(adapter_folder(out, "second")), ref["adapters"]["second"])
+    assert fsdpfast.verify(out, against=folder).ok

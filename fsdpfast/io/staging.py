@@ -2,9 +2,10 @@
 published by one rename when complete.
 
 Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
-killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an earlier fsdpfast
-output, nothing else. Other processes of a merge under torchrun write into the same staging
-folder through `LocalTarget.join` (a shared filesystem).
+killed one left there. An empty OUT_DIR is replaced; --overwrite replaces a folder holding only
+what an earlier merge wrote, as its manifest lists it (io.earlier_output), and removes nothing
+else. Other processes of a merge under torchrun write into the same staging folder through
+`LocalTarget.join` (a shared filesystem).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import stat
 
 from ..configs import load_config
 from ..errors import BadInput, on_command_line, option
-from ..manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
-from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, write_marker
+from ..manifest import MANIFEST_NAME, WRITTEN  # a --config folder's manifest describes other weights: not copied
+from .earlier_output import overwrite_refusal, written_files
+from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, settle_old, write_marker
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model), nor
 # pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
@@ -53,6 +55,7 @@ class LocalTarget:
         parent = os.path.dirname(self.out_dir)
         self._check_out_dir(out_dir, overwrite)
         self.published = False
+        self.warnings: list[str] = []  # what was kept from an earlier OUT_DIR because fsdpfast did not write it
         self._old: str | None = None  # where --overwrite moves the previous OUT_DIR (as `previous`)
         self._made_parents = make_parents(parent)
         try:
@@ -61,7 +64,7 @@ class LocalTarget:
             remove_empty(self._made_parents)
             raise
         try:
-            self.cleaned = remove_leftovers(self.out_dir)
+            self.warnings += remove_leftovers(self.out_dir)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
@@ -81,12 +84,9 @@ class LocalTarget:
                 f"{out_dir} already exists and {held}; choose another output folder, or pass "
                 f"{option('overwrite', True)} to replace an earlier merge"
             )
-        if not replaceable(self.out_dir):
-            raise BadInput(
-                f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
-                f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
-                "remove it yourself or choose another folder"
-            )
+        refusal = overwrite_refusal(self.out_dir, out_dir)
+        if refusal:
+            raise BadInput(refusal)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -110,13 +110,20 @@ class LocalTarget:
     def write_json(self, name: str, value: dict) -> None:
         self.write_bytes(name, json_bytes(value))
 
+    def write_manifest(self, manifest: dict) -> None:
+        """The manifest, written last: it lists every file written before it, with its size, which
+        is what a later --overwrite may remove."""
+        self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: written_files(self.path, leave_out=(STAGING_MARKER,))})
+
     def publish(self) -> None:
         """Rename the staging folder to OUT_DIR: in one step over an empty OUT_DIR (rename(2) replaces
         an empty folder), else (--overwrite of an earlier merge) after moving the previous one aside.
 
         Ctrl-C and SIGTERM arrive as KeyboardInterrupt between any two bytecodes, even right
         after a rename returned, so on any exception whether OUT_DIR was published is read from
-        the folders themselves; `discard` then removes or puts back the previous OUT_DIR.
+        the folders themselves; `discard` then removes or puts back the previous OUT_DIR. Once
+        published, the previous OUT_DIR loses what the earlier merge wrote (`warnings` says what
+        else it held and where that was kept).
         """
         _fsync_dir(self.path)
         parent, name = os.path.split(self.out_dir)
@@ -146,6 +153,8 @@ class LocalTarget:
             self.published = not os.path.lexists(self.path)  # the rename into place had happened
             raise
         _fsync_dir(parent)
+        if self._old:
+            self._settle_previous()  # here, so that what it kept is in the report
 
     def discard(self) -> None:
         """Remove the staging folder unless published, settle an --overwrite swap (the previous
@@ -167,8 +176,10 @@ class LocalTarget:
             if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
                 return
             os.rename(previous, self.out_dir)
-        shutil.rmtree(previous, ignore_errors=True)  # before the marker, so a SIGKILL here is still cleaned up
-        shutil.rmtree(self._old, ignore_errors=True)
+        kept = settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last
+        self._old = None
+        if kept:
+            self.warnings.append(kept)
 
 
 class JoinedTarget:
@@ -176,6 +187,7 @@ class JoinedTarget:
     Its maker locks, publishes and discards it."""
 
     published = False
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, out_dir: str, token: str):
         self.out_dir = os.path.abspath(out_dir)
@@ -197,6 +209,9 @@ class JoinedTarget:
         raise RuntimeError("only the process that made the target writes whole files into it")
 
     write_json = write_bytes
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.write_bytes(MANIFEST_NAME, b"")
 
     def publish(self) -> None:
         raise RuntimeError("only the process that made the target publishes it")
@@ -270,15 +285,6 @@ def _empty_folder(path: str) -> bool:
         return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
     except OSError:
         return False
-
-
-def replaceable(out_dir: str) -> bool:
-    """May --overwrite replace this existing folder: empty, or an earlier fsdpfast output (its manifest)."""
-    try:
-        entries = os.listdir(out_dir)
-    except OSError as exc:
-        raise BadInput(f"{out_dir}: cannot read the existing output folder ({exc.strerror})") from None
-    return not entries or os.path.isfile(os.path.join(out_dir, MANIFEST_NAME))
 
 
 def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from ..execute.parts import tensor_checksums
 from ..group import MergeGroup
 from ..io.staging import JoinedTarget, LocalTarget, with_dtype
-from ..manifest import MANIFEST_NAME, build_manifest
+from ..manifest import build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
 from ..rank_agreement import check_ranks_options, compared_options
@@ -39,6 +39,7 @@ class SaveReport:
     seconds: float
     processes: int
     tied: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what --overwrite kept from the earlier folder, and where
 
 
 def save_pretrained(
@@ -161,7 +162,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
     flat = {name: crc for f in files for name, crc in checksums[f.name].items()}
     manifest = build_manifest(out_dir, plan, files, flat, [], "live", dtype)
     manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against
-    target.write_json(MANIFEST_NAME, manifest)
+    target.write_manifest(manifest)  # last: it lists every file above, the tokenizer's too
     target.publish()
     return SaveReport(
         out_dir,
@@ -171,6 +172,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
         time.perf_counter() - start,
         processes,
         {t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+        list(target.warnings),
     )
 
 
