@@ -368,13 +368,38 @@ def _plan_options(args) -> dict:
     )
 
 
+class _WarningLines(logging.Handler):
+    """The package's logged warnings (what was kept of an earlier OUT_DIR), each said once on stderr as
+    `fsdpfast: warning: ...` at once, even when the merge then stops; the report's copy is not repeated."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.said.add(message)
+        print(f"fsdpfast: warning: {message}", file=sys.stderr)
+
+
 def _merge(args) -> int:
+    logger = logging.getLogger("fsdpfast")
+    lines = _WarningLines()
+    logger.addHandler(lines)
+    try:
+        return _merge_logged(args, lines.said)
+    finally:
+        logger.removeHandler(lines)
+
+
+def _merge_logged(args, said: set[str]) -> int:
     from .api import dry_run, merge
     from .rank_agreement import RankDisagrees
 
     if args.verbose:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("fsdpfast: %(message)s"))
+        handler.addFilter(lambda record: record.levelno < logging.WARNING)  # _WarningLines says those
         logging.getLogger("fsdpfast").addHandler(handler)
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     from . import group
@@ -411,7 +436,7 @@ def _merge(args) -> int:
     if several and group.this_rank() != 0:
         return 0
     _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
-    _warn(report.warnings)
+    _warn([warning for warning in report.warnings if warning not in said])
     return 0
 
 

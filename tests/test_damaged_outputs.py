@@ -157,7 +157,10 @@ MANIFESTS = {
     "no checksum field": _edit("checksum"),
     "an entry without its file": _edit("tensors", "WEIGHT", "file"),
     "written is a list": _edit("written", value=["config.json"]),
-    "a written size as a string": _edit("written", "config.json", value="1"),
+    "a written entry as a bare size": _edit("written", "config.json", value=1),
+    "a written size as a string": _edit("written", "config.json", "size", value="1"),
+    "a written entry without its mtime_ns": _edit("written", "config.json", "mtime_ns"),
+    "files is a list": _edit("files", value=[]),
 }
 
 

@@ -191,12 +191,12 @@ def test_overwrite_refuses_a_merge_the_user_added_to(checkpoints, tmp_path):
 
 
 def test_overwrite_refuses_a_manifest_copied_among_other_models(checkpoints, tmp_path):
-    """`cp merged/* ~/models/`: the manifest lists the copied files, not the models beside them."""
+    """`cp -p merged/* ~/models/`: the manifest lists the copied files (times kept), not the models beside them."""
     folder, merged = earlier_merge(checkpoints, tmp_path)
     models = tmp_path / "models"
     models.mkdir()
     for file in merged.iterdir():
-        shutil.copy(file, models / file.name)
+        shutil.copy2(file, models / file.name)
     shutil.copytree(merged, models / "llama-sft")  # other models: folders of safetensors
     (models / "qwen").mkdir()
     shutil.copy(merged / "model.safetensors", models / "qwen" / "model.safetensors")
@@ -208,6 +208,13 @@ def _replace_a_listed_file(out: Path, other: Path) -> str:
     return "model.safetensors ("
 
 
+def _manifest_with_files_as_a_list(out: Path, other: Path) -> str:
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["files"] = []
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return "'files' is a list; the manifest is damaged, so --overwrite cannot tell what in"
+
+
 def _link_inside(out: Path, other: Path) -> str:
     (out / "latest").symlink_to(other)
     return "latest (a link)"
@@ -215,7 +222,7 @@ def _link_inside(out: Path, other: Path) -> str:
 
 def _edit_the_manifest(out: Path, other: Path) -> str:
     manifest = json.loads((out / MANIFEST_NAME).read_text())
-    manifest["written"]["config.json"] = "big"
+    manifest["written"]["config.json"]["size"] = "big"
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     return "the manifest is damaged, so --overwrite cannot tell what in"
 
@@ -244,6 +251,7 @@ def _manifest_as_a_link(out: Path, other: Path) -> str:
         _replace_a_listed_file,
         _link_inside,
         _edit_the_manifest,
+        _manifest_with_files_as_a_list,
         _cut_the_manifest,
         _manifest_without_its_list,
         _manifest_as_a_link,
@@ -253,6 +261,88 @@ def test_overwrite_refuses_what_the_manifest_does_not_vouch_for(checkpoints, tmp
     folder, out = earlier_merge(checkpoints, tmp_path)
     _, other = earlier_merge(checkpoints, tmp_path, "other", dtype="bf16")  # a model of another size
     refused_and_kept(folder, out, [out, change(out, other)])
+
+
+def test_overwrite_refuses_a_listed_file_replaced_by_one_of_the_same_size(checkpoints, tmp_path):
+    """`cp other_run/model.safetensors merged/`: a same-architecture model has exactly its size."""
+    folder, out = earlier_merge(checkpoints, tmp_path)
+    _, other = earlier_merge(checkpoints, tmp_path, "other")
+    assert (other / "model.safetensors").stat().st_size == (out / "model.safetensors").stat().st_size
+    shutil.copyfile(other / "model.safetensors", out / "model.safetensors")  # as cp without -p: a new mtime
+    refused_and_kept(folder, out, [out, "1 entry fsdpfast did not write (model.safetensors (modified"])
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_whole_copy_of_an_earlier_merge_that_keeps_the_times_stays_replaceable(checkpoints, tmp_path):
+    """`cp -a merged copy` / `rsync -a` keep each file's size and mtime: --overwrite still replaces it."""
+    folder, merged = earlier_merge(checkpoints, tmp_path, dtype="bf16")
+    out = tmp_path / "copy"
+    shutil.copytree(merged, out)  # copy2: times kept to the nanosecond
+    result = run_cli("merge", folder, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert_is_the_model(checkpoints, out)
+    assert leftovers(out) == [out.name]
+
+
+def test_dry_run_refuses_a_manifest_whose_files_is_a_list(checkpoints, tmp_path):
+    folder, out = earlier_merge(checkpoints, tmp_path)
+    _manifest_with_files_as_a_list(out, out)
+    result = run_cli("merge", folder, "--out", out, "--overwrite", "--dry-run")
+    assert result.returncode == 0 and not result.stderr, result.stderr  # no traceback: the plan says why
+    assert "'files' is a list; the manifest is damaged, so --overwrite cannot tell what in" in result.stdout
+
+
+def test_the_previous_folder_keeps_a_manifest_it_cannot_read(tmp_path):
+    from fsdpfast.io.earlier_output import remove_written
+
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    (previous / "model.safetensors").write_bytes(b"x" * 10)
+    (previous / MANIFEST_NAME).write_text("{ damaged")
+    assert remove_written(str(previous)) == [MANIFEST_NAME, "model.safetensors"]
+    assert (previous / MANIFEST_NAME).read_text() == "{ damaged"
+
+
+def test_only_the_process_that_made_the_target_writes_the_manifest(tmp_path):
+    from fsdpfast.io.output_guard import STAGING_MARKER
+    from fsdpfast.io.staging import LocalTarget
+
+    target = LocalTarget(str(tmp_path / "out"), overwrite=False)
+    try:
+        joined = LocalTarget.join(str(tmp_path / "out"), target.token)
+        with pytest.raises(RuntimeError, match="manifest"):
+            joined.write_manifest({"tensors": {}})
+        assert sorted(os.listdir(target.path)) == [STAGING_MARKER]
+    finally:
+        target.discard()
+
+
+def test_files_in_the_output_folder_during_the_swap_keep_the_earlier_merge_and_say_where(
+    checkpoints, tmp_path, monkeypatch
+):
+    """Someone makes OUT_DIR non-empty between the swap's renames: nothing is published, the earlier
+    merge is kept (and named) where it was moved, and no later run removes it."""
+    folder, out = earlier_merge(checkpoints, tmp_path, dtype="bf16")
+    earlier = tree_digest(out)
+    real_rename = os.rename
+
+    def someone_makes_out(src, dst):
+        real_rename(src, dst)
+        if str(dst).endswith(os.sep + "previous"):
+            out.mkdir()
+            (out / "notes.md").write_text("mine")
+
+    monkeypatch.setattr(os, "rename", someone_makes_out)
+    with pytest.raises(fsdpfast.BadInput) as refused:
+        fsdpfast.merge(folder, out, overwrite=True)
+    monkeypatch.undo()
+    (old,) = [name for name in leftovers(out) if name != out.name]
+    kept = tmp_path / old / "previous"
+    assert str(refused.value).endswith(f"nothing was published; the earlier merge is kept in {kept}")
+    assert tree_digest(kept) == earlier and entries(out) == ["notes.md"]
+    line = the_error_line(run_cli("merge", folder, "--out", out))  # a later run leaves it alone
+    assert "already exists" in line
+    assert tree_digest(kept) == earlier and entries(out) == ["notes.md"]
 
 
 def test_overwrite_refuses_a_link_to_an_earlier_merge(checkpoints, tmp_path):
@@ -274,7 +364,10 @@ def test_overwrite_replaces_every_file_an_earlier_merge_wrote(checkpoints, tmp_p
     assert ("model.safetensors.index.json" in written) == bool(options)
     listed = json.loads((out / MANIFEST_NAME).read_text())["written"]
     assert sorted(listed) == sorted(set(written) - {MANIFEST_NAME})
-    assert all(listed[name] == (out / name).stat().st_size for name in listed)
+    assert all(
+        listed[name] == {"size": (out / name).stat().st_size, "mtime_ns": (out / name).stat().st_mtime_ns}
+        for name in listed
+    )
     assert len([n for n in written if n.endswith(".safetensors")]) == (1 if not options else len(written) - 6)
     report = fsdpfast.merge(folder, out, overwrite=True)  # float32, one file
     assert report.files == ["model.safetensors"]
@@ -303,7 +396,7 @@ def test_overwrite_replaces_a_live_saves_folder(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("moment", ["after the check", "into the folder moved aside"])
-def test_a_file_added_during_the_swap_is_kept(checkpoints, tmp_path, monkeypatch, moment):
+def test_a_file_added_during_the_swap_is_kept(checkpoints, tmp_path, monkeypatch, caplog, moment):
     """Between the last check and the removal of the previous OUT_DIR only the listed files go."""
     folder, out = earlier_merge(checkpoints, tmp_path, dtype="bf16")
     real_rename = os.rename
@@ -326,5 +419,6 @@ def test_a_file_added_during_the_swap_is_kept(checkpoints, tmp_path, monkeypatch
     assert report.warnings == [
         f"eval_results.json appeared in {out} while it was being replaced: not written by fsdpfast, kept in {kept}"
     ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == report.warnings  # logged too
     assert not fsdpfast.merge(folder, out, overwrite=True).warnings  # a later run leaves the kept folder alone
     assert [p.name for p in kept.iterdir()] == ["eval_results.json"]

@@ -1,12 +1,12 @@
 """What of an existing OUT_DIR an earlier merge wrote: --overwrite replaces that and nothing else.
 
-A merge's manifest lists every file it left in its folder with its size (`written`: taken from
-the staging folder just before the manifest is written, so the config, tokenizer, index and
+A merge's manifest lists every file it left in its folder with its size and st_mtime_ns (`written`:
+taken from the staging folder just before the manifest is written, so the config, tokenizer, index and
 adapter folders are listed however they were made). In an existing OUT_DIR anything else is not
 fsdpfast's: a name the list lacks (eval results, notes, other models), a listed name of another
-size (another model of that name), a link, a folder no listed file is in. --overwrite refuses
+size or modification time (another model of that name, copied in), a link, a folder no listed file is in. --overwrite refuses
 such a folder, naming what it found, before anything is touched; and when the previous folder is
-removed after the new one is published, only the listed files still of their size go, so what
+removed after the new one is published, only the listed files still of their size and time go, so what
 appeared in it meanwhile stays.
 """
 
@@ -21,9 +21,9 @@ from ..manifest import MANIFEST_NAME, WRITTEN, load_manifest
 _SHOWN = 5  # entries named in the refusal; the rest are counted
 
 
-def written_files(folder: str, leave_out: tuple[str, ...] = ()) -> dict[str, int]:
-    """Every regular file below `folder` (its path relative to it, "/"-separated) and its size,
-    the top-level manifest and `leave_out` aside. What a merge records as `written`."""
+def written_files(folder: str, leave_out: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Every regular file below `folder` (its path relative to it, "/"-separated) and its size and
+    st_mtime_ns, the top-level manifest and `leave_out` aside. What a merge records as `written`."""
     found = {}
     for root, dirs, files in os.walk(folder):
         dirs.sort()
@@ -32,7 +32,7 @@ def written_files(folder: str, leave_out: tuple[str, ...] = ()) -> dict[str, int
             relative = os.path.relpath(path, folder).replace(os.sep, "/")
             st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and relative not in (MANIFEST_NAME, *leave_out):
-                found[relative] = st.st_size
+                found[relative] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     return found
 
 
@@ -72,16 +72,17 @@ def overwrite_refusal(out_dir: str, shown: str) -> str | None:
 
 def remove_written(folder: str) -> list[str]:
     """Remove from `folder` (a previous OUT_DIR, moved aside) the files its manifest lists that still
-    have their size, the folders they leave empty, the manifest last, and `folder` if it is then
-    empty. What is left (entries that appeared after the check), relative to `folder`."""
+    have their size and modification time, the folders they leave empty, the manifest last (kept
+    when it could not be read), and `folder` if it is then empty. What is left (entries that
+    appeared after the check), relative to `folder`."""
     try:
-        listed = _listed(folder) or {}
+        listed = _listed(folder)
     except BadInput:  # changed since it was checked: nothing is known to be ours
-        listed = {}
+        listed = None
     try:
-        _remove(folder, "", listed)
+        _remove(folder, "", listed or {})
         manifest = os.path.join(folder, MANIFEST_NAME)
-        if os.path.isfile(manifest) and not os.path.islink(manifest):
+        if listed is not None and os.path.isfile(manifest) and not os.path.islink(manifest):
             os.unlink(manifest)
         left = sorted(os.listdir(folder))
         if not left:
@@ -106,7 +107,7 @@ def _names(entries: list[str]) -> str:
     return ", ".join(entries[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
-def _listed(folder: str) -> dict[str, int] | None:
+def _listed(folder: str) -> dict[str, dict] | None:
     """The files the manifest in `folder` says the merge wrote; None when there is no manifest file.
     BadInput when it cannot be read, is damaged or lists nothing (not written by this fsdpfast)."""
     path = os.path.join(folder, MANIFEST_NAME)
@@ -117,16 +118,22 @@ def _listed(folder: str) -> dict[str, int] | None:
     manifest = load_manifest(path)
     if WRITTEN not in manifest:
         raise BadInput(f"{path} does not list the files of its folder (an older fsdpfast's manifest, or edited)")
-    written = manifest[WRITTEN]
+    written = manifest[WRITTEN]  # load_manifest checked its type and entries, and that "files" is a dict
     for name, entry in manifest.get("files", {}).items():  # the model files, listed twice: a cheap consistency check
-        if not isinstance(entry, dict) or written.get(name) != entry.get("size"):
+        if not isinstance(entry, dict) or name not in written or written[name]["size"] != entry.get("size"):
             raise BadInput(f"{path}: its lists of files disagree on {name[:80]}; the manifest is damaged")
     return written
 
 
-def _foreign(folder: str, prefix: str, listed: dict[str, int]) -> list[str]:
+def _same(entry: os.DirEntry, listed: dict) -> bool:
+    """A regular file of the size and st_mtime_ns the manifest lists for it."""
+    st = entry.stat(follow_symlinks=False)
+    return stat.S_ISREG(st.st_mode) and st.st_size == listed["size"] and st.st_mtime_ns == listed["mtime_ns"]
+
+
+def _foreign(folder: str, prefix: str, listed: dict[str, dict]) -> list[str]:
     """The entries below `folder` (named `prefix` + name) that are not listed files of their listed
-    size, nor folders holding listed files; links are never followed, unlisted folders never entered."""
+    size and modification time, nor folders holding listed files; links are never followed, unlisted folders never entered."""
     found = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         name = prefix + entry.name
@@ -137,16 +144,18 @@ def _foreign(folder: str, prefix: str, listed: dict[str, int]) -> list[str]:
                 found += _foreign(entry.path, name + "/", listed)
             else:
                 found.append(name + "/")
-        elif name == MANIFEST_NAME or (name in listed and entry.is_file() and entry.stat().st_size == listed[name]):
+        elif name == MANIFEST_NAME or (name in listed and _same(entry, listed[name])):
             continue
+        elif name in listed and entry.is_file() and entry.stat().st_size != listed[name]["size"]:
+            found.append(f"{name} ({entry.stat().st_size} bytes, the manifest says {listed[name]['size']})")
         elif name in listed and entry.is_file():
-            found.append(f"{name} ({entry.stat().st_size} bytes, the manifest says {listed[name]})")
+            found.append(f"{name} (modified or copied in since the merge wrote it: not the time the manifest lists)")
         else:
             found.append(name)
     return found
 
 
-def _remove(folder: str, prefix: str, listed: dict[str, int]) -> None:
+def _remove(folder: str, prefix: str, listed: dict[str, dict]) -> None:
     for entry in os.scandir(folder):
         name = prefix + entry.name
         if entry.is_symlink():
@@ -158,5 +167,5 @@ def _remove(folder: str, prefix: str, listed: dict[str, int]) -> None:
                     os.rmdir(entry.path)
                 except OSError:  # holds something not listed: it stays
                     pass
-        elif entry.is_file() and listed.get(name) == entry.stat().st_size:
+        elif name in listed and _same(entry, listed[name]):
             os.unlink(entry.path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -21,7 +22,16 @@ from ..configs import load_config
 from ..errors import BadInput, on_command_line, option
 from ..manifest import MANIFEST_NAME, WRITTEN  # a --config folder's manifest describes other weights: not copied
 from .earlier_output import overwrite_refusal, written_files
-from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, settle_old, write_marker
+from .output_guard import (
+    OLD_MARKER,
+    PUBLISHED_MARKER,
+    STAGING_MARKER,
+    OutputLock,
+    remove_leftovers,
+    restore_previous,
+    settle_old,
+    write_marker,
+)
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model), nor
 # pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
@@ -39,6 +49,7 @@ _WEIGHT_SUFFIXES = (
     ".pkl",
 )
 _TRAINING_STATE = ("trainer_state.json",)
+log = logging.getLogger("fsdpfast")  # what is kept of an earlier OUT_DIR, for Python callers too
 
 
 class LocalTarget:
@@ -64,7 +75,9 @@ class LocalTarget:
             remove_empty(self._made_parents)
             raise
         try:
-            self.warnings += remove_leftovers(self.out_dir)
+            for kept in remove_leftovers(self.out_dir):
+                log.warning("%s", kept)
+                self.warnings.append(kept)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
@@ -111,8 +124,8 @@ class LocalTarget:
         self.write_bytes(name, json_bytes(value))
 
     def write_manifest(self, manifest: dict) -> None:
-        """The manifest, written last: it lists every file written before it, with its size, which
-        is what a later --overwrite may remove."""
+        """The manifest, written last: it lists every file written before it, with its size and
+        st_mtime_ns, which is what a later --overwrite may remove."""
         self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: written_files(self.path, leave_out=(STAGING_MARKER,))})
 
     def publish(self) -> None:
@@ -145,10 +158,21 @@ class LocalTarget:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
+                if not self._old:
+                    raise BadInput(
+                        f"{self.out_dir}: files appeared in the empty output folder during the merge; "
+                        "nothing was published"
+                    ) from None
+                kept = restore_previous(self._old, self.out_dir)  # the earlier merge back, or kept and named
+                where = f"the earlier merge is kept in {os.path.join(self._old, 'previous')}" if kept else ""
+                self._old = None
                 raise BadInput(
-                    f"{self.out_dir}: files appeared in the empty output folder during the merge; nothing was published"
+                    f"{self.out_dir}: files appeared in the output folder while the earlier merge was being "
+                    f"replaced; nothing was published{'; ' + where if where else ''}"
                 ) from None
             self.published = True
+            if self._old:  # what lets a later run clear the previous OUT_DIR if this one is killed now
+                write_marker(self._old, PUBLISHED_MARKER, self.out_dir)
         except BaseException:
             self.published = not os.path.lexists(self.path)  # the rename into place had happened
             raise
@@ -171,14 +195,15 @@ class LocalTarget:
                 remove_empty(self._made_parents)
 
     def _settle_previous(self) -> None:
-        previous = os.path.join(self._old, "previous")
-        if not self.published and os.path.lexists(previous):
-            if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
-                return
-            os.rename(previous, self.out_dir)
-        kept = settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last
+        if self.published:
+            if not os.path.isfile(os.path.join(self._old, PUBLISHED_MARKER)):  # interrupted before it was written
+                write_marker(self._old, PUBLISHED_MARKER, self.out_dir)
+            kept = settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last
+        else:
+            kept = restore_previous(self._old, self.out_dir)  # never deletes the previous output
         self._old = None
         if kept:
+            log.warning("%s", kept)
             self.warnings.append(kept)
 
 
@@ -211,7 +236,7 @@ class JoinedTarget:
     write_json = write_bytes
 
     def write_manifest(self, manifest: dict) -> None:
-        self.write_bytes(MANIFEST_NAME, b"")
+        raise RuntimeError("only the process that made the target writes the manifest")
 
     def publish(self) -> None:
         raise RuntimeError("only the process that made the target publishes it")
