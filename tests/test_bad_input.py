@@ -28,6 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, BadInput
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # (32, 64)
 DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"  # (64, 88)

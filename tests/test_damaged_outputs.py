@@ -22,6 +22,9 @@ import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH, BadInput
 from fsdpfast.manifest import MANIFEST_NAME
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"  # float32 (64, 64) in the tiny llama
 
 

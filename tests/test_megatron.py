@@ -21,6 +21,9 @@ from test_bad_input import api_refuses, cli_refuses, run_cli
 
 import fsdpfast
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).parent / "data" / "megatron"
 # every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
 # the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings

@@ -23,6 +23,9 @@ import fsdpfast.api as api
 import fsdpfast.execute.writer as writer
 from fsdpfast.manifest import MANIFEST_NAME
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
