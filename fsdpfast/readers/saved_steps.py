@@ -99,5 +99,8 @@ def scalar_value(value, archive: TorchZip, path: str) -> int | float | None:
             raise BadInput(f"{path}: the optimizer's step reaches past its storage; the file is corrupt")
         with open(path, "rb") as f:
             f.seek(buffer.byte_offset + value.offset * size)
-            value = struct.unpack(_SCALARS[value.dtype], f.read(size))[0]
+            data = f.read(size)
+        if len(data) != size:  # the file was cut short after its zip directory was read
+            raise BadInput(f"{path}: the file ends inside the optimizer's step; it is being written or was cut short")
+        value = struct.unpack(_SCALARS[value.dtype], data)[0]
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
