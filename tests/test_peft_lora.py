@@ -395,6 +395,30 @@ def test_rank_pattern_is_checked_against_the_tensors(lora, tmp_path):
     assert_same(read_merged(tmp_path / "fused"), ref["merged"])
 
 
+def _edit_adapter_config(folder: Path, **values) -> None:
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize(
+    "values, mentions",
+    [
+        ({"alpha_pattern": {"v_proj": "32"}}, ["alpha_pattern 'v_proj': '32' is not a positive number"]),
+        ({"alpha_pattern": ["v_proj", 32]}, ["alpha_pattern", "is not an object"]),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, ["records target_parameters", "is not merged"]),
+    ],
+    ids=["alpha-as-text", "alpha-pattern-a-list", "target-parameters"],
+)
+def test_an_adapter_config_fsdpfast_cannot_read_as_recorded_is_refused(lora, tmp_path, values, mentions):
+    """A malformed alpha_pattern, and peft's LoRA on bare parameters (whose lora_A is not [r, in]), are one
+    line each; the rank-pattern checkpoint as peft saved it merges (the parametrized tests above)."""
+    spec, _ = lora.get("rank-pattern")
+    folder = lora.copy("rank-pattern", tmp_path)
+    _save_adapter_config(spec, Path(folder) / "lora_adapter")
+    _edit_adapter_config(Path(folder) / "lora_adapter", **values)
+    cli_refuses(folder, tmp_path / "out", mentions=mentions)
+
+
 @pytest.mark.parametrize("flags", [[], ["--merge-lora"]])
 def test_an_adapter_for_a_module_the_model_lacks_is_refused(lora, tmp_path, flags):
     """peft would drop such tensors on load without a word: refused, written or fused, naming the module."""

@@ -310,3 +310,16 @@ def test_a_twin_whose_shared_storage_grew_is_read_as_changes(shared_views, monke
     assert grown not in read, "read in full, not as changes"
     assert value["state_dict"][K_PROJ].storage.numel == numel + 1
     _assert_same(value, safe_unpickle(grown, "rank 1"))
+
+
+def test_a_storage_of_no_bytes_viewed_with_two_dtypes_is_read_as_torch_reads_it(tmp_path):
+    """torch.save skips its one-dtype-per-storage check for a storage of no bytes, so a file it writes
+    may name one empty storage as float32 and as int32; torch.load reads it, and so does fsdpfast."""
+    empty = torch.empty(0)
+    path = tmp_path / "empty.pt"
+    torch.save({"a": empty, "b": empty.view(torch.int32)}, path)
+    torch_read = torch.load(path, weights_only=True)
+    read = safe_unpickle(TorchZip(path).pickle_bytes, str(path))
+    assert set(read) == set(torch_read) == {"a", "b"}
+    for key in read:
+        assert (read[key].shape, read[key].storage.numel) == (tuple(torch_read[key].shape), 0), key

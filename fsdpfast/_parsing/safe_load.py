@@ -500,7 +500,8 @@ class _RecordError(BadInput):
 def check_same_storage(first: StorageRef, again: StorageRef, where: str) -> None:
     """Two references to one storage record must agree: torch.load reads the record once, with the
     first one's dtype and size, and gives every later tensor on it that dtype, whatever it names."""
-    if (again.dtype, again.numel) != (first.dtype, first.numel):
+    # torch.save skips its one-dtype-per-storage check for a storage of no bytes (a null data pointer)
+    if (again.dtype, again.numel) != (first.dtype, first.numel) and (first.numel, again.numel) != (0, 0):
         raise BadInput(
             f"{where}: storage record data/{first.key} is named as {first.numel} {first.dtype} elements "
             f"and as {again.numel} {again.dtype} elements; torch.save names a storage one way; the file is corrupt"

@@ -152,8 +152,14 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, arc
             f"{source(where, 'peft_type')}: peft_type {recorded['peft_type']!r} for adapter {adapter.name}, "
             "whose tensors are LoRA's"
         )
+    if recorded.get("target_parameters"):  # peft's LoRA on bare parameters (MoE experts): lora_A is not [r, in]
+        raise BadInput(
+            f"{source(where, 'target_parameters')}: adapter {adapter.name} records target_parameters "
+            f"{_shown(recorded['target_parameters'])[:80]}: LoRA on parameters (peft's ParamWrapper) is not "
+            "merged by fsdpfast; merge the base weights without it, or fuse with peft's merge_and_unload"
+        )
     r = _whole(recorded.get("r"), "r", where)
-    pattern = _pattern(recorded.get("rank_pattern"), where)
+    pattern = _pattern(recorded.get("rank_pattern"), where, "rank_pattern")
     if r is None:  # nothing records r: the most common rank, the others in rank_pattern
         r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 0
         origin["r"] = "from the lora_A shapes"
@@ -178,7 +184,7 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, arc
         origin["lora_alpha"] = "missing"
     else:
         config["lora_alpha"] = alpha
-    config["alpha_pattern"] = dict(recorded.get("alpha_pattern") or {})
+    config["alpha_pattern"] = _pattern(recorded.get("alpha_pattern"), where, "alpha_pattern")
     targets = recorded.get("target_modules")
     if not _targets_cover(targets, [m.module for m in modules]):
         if targets is not None:
@@ -222,17 +228,18 @@ def _whole(value, key: str, where: dict) -> int | None:
     return value
 
 
-def _pattern(value, where: dict) -> dict:
-    """A recorded rank_pattern: module name patterns (peft's regular expressions) -> positive whole ranks."""
+def _pattern(value, where: dict, key: str) -> dict:
+    """A recorded rank_pattern or alpha_pattern: module name patterns (peft's regular expressions) -> positive
+    whole ranks, or positive alphas."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadInput(f"{source(where, 'rank_pattern')}: rank_pattern {_shown(value)[:80]} is not an object")
-    for key, rank in value.items():
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-            raise BadInput(
-                f"{source(where, 'rank_pattern')}: rank_pattern {key[:80]!r}: {rank!r} is not a positive whole number"
-            )
+        raise BadInput(f"{source(where, key)}: {key} {_shown(value)[:80]} is not an object")
+    number = (int,) if key == "rank_pattern" else (int, float)
+    for name, given in value.items():
+        if isinstance(given, bool) or not isinstance(given, number) or given <= 0:
+            what = "whole number" if key == "rank_pattern" else "number"
+            raise BadInput(f"{source(where, key)}: {key} {name[:80]!r}: {given!r} is not a positive {what}")
     return dict(value)
 
 
