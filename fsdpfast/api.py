@@ -14,11 +14,13 @@ from .execute.measurements import job_kind
 from .execute.parts import share_out, tensor_bytes, tensor_checksums
 from .execute.writer import execute
 from .group import MergeGroup, local_processes
+from .io.earlier_output import overwrite_refusal
 from .io.sources import rebased
-from .io.staging import LocalTarget, check_output_place, copy_config_files, replaceable, write_built_config
+from .io.staging import LocalTarget, check_output_place, copy_config_files, write_built_config
 from .lora import output as lora_output
 from .lora import plan as lora_plan
-from .manifest import MANIFEST_NAME, build_manifest, check_same_sources, check_unchanged, source_identity
+from .lora.targets import check_targets
+from .manifest import build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.checks import check_plan
 from .plan.copies import check_copies
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
@@ -26,6 +28,7 @@ from .plan.model import MergePlan
 from .plan.model_check import check_against_model, load_expected_model
 from .plan.normalise import clean_name, parse_dtype, prepare
 from .progress import Progress
+from .rank_agreement import check_same_copy, check_same_options, compared_options, content_of
 from .wording import count, size
 
 log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
@@ -113,13 +116,16 @@ def plan_merge(
     plan = check_copies(plan, full=full_copy_check)
     if config is not None:
         plan = plan.but(config_dir=os.fspath(config))
-    plan = lora_plan.apply(plan, os.fspath(src), merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    lora = dict(merge_lora=merge_lora, lora_alpha=lora_alpha, lora_r=lora_r, base=base)
+    plan = lora_plan.read_adapters(plan, os.fspath(src), **lora)
+    expected, why_not = load_expected_model(plan.config_dir, plan.built_config)
+    plan = check_targets(plan, expected, why_not)  # each adapted module the model's, written or fused
+    plan = lora_plan.fuse_chosen(plan, os.fspath(src), **lora)
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
         adapter.plan = prepare(adapter.plan, dtype, None)
     lora_only = not plan.tensors and bool(plan.adapters)
-    expected, why_not = (
-        load_expected_model(plan.config_dir, plan.built_config) if not lora_only else (None, "a LoRA-only checkpoint")
-    )
+    if lora_only:
+        expected, why_not = None, "a LoRA-only checkpoint"
     plan = prepare(plan, dtype, plan.config_dir, expected)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
@@ -243,29 +249,27 @@ def merge(
     src, dst = os.fspath(src), os.fspath(dst)
     processes = MergeGroup(group)
     # plan -> layout -> target: on rank 0; every rank gets the same job
+    asked = dict(  # what decides the output: the same on every process (rank_agreement)
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        layout=layout,
+        config=config,
+        overwrite=overwrite,
+        engine=engine,
+        allow_extra_tensors=allow_extra_tensors,
+        merge_lora=merge_lora,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        base=base,
+        **options,
+    )
     job = processes.lead(
-        lambda: _prepare(
-            src,
-            dst,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            layout=layout,
-            config=config,
-            overwrite=overwrite,
-            engine=engine,
-            allow_extra_tensors=allow_extra_tensors,
-            merge_lora=merge_lora,
-            lora_alpha=lora_alpha,
-            lora_r=lora_r,
-            base=base,
-            **options,
-        ),
-        abandon=lambda job: job.target.discard(),
+        lambda: _prepare(src, dst, asked, several=not processes.alone), abandon=lambda job: job.target.discard()
     )
     log.info("planned in %.2f s", time.perf_counter() - start)
     try:
         # execute: each process its share of the bytes; rank 0 gets every piece's checksum
-        pieces = processes.gather(lambda: _write_share(job, processes, src, dst, progress))
+        pieces = processes.gather(lambda: _write_share(job, processes, src, dst, progress, asked))
         # finish (index, config, manifest) and publish, on rank 0
         return processes.lead(lambda: _finish(job, [p for share in pieces for p in share], start, processes.size))
     except KeyboardInterrupt:
@@ -282,7 +286,8 @@ def merge(
 @dataclass
 class MergeJob:
     """What every process of a merge works from: the plan, the files, the engine's name, the sources'
-    identity and the target (rank 0's; the others join it by its token)."""
+    identity and the target (rank 0's; the others join it by its token); with several processes,
+    rank 0's options and the fingerprints of the files it planned from, for the others to compare."""
 
     src: str
     dst: str
@@ -294,18 +299,22 @@ class MergeJob:
     engine: object  # the Engine; its name travels to the other ranks, which make their own
     target: object  # the Target; its token travels
     token: str = ""
+    options: dict = field(default_factory=dict)  # rank_agreement.compared_options
+    content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
         state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
         state["plan"] = self.plan.but(copies=())  # checked by rank 0 already
         return state
 
-    def join(self, src: str, dst: str) -> None:
+    def join(self, src: str, dst: str, rank: int, asked: dict) -> None:
         """On another rank: its own view of the sources and the target (the same folders, perhaps
-        mounted elsewhere), checked to be rank 0's."""
+        mounted elsewhere), checked to be rank 0's, as its options are."""
+        check_same_options(compared_options(asked), self.options, rank)
         self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
         self.src = src
         check_same_sources(src, self.identity)
+        check_same_copy(src, self.content, rank)
         self.target = LocalTarget.join(dst, self.token)
         self.engine = select_engine(self.engine, threads_share=local_processes())
 
@@ -313,52 +322,29 @@ class MergeJob:
         check_unchanged(self.src, self.identity)
 
 
-def _prepare(
-    src: str,
-    dst: str,
-    *,
-    dtype,
-    max_shard_size,
-    layout,
-    config,
-    overwrite,
-    engine,
-    allow_extra_tensors,
-    merge_lora,
-    lora_alpha,
-    lora_r,
-    base,
-    **options,
-) -> MergeJob:
+def _prepare(src: str, dst: str, asked: dict, several: bool) -> MergeJob:
     """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
-    check_engine_name(engine)
-    plan, files = _plan_and_lay_out(
-        src,
-        dst,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        layout=layout,
-        config=config,
-        allow_extra_tensors=allow_extra_tensors,
-        merge_lora=merge_lora,
-        lora_alpha=lora_alpha,
-        lora_r=lora_r,
-        base=base,
-        **options,
-    )
-    runner = select_engine(engine, job_kind(plan.tensors), threads_share=local_processes())
+    check_engine_name(asked["engine"])
+    plan_args = {name: value for name, value in asked.items() if name not in ("engine", "overwrite")}
+    plan, files = _plan_and_lay_out(src, dst, **plan_args)
+    runner = select_engine(asked["engine"], job_kind(plan.tensors), threads_share=local_processes())
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
+    options, content = {}, {}
+    if several:  # for the other ranks to compare theirs with (a few small reads per file)
+        options, content = compared_options(asked), content_of(src, (entry["path"] for entry in identity))
     return MergeJob(
         src,
         dst,
-        parse_dtype(dtype),
+        parse_dtype(asked["dtype"]),
         plan,
         files,
         lora_output.adapter_outputs(plan),
         identity,
         runner,
-        LocalTarget(dst, overwrite),
+        LocalTarget(dst, asked["overwrite"]),
+        options=options,
+        content=content,
     )
 
 
@@ -375,10 +361,10 @@ def _plan_and_lay_out(src: str, dst: str, *, dtype, max_shard_size, config, base
     return plan, files
 
 
-def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool) -> list:
+def _write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool, asked: dict) -> list:
     """This process's share of the bytes (all of them, alone); the CRC-32C of each piece written."""
     if processes.rank != 0:
-        job.join(src, dst)
+        job.join(src, dst, processes.rank, asked)
     share = share_out(job.files + job.adapter_files, processes.size)[processes.rank]
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
@@ -418,7 +404,7 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
     manifest = build_manifest(job.src, plan, files, model_checksums, job.identity, job.engine.name, job.dtype)
     if adapters:
         manifest["adapters"] = adapters  # each with a manifest of its own (lora.output)
-    target.write_json(MANIFEST_NAME, manifest)
+    target.write_manifest(manifest)  # last: it lists every file above
     job.check_sources()
     target.publish()
     return MergeReport(
@@ -435,7 +421,7 @@ def _finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeR
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=copied,
         notes=list(plan.notes) + adapter_notes,
-        warnings=list(plan.warnings),
+        warnings=[*plan.warnings, *target.warnings],
         adapters=adapters,
         processes=processes,
     )
@@ -507,12 +493,10 @@ def _existing_output_notes(dst: str) -> list[str]:
         return [] if os.path.isdir(parent) else [f"{parent} does not exist: the merge will create it"]
     if os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst):
         return [f"{dst} is an empty folder: the merge will replace it"]
-    if os.path.isdir(dst) and replaceable(dst):
+    refusal = overwrite_refusal(dst, dst) if os.path.isdir(dst) else f"{dst} is not a folder"
+    if refusal is None:
         return [f"{dst} exists: the merge needs {option('overwrite', True)}"]
-    return [
-        f"{dst} exists and is not an earlier merge or an empty folder: the merge will refuse it, "
-        f"even with {option('overwrite', True)}"
-    ]
+    return [f"{dst} exists: the merge will refuse it, even with {option('overwrite', True)} ({refusal})"]
 
 
 def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:

@@ -168,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-alpha",
         type=float,
         default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
     )
     inspect.add_argument(
         "--lora-r",
         type=int,
         default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
@@ -258,13 +258,13 @@ def _add_lora_options(verb) -> None:
         "--lora-alpha",
         type=float,
         default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it",
+        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
     )
     verb.add_argument(
         "--lora-r",
         type=int,
         default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes)",
+        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
     )
     verb.add_argument(
         "--base",
@@ -368,12 +368,38 @@ def _plan_options(args) -> dict:
     )
 
 
+class _WarningLines(logging.Handler):
+    """The package's logged warnings (what was kept of an earlier OUT_DIR), each said once on stderr as
+    `fsdpfast: warning: ...` at once, even when the merge then stops; the report's copy is not repeated."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.said.add(message)
+        print(f"fsdpfast: warning: {message}", file=sys.stderr)
+
+
 def _merge(args) -> int:
+    logger = logging.getLogger("fsdpfast")
+    lines = _WarningLines()
+    logger.addHandler(lines)
+    try:
+        return _merge_logged(args, lines.said)
+    finally:
+        logger.removeHandler(lines)
+
+
+def _merge_logged(args, said: set[str]) -> int:
     from .api import dry_run, merge
+    from .rank_agreement import RankDisagrees
 
     if args.verbose:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("fsdpfast: %(message)s"))
+        handler.addFilter(lambda record: record.levelno < logging.WARNING)  # _WarningLines says those
         logging.getLogger("fsdpfast").addHandler(handler)
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
     from . import group
@@ -400,7 +426,8 @@ def _merge(args) -> int:
             **_plan_options(args),
         )
     except FsdpfastError as exc:
-        if several and not isinstance(exc, (group.OtherRankFailed, group.LostRank)):  # say which process found it
+        told = (group.OtherRankFailed, group.LostRank, RankDisagrees)  # these name the rank already
+        if several and not isinstance(exc, told):  # say which process found it
             exc.args = (f"rank {group.this_rank()}: {exc}",)
         raise
     finally:
@@ -409,7 +436,7 @@ def _merge(args) -> int:
     if several and group.this_rank() != 0:
         return 0
     _emit(json.dumps(asdict(report), indent=2) if args.json else report.summary())
-    _warn(report.warnings)
+    _warn([warning for warning in report.warnings if warning not in said])
     return 0
 
 

@@ -20,6 +20,7 @@ from .plan.layout import OutputFile
 from .plan.model import MergePlan
 
 MANIFEST_NAME = "fsdpfast-manifest.json"
+WRITTEN = "written"  # each file of the folder but the manifest -> its size and mtime_ns: what --overwrite may remove
 CHECKSUM = "crc32c"
 _MERGE_DTYPES = set(TARGET_ALIASES.values())  # what build_manifest records as "dtype" (None: kept)
 
@@ -153,6 +154,8 @@ _FIELDS = {
     "layout": (False, _OPTIONAL),
     "layout_options": (False, (dict, type(None))),
     "dtype": (False, _OPTIONAL),
+    "files": (False, dict),  # read by --overwrite (io.earlier_output) against `written`
+    WRITTEN: (False, dict),
 }
 
 
@@ -191,6 +194,9 @@ def _check_fields(path: str, manifest) -> None:
             _damaged(path, f"the {CHECKSUM} of {name} is {str(crc)[:20]!r}, not 8 hex digits")
         if not with_checksums and crc is not None:
             _damaged(path, f"{name} has a {CHECKSUM} but the manifest says it has no checksums")
+    for name, entry in manifest.get(WRITTEN, {}).items():
+        if not (isinstance(entry, dict) and is_count(entry.get("size")) and is_count(entry.get("mtime_ns"))):
+            _damaged(path, f"the entry of {name[:80]} in {WRITTEN!r} is {str(entry)[:40]!r}, not a size and mtime_ns")
     for source in manifest.get("sources", []):
         if not (
             isinstance(source, dict)

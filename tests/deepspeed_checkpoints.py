@@ -14,8 +14,9 @@ from helpers import CheckpointsByWorld
 from fsdpfast.testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied
-# embeddings, frozen parameters, buffers and a second tag. World size 3 leaves stage 1/2 padding at the
-# end of the last rank's partition and stage 3 padding in pieces of odd-sized parameters.
+# embeddings, frozen parameters, buffers and a second tag (two saves of one run, at stages 2 and 3).
+# World size 3 leaves stage 1/2 padding at the end of the last rank's partition and stage 3 padding
+# in pieces of odd-sized parameters.
 DS_SPECS: dict[str, tuple[int, DeepSpeedSpec]] = {}
 
 
@@ -25,7 +26,7 @@ def _add(world: int, spec: DeepSpeedSpec) -> None:
 
 _add(2, DeepSpeedSpec("ds-w2-z1-fp32-tied-frozen", 1, tied=True, frozen=True, buffer=True, seed=20))
 _add(2, DeepSpeedSpec("ds-w2-z2-bf16-frozen-tags", 2, dtype="bfloat16", frozen=True, extra_tag="first", seed=21))
-_add(2, DeepSpeedSpec("ds-w2-z3-fp32-tied-frozen", 3, tied=True, frozen=True, buffer=True, seed=22))
+_add(2, DeepSpeedSpec("ds-w2-z3-fp32-tied-frozen", 3, tied=True, frozen=True, buffer=True, extra_tag="first", seed=22))
 _add(3, DeepSpeedSpec("ds-w3-z1-bf16", 1, dtype="bfloat16", seed=23))
 _add(3, DeepSpeedSpec("ds-w3-z2-fp32-tied", 2, tied=True, seed=24))
 _add(3, DeepSpeedSpec("ds-w3-z3-bf16-frozen", 3, dtype="bfloat16", frozen=True, buffer=True, seed=25))

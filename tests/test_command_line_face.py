@@ -21,6 +21,9 @@ from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.io.stored import read_folder
 from fsdpfast.wording import count, size
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 VERBS = ("merge", "inspect", "verify", "demo")
 
 

@@ -22,6 +22,9 @@ import fsdpfast
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH, BadInput
 from fsdpfast.manifest import MANIFEST_NAME
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"  # float32 (64, 64) in the tiny llama
 
 
@@ -156,6 +159,11 @@ MANIFESTS = {
     "no tensors": _edit("tensors"),
     "no checksum field": _edit("checksum"),
     "an entry without its file": _edit("tensors", "WEIGHT", "file"),
+    "written is a list": _edit("written", value=["config.json"]),
+    "a written entry as a bare size": _edit("written", "config.json", value=1),
+    "a written size as a string": _edit("written", "config.json", "size", value="1"),
+    "a written entry without its mtime_ns": _edit("written", "config.json", "mtime_ns"),
+    "files is a list": _edit("files", value=[]),
 }
 
 

@@ -21,6 +21,9 @@ from test_unsafe_pickles import payload_bytes, rewrite_data_pkl
 import fsdpfast
 from fsdpfast.errors import UnsafeCheckpoint
 
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
 Z2 = "ds-w2-z2-bf16-frozen-tags"  # root: latest -> global_step2, and an older tag `first`
 Z3 = "ds-w2-z3-fp32-tied-frozen"
 UP_PROJ = "model.layers.0.mlp.up_proj.weight"  # frozen in both
@@ -171,6 +174,93 @@ def optim_states_field(field: str, value):
     return damage
 
 
+# --- files of two saves of one run (latest -> global_step2, the older save in first/) --------
+
+
+def from_the_save_before(root: Path, victim: Path) -> str:
+    """Replace a file of the latest save by its namesake from the save before (a crash part way, a stray copy)."""
+    shutil.copy(root / "first" / victim.name, victim)
+    return victim.name
+
+
+def older_optim_rank_1(root: Path, others) -> list:
+    rank_1, rank_0 = from_the_save_before(root, optim_file(root, 1)), optim_file(root, 0).name
+    return [tag_dir(root), f"{rank_1} is from optimizer step 1", f"{rank_0} from optimizer step 2", "mixes two saves"]
+
+
+def older_model_states(root: Path, others) -> list:
+    """Stage 1/2's one model-states file: only the optimizer files' step can tell (they cannot be ahead of it)."""
+    older = from_the_save_before(root, model_states(root))
+    return [f"{optim_file(root, 0).name} is from optimizer step 2", f"{older} from global_steps 1", "mixes two saves"]
+
+
+def older_stage3_files(rank: int, *kinds: str):
+    def damage(root: Path, others) -> list:
+        for kind in kinds:
+            from_the_save_before(root, tag_dir(root) / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")
+        kind, counter = ("optim", "optimizer step") if "optim" in kinds else ("model", "global_steps")
+        steps = {rank: 1, 1 - rank: 2}
+        return [
+            f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt is from {counter} {steps[1]}",
+            f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt from {counter} {steps[0]}",
+            "point fsdpfast at one save's folder",
+        ]
+
+    return damage
+
+
+def reshape_on_rank_1(field: str, name: str, shape: list[int]):
+    """Stage 3: one rank's copy of the shapes edited (the merge lays out every rank by rank 0's)."""
+
+    def damage(root: Path, others) -> list:
+        victim = model_states(root, 1)
+        edit_model_states(victim, lambda whole: _set_shape(whole[field], name, torch.Size(shape)))
+        return [victim.name, f"records {field} {name} {shape}", "zero_pp_rank_0_mp_rank_00_model_states.pt", name]
+
+    return damage
+
+
+def _set_shape(shapes, name: str, shape) -> None:
+    groups = shapes if isinstance(shapes, list) else [shapes]
+    next(g for g in groups if name in g)[name] = shape
+
+
+def reorder_param_shapes_on_rank_1(root: Path, others) -> list:
+    victim = model_states(root, 1)
+
+    def edit(whole):
+        group = whole["param_shapes"][0]
+        first = next(iter(group))
+        group[first] = group.pop(first)  # the same shapes, the first parameter moved last
+
+    edit_model_states(victim, edit)
+    return [victim.name, "param_shapes", "at position 0"]
+
+
+def alignment_paddings_on_rank_1(root: Path, others) -> list:
+    victim = optim_file(root, 1)
+    edit_optim_states(victim, lambda state: state["param_alignment_paddings"][0].__setitem__(0, 2))
+    return [victim.name, "param_alignment_paddings", "two runs or saves"]
+
+
+def dp_world_size_of_another_run(root: Path, others) -> list:
+    edit_model_states(model_states(root), lambda whole: whole.update(dp_world_size=4))
+    return ["mp_rank_00_model_states.pt records dp_world_size 4", "over 2 ranks (partition_count)"]
+
+
+def model_states_of_a_stage_1_run(root: Path, others) -> list:
+    edit_model_states(model_states(root), lambda whole: whole["ds_config"]["zero_optimization"].update(stage=1))
+    return ["mp_rank_00_model_states.pt records the ZeRO stage 1", "the optimizer files are of ZeRO stage 2"]
+
+
+def ds_version_on_rank_1(root: Path, others) -> list:
+    victim = optim_file(root, 1)
+    whole = torch.load(victim, weights_only=False)
+    whole["ds_version"] = "0.18.0"
+    torch.save(whole, victim)
+    return [f"{victim.name} is from ds_version 0.18.0", "from ds_version 0.19.8"]
+
+
 def add_dcp_files(root: Path, others) -> list:
     (root / ".metadata").write_bytes(b"")
     (root / "__0_0.distcp").write_bytes(b"")
@@ -206,6 +296,21 @@ DAMAGES = {
     "alignment paddings for fewer groups": Damage(Z2, optim_states_field("param_alignment_paddings", [])),
     "alignment paddings not whole numbers": Damage(Z2, optim_states_field("param_alignment_paddings", [["4"]])),
     "partition_count of lists": Damage(Z2, optim_states_field("partition_count", [[2]])),
+    "stage 2: rank 1's optimizer file of the save before": Damage(Z2, older_optim_rank_1),
+    "stage 2: model states of the save before": Damage(Z2, older_model_states),
+    "stage 3: rank 1's optimizer file of the save before": Damage(Z3, older_optim_rank_1),
+    "stage 3: rank 0's model states of the save before": Damage(Z3, older_stage3_files(0, "model")),
+    "stage 3: rank 1's model states of the save before": Damage(Z3, older_stage3_files(1, "model")),
+    "stage 3: both of rank 1's files of the save before": Damage(Z3, older_stage3_files(1, "model", "optim")),
+    "stage 3: param_shapes differ on rank 1": Damage(Z3, reshape_on_rank_1("param_shapes", Q_PROJ, [65, 64])),
+    "stage 3: param_shapes order differs on rank 1": Damage(Z3, reorder_param_shapes_on_rank_1),
+    "stage 3: frozen_param_shapes differ on rank 1": Damage(
+        Z3, reshape_on_rank_1("frozen_param_shapes", UP_PROJ, [64, 88])
+    ),
+    "stage 2: param_alignment_paddings differ on rank 1": Damage(Z2, alignment_paddings_on_rank_1),
+    "stage 2: dp_world_size of another run": Damage(Z2, dp_world_size_of_another_run),
+    "stage 2: model states of a stage 1 run": Damage(Z2, model_states_of_a_stage_1_run),
+    "stage 2: ds_version differs on rank 1": Damage(Z2, ds_version_on_rank_1),
 }
 
 
@@ -291,3 +396,48 @@ def test_a_latest_file_alone_is_not_a_deepspeed_checkpoint(checkpoints, tmp_path
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     (folder / "latest").write_text("global_step1")
     assert fsdpfast.merge(folder, tmp_path / "out").layout == "fsdp-ranks"
+
+
+# --- look-alikes of two saves: one save, whichever tag or route, merges bit-exact ------------
+
+
+@pytest.mark.parametrize("name", [Z2, Z3])
+@pytest.mark.parametrize("tag", ["first", None], ids=["older-tag", "latest"])
+def test_each_save_of_a_run_merges_bit_exact(deepspeed_checkpoints, tmp_path, name, tag):
+    spec, root = deepspeed_checkpoints.get(name)
+    report = fsdpfast.merge(root, tmp_path / "out", tag=tag)
+    reference = torch.load(spec.reference_path(deepspeed_checkpoints.root, tag), weights_only=True)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"], tied=reference["tied"])
+    step = 1 if tag else 2
+    files = 3 if name == Z2 else 4
+    assert f"one save: {files} rank files agree on global_steps {step} and optimizer step {step}" in report.notes
+
+
+@pytest.mark.parametrize("name", [Z2, Z3])
+def test_an_optimizer_behind_the_engine_merges(deepspeed_checkpoints, tmp_path, name):
+    """A run resumed without its optimizer states counts engine steps on while Adam's `step` restarts,
+    and fp16 overflows count skipped steps the optimizer never took: only an optimizer ahead is refused."""
+    spec, root = deepspeed_checkpoints.get(name)
+    copy = Path(shutil.copytree(root, tmp_path / "ckpt"))
+    for path in tag_dir(copy).glob("*model_states.pt"):
+        edit_model_states(path, lambda whole: whole.update(global_steps=9, skipped_steps=7))  # 2 unskipped
+    fsdpfast.merge(copy, tmp_path / "out")
+    reference = torch.load(spec.reference_path(deepspeed_checkpoints.root), weights_only=True)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), reference["state_dict"], tied=reference["tied"])
+    for path in tag_dir(copy).glob("*model_states.pt"):
+        edit_model_states(path, lambda whole: whole.update(skipped_steps=8))  # 1 unskipped: Adam's 2 is ahead
+    cli_refuses(copy, tmp_path / "out2", mentions=["is from optimizer step 2", "from global_steps 9 (8 skipped)"])
+
+
+@pytest.mark.parametrize("name", [Z2, Z3])
+def test_two_saves_are_refused_by_every_route_to_the_tag(deepspeed_checkpoints, tmp_path, name):
+    """`latest`, `--tag` and the tag folder given itself all read the files through the same check."""
+    _, root = deepspeed_checkpoints.get(name)
+    copy = Path(shutil.copytree(root, tmp_path / "ckpt"))
+    latest = tag_dir(copy)
+    (stray,) = latest.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    shutil.copy(stray, copy / "first" / stray.name)  # the newer save's rank 1 in the older tag folder
+    mentions = [f"{stray.name} is from optimizer step 2", "from optimizer step 1", "mixes two saves"]
+    cli_refuses(copy, tmp_path / "out", "--tag", "first", mentions=[copy / "first", *mentions])
+    api_refuses(copy / "first", tmp_path / "out", mentions=[copy / "first", *mentions])
+    fsdpfast.merge(latest, tmp_path / "latest")  # the other tag of the same root is still one save

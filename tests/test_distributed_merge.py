@@ -11,15 +11,21 @@ the tensor they share is combined from theirs.
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 from merge_processes import Ranks, left_beside, same_output
+from test_bad_input import edit_state_dict, tree_digest
 
 import fsdpfast
 from fsdpfast import _ops
@@ -212,6 +218,134 @@ def test_a_rank_that_cannot_see_the_folder_stops_all(wide, tmp_path, blind):
     assert not elsewhere.exists()  # nothing made where rank 1 looked
 
 
+# --- every rank reads what rank 0 planned from, with rank 0's options ---------------------------
+
+
+def _copy_with_mtimes(folder: str, where: Path) -> Path:
+    """A copy of the checkpoint elsewhere (another node's disk): the same bytes, sizes and mtimes."""
+    return Path(shutil.copytree(folder, where, copy_function=shutil.copy2))
+
+
+def _altered_rank_file(copy: Path) -> str:
+    """Rank 1's file saved again by torch with one tensor changed (its CRC-32s change with it)."""
+    (path,) = copy.glob("model_world_size_*_rank_1.pt")
+
+    def add_one(state: dict) -> None:
+        value = state["model.norm.weight"]
+        getattr(value, "_local_tensor", value).add_(1)  # a DTensor's local piece, or a plain tensor
+
+    edit_state_dict(path, add_one)
+    return path.name
+
+
+def _altered_distcp(copy: Path) -> str:
+    """The largest tensor chunk of a .distcp file saved again by torch, each element plus 1, in its
+    place: DCP writes each chunk as a torch.save archive, so its CRC-32s change as a new save's would."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(copy)).read_metadata().storage_data
+    chunk = max(storage.values(), key=lambda info: info.length)
+    with open(copy / chunk.relative_path, "r+b") as f:
+        f.seek(chunk.offset)
+        tensor = torch.load(io.BytesIO(f.read(chunk.length)), weights_only=True)
+        saved = io.BytesIO()
+        torch.save(tensor + 1, saved)
+        assert len(saved.getvalue()) == chunk.length
+        f.seek(chunk.offset)
+        f.write(saved.getvalue())
+    return chunk.relative_path
+
+
+def _altered_metadata(copy: Path) -> str:
+    """.metadata as another save of the same tensors writes it: another save_id, the same length."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save_id = FileSystemReader(str(copy)).read_metadata().storage_meta.save_id
+    path = copy / ".metadata"
+    data = path.read_bytes()
+    assert data.count(save_id.encode()) == 1
+    path.write_bytes(data.replace(save_id.encode(), str(uuid.uuid4()).encode()))
+    return ".metadata"
+
+
+def _same_size_and_mtime(copy: Path, name: str, folder: str) -> None:
+    original = os.stat(os.path.join(folder, name))
+    assert os.path.getsize(copy / name) == original.st_size  # what the check by size and mtime would pass
+    os.utime(copy / name, ns=(original.st_atime_ns, original.st_mtime_ns))
+
+
+@pytest.mark.parametrize(
+    "name,alter",
+    [("wide", _altered_rank_file), ("wide-dcp", _altered_distcp), ("wide-dcp", _altered_metadata)],
+    ids=["rank-file", "distcp", "metadata"],
+)
+def test_a_rank_reading_another_copy_stops_all(wide, tmp_path, name, alter):
+    """Rank 1 reads a copy of the checkpoint with the same file sizes and mtimes but other bytes in
+    one file: every rank refuses, naming the file, and nothing is published."""
+    _, folder = wide.get(name)
+    copy = _copy_with_mtimes(folder, tmp_path / "node1" / "ckpt")
+    altered = alter(copy)
+    _same_size_and_mtime(copy, altered, folder)
+    out = tmp_path / "shared" / "out"
+    before = tree_digest(folder), tree_digest(copy)
+    results = Ranks(
+        lambda rank: [copy if rank == 1 else folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 60], 2
+    ).wait()
+    assert [status for status, *_ in results] == [EXIT_BAD_INPUT] * 2, results
+    (own,) = _error_lines(results[1][2])
+    (told,) = _error_lines(results[0][2])
+    assert own.startswith(f"fsdpfast: error: rank 1: {copy / altered}: not the file rank 0 planned from ("), own
+    assert told.startswith(f"fsdpfast: error: rank 1 failed: rank 1: {copy / altered}: ") and told.endswith(
+        "; nothing was published"
+    )
+    assert not out.parent.exists()  # made for the merge (missing parents), removed with it
+    assert (tree_digest(folder), tree_digest(copy)) == before
+
+
+@pytest.mark.parametrize(
+    "option,rank0,rank1",
+    [("--dtype", "bf16", "fp16"), ("--engine", "cpu", "torch"), ("--max-shard-size", SHARD, "2MB")],
+)
+def test_a_rank_started_with_other_options_stops_all(wide, tmp_path, option, rank0, rank1):
+    _, folder = wide.get("wide")
+    out = tmp_path / "out"
+    before = tree_digest(folder)
+    results = Ranks(
+        lambda rank: (
+            [folder, "--out", out, "--timeout", 60, "--max-shard-size", SHARD] + [option, rank1 if rank == 1 else rank0]
+        ),
+        2,
+    ).wait()
+    assert [status for status, *_ in results] == [EXIT_BAD_INPUT] * 2, results
+    (own,) = _error_lines(results[1][2])
+    (told,) = _error_lines(results[0][2])
+    said = f"rank 1 was started with {option} {rank1!r}, rank 0 with {option} {rank0!r}; start every rank with the same options"
+    assert own == f"fsdpfast: error: {said}"
+    assert told == f"fsdpfast: error: rank 1 failed: {said}; nothing was published"
+    assert not out.exists() and left_beside(out) == []
+    assert tree_digest(folder) == before
+
+
+def test_a_copy_elsewhere_and_options_spelled_otherwise_merge(wide, tmp_path):
+    """The look-alike of the two refusals above: rank 1 reads an identical copy at another path and is
+    given --dtype bfloat16 for bf16 and 1000KB for 1MB; the output is the single-process merge's."""
+    spec, folder = wide.get("wide")
+    copy = _copy_with_mtimes(folder, tmp_path / "node1" / "ckpt")
+    single, out = tmp_path / "single", tmp_path / "shared" / "out"
+    fsdpfast.merge(folder, single, max_shard_size=SHARD, dtype="bf16")
+
+    def argv(rank):
+        if rank == 1:
+            return [copy, "--out", out, "--max-shard-size", "1000KB", "--dtype", "bfloat16", "--timeout", 60]
+        return [folder, "--out", out, "--max-shard-size", SHARD, "--dtype", "bf16", "--timeout", 60]
+
+    results = Ranks(argv, 2).wait()
+    assert [status for status, *_ in results] == [0, 0], results
+    same_output(single, out)
+    reference, tied = load_reference(spec.reference_path(wide.root))
+    assert_bit_exact(read_merged(str(out)), reference, torch.bfloat16, tied)
+
+
 # --- the parts, one process writing them all ----------------------------------------------------
 
 
@@ -299,3 +433,28 @@ def _pairs(e: Extent):
                 e.src_offset + run * (e.src_stride or e.count) + i,
                 e.dst_offset + run * (e.dst_stride or e.count) + i,
             )
+
+
+def test_overwrite_under_torchrun_replaces_only_an_earlier_merge(wide, tmp_path):
+    """Rank 0 checks the earlier folder before any rank writes: a file fsdpfast did not write stops them all."""
+    _, folder = wide.get("wide")
+    single, out = tmp_path / "single", tmp_path / "out"
+    fsdpfast.merge(folder, single, max_shard_size=SHARD)
+    fsdpfast.merge(folder, out, dtype="bf16")  # the earlier merge: one bf16 file
+    (out / "eval_results.json").write_text('{"accuracy": 0.5}')
+
+    def argv(rank):
+        return [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 120, "--overwrite"]
+
+    results = Ranks(argv, 2).wait()
+    assert [status for status, *_ in results] == [EXIT_BAD_INPUT] * 2, results
+    (own,) = _error_lines(results[0][2])
+    (told,) = _error_lines(results[1][2])
+    assert "1 entry fsdpfast did not write (eval_results.json)" in own
+    assert told.startswith("fsdpfast: error: rank 0 failed: ") and "eval_results.json" in told
+    assert (out / "eval_results.json").read_text() == '{"accuracy": 0.5}' and left_beside(out) == []
+    (out / "eval_results.json").unlink()
+    results = Ranks(argv, 2).wait()
+    assert [status for status, *_ in results] == [0, 0], results
+    same_output(single, out)
+    assert left_beside(out) == []

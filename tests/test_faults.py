@@ -29,8 +29,10 @@ from fsdpfast.cli import main
 from fsdpfast.errors import EXIT_FAILURE
 from fsdpfast.io.output_guard import STAGING_MARKER, lock_path
 
-# The real CLI, held after the first output file is written (`file`) or after the previous
-# OUT_DIR was moved aside by --overwrite (`swap`), until the test deletes the ready file.
+# The real CLI, held after the first output file is written (`file`), after the previous
+# OUT_DIR was moved aside by --overwrite (`swap`), after the new one took its place (`renamed`)
+# or once that was recorded beside the previous one (`published`), until the test deletes the
+# ready file.
 HELD_CLI = r"""
 import os, sys, time
 import fsdpfast.execute.writer as writer
@@ -51,11 +53,20 @@ if point == "file":
         hold()
         return result
     writer.write_part = write_file_then_hold
+elif point == "published":
+    import fsdpfast.io.staging as staging
+    real_write_marker = staging.write_marker
+    def write_marker_then_hold(folder, marker, out_dir):
+        real_write_marker(folder, marker, out_dir)
+        if marker == staging.PUBLISHED_MARKER:
+            hold()
+    staging.write_marker = write_marker_then_hold
 else:
     real_rename = os.rename
     def rename_then_hold(src, dst):
         real_rename(src, dst)
-        if str(dst).endswith(os.sep + "previous"):
+        moved_aside = str(dst).endswith(os.sep + "previous")
+        if moved_aside == (point == "swap"):  # "renamed": the new folder renamed into place
             hold()
     os.rename = rename_then_hold
 sys.exit(main(sys.argv[1:]))
@@ -151,6 +162,74 @@ def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoi
     assert_mentions(line, [out, "already exists"])
     assert tree_digest(out) == earlier
     assert leftovers(out) == [out.name]
+
+
+@pytest.mark.parametrize("made", ["an empty folder", "a folder with a file"])
+def test_killed_during_the_overwrite_swap_then_out_made_again_keeps_the_earlier_merge(checkpoints, tmp_path, made):
+    """`mkdir OUT` after the kill, then a plain merge: OUT_DIR existing does not mean the new one was
+    published. An empty OUT_DIR gives way to the earlier merge (then refused: it is not empty); a
+    non-empty one is refused before anything beside it is touched, and the earlier merge waits, still
+    marked, until OUT_DIR is empty or gone again."""
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, dtype="bf16")
+    earlier = tree_digest(out)
+    HeldMerge(tmp_path, folder, out, "--overwrite", point="swap").kill()
+    (old,) = [name for name in leftovers(out) if name.startswith(f".{out.name}.old-")]
+    previous = tmp_path / old / "previous"
+    out.mkdir()
+    if made == "a folder with a file":
+        (out / "notes.md").write_text("mine")
+        for options in ((), ("--overwrite",)):
+            line = the_error_line(run_cli("merge", folder, "--out", out, *options))
+            assert_mentions(line, [out])
+            assert tree_digest(previous) == earlier and (out / "notes.md").read_text() == "mine"
+        (out / "notes.md").unlink()  # OUT_DIR empty again
+
+    line = the_error_line(run_cli("merge", folder, "--out", out))
+    assert_mentions(line, [out, "already exists"])  # without --overwrite a non-empty OUT_DIR is refused
+    assert tree_digest(out) == earlier  # the earlier merge is back under its name
+    assert leftovers(out) == [out.name]
+
+
+def test_killed_between_the_new_folders_rename_and_its_record_keeps_the_earlier_merge(checkpoints, tmp_path):
+    """The new OUT_DIR renamed in but not yet recorded as published: the next run cannot tell it from a
+    folder someone made, so the earlier merge is kept (named), never removed."""
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, dtype="bf16")
+    earlier = tree_digest(out)
+    HeldMerge(tmp_path, folder, out, "--overwrite", point="renamed").kill()
+    (old,) = [name for name in leftovers(out) if name.startswith(f".{out.name}.old-")]
+    previous = tmp_path / old / "previous"
+
+    result = run_cli("merge", folder, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert f"the earlier merge is kept in {previous}" in result.stderr
+    assert tree_digest(previous) == earlier
+    reference, tied = reference_of(checkpoints, "w2-llama")
+    assert_bit_exact(read_merged(out), reference, tied=tied)
+
+
+def test_killed_once_the_overwrite_published_the_next_run_removes_only_the_earlier_merge(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, dtype="bf16")
+    held = HeldMerge(tmp_path, folder, out, "--overwrite", point="published")
+    held.kill()
+    (old,) = [name for name in leftovers(out) if name.startswith(f".{out.name}.old-")]  # the earlier merge, aside
+    previous = tmp_path / old / "previous"
+    (previous / "eval_results.json").write_text("written into it meanwhile")
+
+    result = run_cli("merge", folder, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"fsdpfast: warning: eval_results.json appeared in {out} while it was being replaced: "
+        f"not written by fsdpfast, kept in {previous}"
+    ]
+    assert [p.name for p in previous.iterdir()] == ["eval_results.json"]  # the earlier merge's own files are gone
+    reference, tied = reference_of(checkpoints, "w2-llama")
+    assert_bit_exact(read_merged(out), reference, tied=tied)
 
 
 @pytest.mark.parametrize("rename,when", [(1, "before"), (1, "after"), (2, "before"), (2, "after")])

@@ -17,9 +17,12 @@ import pytest
 import torch
 from helpers import assert_bit_exact, read_merged
 from safetensors.torch import load_file
-from test_bad_input import cli_refuses, run_cli
+from test_bad_input import api_refuses, cli_refuses, run_cli
 
 import fsdpfast
+
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "megatron"
 # every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
@@ -303,13 +306,13 @@ def test_tp2_pp2_without_config_equals_megatron_bridges_export(tmp_path):
     assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "bridge_export.safetensors")))
 
 
-def _with_args(tmp_path: Path, drop=(), **changes) -> Path:
-    """The tp2_pp2 run with its common.pt's args changed, saved as Megatron saves common.pt (torch.save)."""
+def _with_args(tmp_path: Path, drop=(), name="tp2_pp2", **changes) -> Path:
+    """The run with its common.pt's args changed, saved as Megatron saves common.pt (torch.save)."""
     import argparse
 
     from fsdpfast.readers.megatron_args import read_training_args
 
-    run = _copy("tp2_pp2", tmp_path) / "run"
+    run = _copy(name, tmp_path) / "run"
     args, _ = read_training_args(str(run / ITERATION))
     recorded = {k: v for k, v in args.recorded.items() if k not in drop}
     common = {"args": argparse.Namespace(**{**recorded, **changes}), "checkpoint_version": 3.0, "iteration": 7}
@@ -324,9 +327,6 @@ def _with_args(tmp_path: Path, drop=(), **changes) -> Path:
         (("rotary_base", "swiglu"), {}, ("rotary_base", "swiglu", "--config")),
         ((), dict(window_size=(4095, 0)), ("window_size", "--config")),
         ((), dict(use_rope_scaling=True), ("use_rope_scaling", "--config")),
-        ((), dict(padded_vocab_size=128), ("padded_vocab_size 128", "embedding rows 102")),
-        ((), dict(untie_embeddings_and_output_weights=False), ("untie_embeddings_and_output_weights",)),
-        ((), dict(ffn_hidden_size=64), ("linear_fc1.weight", "intermediate_size 64")),  # shapes still checked
     ],
 )
 def test_args_that_cannot_build_the_config_are_refused(tmp_path, drop, changes, mentions):
@@ -344,3 +344,170 @@ def test_args_that_cannot_build_the_config_are_refused(tmp_path, drop, changes, 
 def test_args_that_contradict_the_config_are_refused(tmp_path, changes, mentions):
     run = _with_args(tmp_path, **changes)
     cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=mentions)
+
+
+# --- the args against the tensors: refused whether a config.json is given or built from them -------
+
+# (fixture, the args changed, what the line names): each contradicts what the fixture's tensors show
+AGAINST_THE_TENSORS = [
+    ("tp2_pp2", dict(num_layers=3), ("num_layers 3", "4 layers")),
+    ("tp2_pp2", dict(hidden_size=96), ("hidden_size 96", "word_embeddings.weight has 64 columns")),
+    ("tp2_pp2", dict(num_query_groups=4), ("num_query_groups 4", "linear_qkv.weight has 128 rows")),  # MHA args
+    ("tp2_pp2", dict(kv_channels=8), ("kv_channels 8", "linear_qkv.weight has 128 rows")),
+    ("tp2_pp2", dict(ffn_hidden_size=64), ("ffn_hidden_size 64", "linear_fc1.weight has 256 rows")),
+    ("tp2_pp2", dict(padded_vocab_size=128), ("padded_vocab_size 128", "word_embeddings.weight has 102 rows")),
+    ("tp2_pp2", dict(untie_embeddings_and_output_weights=False), ("untie_embeddings_and_output_weights False",)),
+    ("tp2_pp2", dict(add_qkv_bias=True), ("add_qkv_bias True", "no linear_qkv.bias")),
+    ("tp2_pp2", dict(add_bias_linear=True), ("add_bias_linear True", "linear_proj")),
+    ("tp2_pp2", dict(num_experts=8), ("num_experts 8", "no expert tensors")),
+    (
+        "tp2_pp2_vpp2_qwen2_tied_bf16",
+        dict(untie_embeddings_and_output_weights=True),
+        ("untie_embeddings_and_output_weights True", "no output_layer.weight"),
+    ),
+    ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(add_qkv_bias=False), ("add_qkv_bias False", "a linear_qkv.bias")),
+]
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["built", "given"])
+@pytest.mark.parametrize("name, changes, mentions", AGAINST_THE_TENSORS)
+def test_args_that_contradict_the_tensors_are_refused(tmp_path, name, changes, mentions, with_config):
+    run = _with_args(tmp_path, name=name, **changes)
+    config = ("--config", DATA / name / "hf") if with_config else ()
+    line = cli_refuses(run, tmp_path / "out", *config, mentions=(*mentions, "common.pt is not these tensors' run"))
+    assert "--config" not in line  # a config cannot settle it: the checkpoint's own files disagree
+
+
+def test_the_python_face_refuses_args_that_contradict_the_tensors(tmp_path):
+    run = _with_args(tmp_path, num_layers=3)
+    api_refuses(run, tmp_path / "out", mentions=("num_layers 3", "4 layers"))
+    api_refuses(run, tmp_path / "out", mentions=("num_layers 3", "4 layers"), config=DATA / "tp2_pp2" / "hf")
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["built", "given"])
+def test_args_that_change_no_weight_still_merge_bit_exact(tmp_path, with_config):
+    run = _with_args(tmp_path, lr=3e-4, train_iters=1000, seed=7, save_interval=None)
+    fsdpfast.merge(run, tmp_path / "out", config=DATA / "tp2_pp2" / "hf" if with_config else None)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+
+
+# --- the args against config.json: what the shapes cannot tell -----------------------------------
+
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+_LLAMA3_CONFIG = dict(
+    rope_scaling=None, rope_parameters={**_LLAMA3, "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+)
+
+
+def _config_beside(tmp_path: Path, run: Path, name: str = "tp2_pp2", **changes) -> Path:
+    """A copy of the fixture's config.json, changed, as huggingface/ in the iteration folder (found without --config)."""
+    hf = _config(tmp_path, name, **changes)
+    shutil.copytree(hf, run / ITERATION / "huggingface")
+    return hf
+
+
+# (fixture, the args changed, config.json changed, what the line names)
+AGAINST_THE_CONFIG = [
+    ("tp2_pp2", {}, dict(rms_norm_eps=1e-6), ("norm_epsilon 1e-05", "rms_norm_eps 1e-06")),
+    (
+        "tp2_pp2",
+        {},
+        dict(rope_theta=500000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        ("rotary_base 10000", "rope_theta 500000.0"),
+    ),
+    ("tp2_pp2", {}, dict(hidden_act="gelu"), ("swiglu True", "hidden_act 'gelu'")),
+    ("tp2_pp2", {}, _LLAMA3_CONFIG, ("use_rope_scaling False", "rope_type 'llama3'")),
+    ("tp2_pp2", dict(use_rope_scaling=True), {}, ("use_rope_scaling True", "rope_type 'default'")),
+    (
+        "tp2_pp2",
+        dict(use_rope_scaling=True, rope_scaling_factor=16.0),
+        _LLAMA3_CONFIG,
+        ("rope_scaling_factor 16.0", "factor 8.0"),
+    ),
+    (
+        "tp2_pp2",
+        dict(rotary_seq_len_interpolation_factor=2.0),
+        {},
+        ("rotary_seq_len_interpolation_factor 2.0", "'linear'"),
+    ),
+    ("tp2_pp2", dict(window_size=(31, 0)), {}, ("window_size (31, 0)", "no sliding window")),
+    # Megatron-LM pads to a multiple of 3 x TP 2 = 6: 102 rows hold a vocabulary of 97..102, not 96
+    ("tp2_pp2", dict(make_vocab_size_divisible_by=3), dict(vocab_size=96), ("vocab_size 96", "fewer than 6 rows")),
+    ("tp2_pp2", dict(num_attention_heads=8, num_query_groups=4, kv_channels=8), {}, ("num_attention_heads 8",)),
+]
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["--config", "beside"])
+@pytest.mark.parametrize("name, args, changes, mentions", AGAINST_THE_CONFIG)
+def test_args_that_contradict_the_config_json_are_refused(tmp_path, name, args, changes, mentions, found):
+    run = _with_args(tmp_path, name=name, **args)
+    if found:
+        _config_beside(tmp_path, run, name, **changes)
+        line = cli_refuses(run, tmp_path / "out", mentions=mentions)
+    else:
+        line = cli_refuses(run, tmp_path / "out", "--config", _config(tmp_path, name, **changes), mentions=mentions)
+    assert "common.pt" in line and "--config" in line  # both sides named, and the option that settles it
+
+
+@pytest.mark.parametrize(
+    "args, changes",
+    [
+        (dict(make_vocab_size_divisible_by=3), dict(vocab_size=97)),  # the fewest rows 102 can be padding of
+        (dict(make_vocab_size_divisible_by=3), dict(vocab_size=100)),
+        (dict(use_rope_scaling=True, rope_scaling_factor=8.0), _LLAMA3_CONFIG),
+        (dict(rotary_seq_len_interpolation_factor=2.0), dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        (
+            dict(window_size=(31, 0)),
+            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32),
+        ),
+        ({}, dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+        ({}, dict(hidden_act="swish")),
+    ],
+)
+def test_args_and_a_config_that_agree_merge_bit_exact(tmp_path, args, changes):
+    config = _config(tmp_path, "tp2_pp2", **changes)
+    report = fsdpfast.merge(_with_args(tmp_path, **args), tmp_path / "out", config=config)
+    merged, reference = read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors"))
+    vocab = changes.get("vocab_size", 102)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # padding rows left out
+        reference[name] = reference[name][:vocab]
+    assert_bit_exact(merged, reference)
+    assert any("agree with the training args" in note for note in report.notes), report.notes
+
+
+def test_a_longer_max_position_embeddings_merges_with_a_note(tmp_path):
+    config = _config(tmp_path, "tp2_pp2", max_position_embeddings=4096)  # a context the serving config allows
+    report = fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out", config=config)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+    assert any("max_position_embeddings 4096" in note and "64" in note for note in report.notes), report.notes
+
+
+# --- config.json against the tensors: what a config can get wrong that the shapes do not show -------
+
+
+@pytest.mark.parametrize(
+    "name, changes, mentions",
+    [
+        ("tp2_pp2", dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), ("no linear_qkv.bias", "qwen2")),
+        ("tp2_pp2", dict(attention_bias=True), ("attention_bias True",)),
+        ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(model_type="llama"), ("holds linear_qkv.bias", "'llama'")),
+        ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(model_type="mistral"), ("holds linear_qkv.bias", "'mistral'")),
+    ],
+)
+def test_a_config_of_another_family_is_refused(tmp_path, name, changes, mentions):
+    config = _config(tmp_path, name, **changes)
+    cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "--config"))
+
+
+@pytest.mark.parametrize("name", ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16"])
+def test_a_config_without_tie_word_embeddings_is_read_as_untied(tmp_path, name):
+    # transformers' default for Llama, Mistral and Qwen2: a tied checkpoint would load with lm_head missing
+    config = _config(tmp_path, name)
+    values = json.loads((config / "config.json").read_text())
+    del values["tie_word_embeddings"]
+    (config / "config.json").write_text(json.dumps(values))
+    if name == "tp2_pp2":  # untied: the look-alike merges
+        fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=config)
+        assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors")))
+    else:
+        cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=("no tie_word_embeddings",))

@@ -19,10 +19,11 @@ import pytest
 import torch
 from helpers import CheckpointsByWorld, bits, read_merged
 from peft_checks import adapter_folder, assert_same, peft_logits
+from test_bad_input import cli_refuses
 
 import fsdpfast
 from fsdpfast.lora.split import lora_role
-from fsdpfast.testing.peft_examples import PeftSpec
+from fsdpfast.testing.peft_examples import PeftSpec, lora_config
 from fsdpfast.testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 
 pytest.importorskip("peft")
@@ -165,4 +166,76 @@ def test_inspect_shows_the_rebuilt_peft_model(fsdp1_lora):
     assert (
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
         in units["base_model.model.model.layers.0"]
+    )
+
+
+# --- the records of an adapter disagreeing with each other, or with the tensors and the model ----------
+
+
+def _save_adapter_config(spec: PeftSpec, folder, **fields) -> None:
+    """peft's own adapter_config.json of the spec's LoraConfig (save_pretrained), with `fields` changed."""
+    lora_config(spec, **fields).save_pretrained(str(folder))
+
+
+def test_lora_alpha_the_two_files_disagree_on_is_refused(fsdp1_lora, tmp_path):
+    spec, _ = fsdp1_lora.get("orig-w2")
+    folder = fsdp1_lora.copy("orig-w2", tmp_path)
+    _save_adapter_config(spec, folder, lora_alpha=32)
+    mentions = [
+        "adapter_config.json records lora_alpha 32",
+        "lora_train_meta.json records lora_alpha 8",
+        "--lora-alpha A",
+    ]
+    cli_refuses(folder, tmp_path / "out", mentions=mentions)
+    cli_refuses(folder, tmp_path / "out", "--merge-lora", mentions=mentions)
+    fsdpfast.merge(folder, tmp_path / "settled", merge_lora=True, lora_alpha=8)
+    assert_same(read_merged(tmp_path / "settled"), fsdp1_lora.reference("orig-w2")["merged"])
+    _save_adapter_config(spec, folder)  # the look-alike: both files record the training's alpha
+    fsdpfast.merge(folder, tmp_path / "agreed")
+    assert_same(
+        read_merged(tmp_path / "agreed" / "lora_adapter"), fsdp1_lora.reference("orig-w2")["adapters"]["default"]
+    )
+
+
+def test_a_recorded_r_the_views_contradict_is_refused(fsdp1_lora, tmp_path):
+    """use_orig_params=True: the views show rank 4; an adapter_config.json saying 8 is not this training's."""
+    spec, _ = fsdp1_lora.get("orig-w2")
+    folder = fsdp1_lora.copy("orig-w2", tmp_path)
+    os.remove(os.path.join(folder, "lora_train_meta.json"))
+    _save_adapter_config(spec, folder, r=8)
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        "--lora-alpha",
+        8,
+        mentions=["adapter_config.json gives", "rank 8 (r), but its lora_A is [4, 64] (rank 4)", "--lora-r 4"],
+    )
+
+
+def test_without_views_r_the_two_files_disagree_on_is_refused(fsdp1_lora, tmp_path):
+    """peft's wrap policy saves no views: r shapes the rebuilt model, so the two files must agree on it."""
+    folder = fsdp1_lora.copy("peft-policy-w2", tmp_path)  # lora_adapter/adapter_config.json records r 4
+    with open(os.path.join(folder, "lora_train_meta.json"), "w") as f:
+        json.dump({"r": 8, "lora_alpha": 8, "task_type": "CAUSAL_LM"}, f)
+    mentions = ["adapter_config.json records r 4", "lora_train_meta.json records r 8", "--lora-r R"]
+    cli_refuses(folder, tmp_path / "out", mentions=mentions)
+    fsdpfast.merge(folder, tmp_path / "settled", lora_r=4)
+    ref = fsdp1_lora.reference("peft-policy-w2")
+    assert_same(read_merged(tmp_path / "settled" / "lora_adapter"), ref["adapters"]["default"])
+
+
+@pytest.mark.parametrize("flags", [[], ["--merge-lora"]])
+def test_an_adapter_for_a_module_the_model_lacks_is_refused(fsdp1_lora, tmp_path, flags):
+    """config.json of one layer fewer: the files' layer-1 adapters are for modules that model lacks."""
+    folder = fsdp1_lora.copy("orig-w2", tmp_path)
+    path = os.path.join(folder, "huggingface", "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, "num_hidden_layers": 1}, f)
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        *flags,
+        mentions=["LoRA tensors for model.layers.1.self_attn.q_proj (and 3 more)", "LlamaForCausalLM", "--config DIR"],
     )

@@ -13,15 +13,23 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 from helpers import CheckpointsByWorld, read_merged
 from peft_checks import adapter_folder, assert_same, peft_logits, untied
+from test_bad_input import api_refuses, cli_refuses, edit_state_dict
 
 import fsdpfast
 from fsdpfast.errors import BadInput
-from fsdpfast.testing.peft_examples import PeftSpec, write_peft_checkpoints, write_peft_deepspeed_checkpoints
+from fsdpfast.testing.peft_examples import (
+    PeftSpec,
+    lora_config,
+    write_peft_checkpoints,
+    write_peft_deepspeed_checkpoints,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -59,6 +67,15 @@ SPECS = {
             ),
         ),
         (3, PeftSpec("dcp-lora-only", layout="dcp", lora_only=True, seed=48)),
+        (  # peft's per-module rank and alpha, recorded in adapter_config.json only
+            2,
+            PeftSpec(
+                "rank-pattern",
+                extras={"rank_pattern": {"v_proj": 4, "down_proj": 2}, "alpha_pattern": {"v_proj": 32}},
+                meta=False,
+                seed=50,
+            ),
+        ),
     ]
 }
 if importlib.util.find_spec("deepspeed") is not None:  # the test extra installs it; merging never needs it
@@ -267,3 +284,199 @@ def test_processes_write_the_single_process_merge(lora, tmp_path, flags):
         assert_same(read_merged(out), lora.reference("two-adapters")["merged"])
     else:
         assert len(list(out.glob("model-*.safetensors"))) > 1  # files for both processes to write
+
+
+# --- the records of an adapter disagreeing with each other, or with the tensors and the model ----------
+
+
+def _save_adapter_config(spec: PeftSpec, folder, **fields) -> None:
+    """peft's own adapter_config.json of the spec's LoraConfig (save_pretrained), with `fields` changed."""
+    lora_config(spec, **fields).save_pretrained(str(folder))
+
+
+def _edit_meta(folder, **values) -> None:
+    path = os.path.join(folder, "lora_train_meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**meta, **values}, f)
+
+
+def _rename_module(folder, old: str, new: str) -> None:
+    """Every rank file's LoRA tensors of module `old` renamed to `new` (torch.load and torch.save, DTensors kept)."""
+    for path in sorted(Path(folder).glob("model_world_size_*_rank_*.pt")):
+        edit_state_dict(
+            path,
+            lambda state: state.update(
+                {k.replace(f".{old}.lora_", f".{new}.lora_"): state.pop(k) for k in [k for k in state if ".lora_" in k]}
+            ),
+        )
+
+
+@pytest.mark.parametrize("name", [n for n in ("verl", "guide", "dcp-hf", "deepspeed-zero2") if n in SPECS])
+def test_lora_alpha_the_two_files_disagree_on_is_refused(lora, tmp_path, name):
+    """verl's lora_train_meta.json says one lora_alpha, peft's adapter_config.json 32: neither wins; --lora-alpha
+    settles it."""
+    spec, _ = lora.get(name)
+    folder = lora.copy(name, tmp_path)
+    _save_adapter_config(spec, folder, lora_alpha=32)
+    alpha = spec.lora_alpha  # what verl's meta records
+    mentions = ["adapter_config.json records lora_alpha 32", f"lora_train_meta.json records lora_alpha {alpha}"]
+    cli_refuses(folder, tmp_path / "out", mentions=[*mentions, "--lora-alpha A"])
+    cli_refuses(folder, tmp_path / "out", "--merge-lora", mentions=mentions)
+    api_refuses(folder, tmp_path / "out", mentions=[*mentions, "lora_alpha=A"])
+    report = fsdpfast.merge(folder, tmp_path / "settled", merge_lora=True, lora_alpha=alpha)
+    assert any(f"--lora-alpha {alpha} replaces lora_alpha 32 of adapter_config.json" in n for n in report.notes)
+    fused = read_merged(tmp_path / "settled")
+    assert_same(fused, untied(lora.reference(name)["merged"], fused))
+
+
+@pytest.mark.parametrize("name", ["verl", "dcp-hf"])
+def test_files_that_agree_merge_as_peft_saved_them(lora, tmp_path, name):
+    """The look-alike: adapter_config.json beside lora_train_meta.json, the same alpha and r in both."""
+    spec, _ = lora.get(name)
+    folder = lora.copy(name, tmp_path)
+    _save_adapter_config(spec, folder)
+    ref = lora.reference(name)
+    fsdpfast.merge(folder, tmp_path / "out")
+    assert_same(read_merged(tmp_path / "out" / "lora_adapter"), ref["adapters"]["default"])
+    with open(tmp_path / "out" / "lora_adapter" / "adapter_config.json") as f:
+        assert (json.load(f)["lora_alpha"], spec.lora_alpha) == (16, 16)
+    fsdpfast.merge(folder, tmp_path / "fused", merge_lora=True)
+    fused = read_merged(tmp_path / "fused")
+    assert_same(fused, untied(ref["merged"], fused))
+
+
+def test_r_the_files_disagree_on_is_refused(lora, tmp_path):
+    spec, _ = lora.get("verl")
+    folder = lora.copy("verl", tmp_path)
+    _edit_meta(folder, r=4)
+    _save_adapter_config(spec, folder)  # r 8, as the tensors
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        mentions=["adapter_config.json records r 8", "lora_train_meta.json records r 4", "--lora-r R"],
+    )
+    fsdpfast.merge(folder, tmp_path / "settled", lora_r=8)
+    assert_same(read_merged(tmp_path / "settled" / "lora_adapter"), lora.reference("verl")["adapters"]["default"])
+
+
+def test_a_recorded_r_the_tensors_contradict_is_refused(lora, tmp_path):
+    """r 4 recorded, every lora_A of rank 8: the record is another training's (its alpha too), not half-trusted."""
+    spec, _ = lora.get("verl")
+    folder = lora.copy("verl", tmp_path)
+    lora_a = "but its lora_A is [8, 64] (rank 8) (8 of 8 modules differ)"
+    cli_refuses(folder, tmp_path / "flag", "--lora-r", 4, mentions=["--lora-r gives", lora_a, "give --lora-r 8"])
+    _edit_meta(folder, r=4)
+    cli_refuses(folder, tmp_path / "out", mentions=["lora_train_meta.json gives", "rank 4 (r)", lora_a])
+    _save_adapter_config(spec, folder, r=4)  # both files say 4
+    line = cli_refuses(folder, tmp_path / "out", "--merge-lora", mentions=["adapter_config.json gives", lora_a])
+    assert "give --lora-r 8" in line
+    api_refuses(folder, tmp_path / "out", mentions=["lora_r=8"])
+
+
+def test_rank_pattern_is_checked_against_the_tensors(lora, tmp_path):
+    """The rank-pattern checkpoint merges as peft saved it (the parametrized tests); a rank_pattern that
+    gives v_proj another rank than its lora_A is refused naming it."""
+    spec, _ = lora.get("rank-pattern")
+    folder = lora.copy("rank-pattern", tmp_path)
+    saved = Path(folder) / "lora_adapter"
+    _save_adapter_config(spec, saved, rank_pattern={"v_proj": 8, "down_proj": 2})
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        mentions=["lora_adapter/adapter_config.json gives", "v_proj rank 8 (rank_pattern)", "(rank 4)", "correct or"],
+    )
+    _save_adapter_config(spec, saved, rank_pattern={"down_proj": 2})  # v_proj then has r, 8: not its 4
+    cli_refuses(folder, tmp_path / "out", mentions=["v_proj rank 8 (r)", "(rank 4)"])
+    _save_adapter_config(spec, saved)  # as trained, and --lora-r saying the same r
+    ref = lora.reference("rank-pattern")
+    fsdpfast.merge(folder, tmp_path / "fused", merge_lora=True, lora_r=8)
+    assert_same(read_merged(tmp_path / "fused"), ref["merged"])
+
+
+def _edit_adapter_config(folder: Path, **values) -> None:
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize(
+    "values, mentions",
+    [
+        ({"alpha_pattern": {"v_proj": "32"}}, ["alpha_pattern 'v_proj': '32' is not a positive number"]),
+        ({"alpha_pattern": ["v_proj", 32]}, ["alpha_pattern", "is not an object"]),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, ["records target_parameters", "is not merged"]),
+    ],
+    ids=["alpha-as-text", "alpha-pattern-a-list", "target-parameters"],
+)
+def test_an_adapter_config_fsdpfast_cannot_read_as_recorded_is_refused(lora, tmp_path, values, mentions):
+    """A malformed alpha_pattern, and peft's LoRA on bare parameters (whose lora_A is not [r, in]), are one
+    line each; the rank-pattern checkpoint as peft saved it merges (the parametrized tests above)."""
+    spec, _ = lora.get("rank-pattern")
+    folder = lora.copy("rank-pattern", tmp_path)
+    _save_adapter_config(spec, Path(folder) / "lora_adapter")
+    _edit_adapter_config(Path(folder) / "lora_adapter", **values)
+    cli_refuses(folder, tmp_path / "out", mentions=mentions)
+
+
+@pytest.mark.parametrize("flags", [[], ["--merge-lora"]])
+def test_an_adapter_for_a_module_the_model_lacks_is_refused(lora, tmp_path, flags):
+    """peft would drop such tensors on load without a word: refused, written or fused, naming the module."""
+    folder = lora.copy("verl", tmp_path)
+    _rename_module(folder, "q_proj", "qq_proj")
+    line = cli_refuses(
+        folder,
+        tmp_path / "out",
+        *flags,
+        mentions=["model.layers.0.self_attn.qq_proj (lora_A [8, 64])", "LlamaForCausalLM built from", "1 more"],
+    )
+    assert "model.layers.1.self_attn.qq_proj.weight" in line
+    os.remove(os.path.join(folder, "huggingface", "config.json"))  # then the checkpoint's base weights say
+    cli_refuses(
+        folder,
+        tmp_path / "out",
+        *flags,
+        "--allow-extra-tensors",
+        mentions=["qq_proj", "the checkpoint's base model does not have", "do not belong together"],
+    )
+
+
+def test_a_lora_only_adapter_for_a_module_the_model_lacks(lora, tmp_path):
+    """No base weights: config.json's model decides; without config.json nothing can, and the note says so."""
+    spec, _ = lora.get("verl-lora-only")
+    folder = lora.copy("verl-lora-only", tmp_path)
+    _rename_module(folder, "v_proj", "w_proj")
+    cli_refuses(folder, tmp_path / "out", mentions=["model.layers.0.self_attn.w_proj", "LlamaForCausalLM"])
+    cli_refuses(folder, tmp_path / "out", "--base", spec.base_folder(lora.root), mentions=["w_proj"])
+    os.remove(os.path.join(folder, "huggingface", "config.json"))
+    report = fsdpfast.merge(folder, tmp_path / "unchecked")
+    assert any("modules were not checked against a model (no config.json" in n for n in report.notes)
+    _, original = lora.get("verl-lora-only")
+    report = fsdpfast.merge(original, tmp_path / "checked")  # the look-alike: every module the model's
+    assert any("modules and copies checked against LlamaForCausalLM" in n for n in report.notes)
+    assert_same(
+        read_merged(tmp_path / "checked" / "lora_adapter"), lora.reference("verl-lora-only")["adapters"]["default"]
+    )
+
+
+def test_overwrite_replaces_the_adapter_folders_and_nothing_added_to_them(lora, tmp_path):
+    """An earlier merge's adapter folders (nested: lora_adapter/second) are its own; a file put in one is not."""
+    from test_bad_input import run_cli, the_error_line, tree_digest
+
+    _, folder = lora.get("two-adapters")
+    ref = lora.reference("two-adapters")
+    out = tmp_path / "out"
+    fsdpfast.merge(folder, out)
+    (out / "lora_adapter" / "second" / "README.md").write_text("my notes on the second adapter")
+    before = tree_digest(out)
+    line = the_error_line(run_cli("merge", folder, "--out", out, "--overwrite", "--merge-lora", "default"))
+    assert "1 entry fsdpfast did not write (lora_adapter/second/README.md)" in line, line
+    assert tree_digest(out) == before
+    (out / "lora_adapter" / "second" / "README.md").unlink()
+    fsdpfast.merge(folder, out, merge_lora="default", overwrite=True)  # now one fused model, no adapter folder
+    assert not (out / "lora_adapter").exists()
+    fused = read_merged(out)
+    assert_same(fused, untied(ref["merged"], fused))
+    fsdpfast.merge(folder, out, overwrite=True)  # and back: the base model and both adapter folders
+    assert_same(read_merged(adapter_folder(out, "second")), ref["adapters"]["second"])
+    assert fsdpfast.verify(out, against=folder).ok

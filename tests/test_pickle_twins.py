@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickletools
 
 import pytest
 from fuzz_parsers import _assert_same
@@ -91,3 +92,34 @@ def test_files_of_other_structures_do_not_push_out_the_reference_in_use(monkeypa
         twins.load(rank_file(dims, dims), f"rank {dims}")  # read in full, and kept as a reference
         assert twins.load(rank_file(dims + 100), "a twin of rank 0") == {"rank": dims + 100, "shape": (4, 4)}
         assert read_in_full[-1] != rank_file(dims + 100), "read in full: rank 0's reference was pushed out"
+
+
+def with_a_shorter_hash(data: bytes, which: int) -> bytes:
+    """The pickle with its `which`-th eight-byte LONG1 (a DTensorSpec._hash) a hash that needs seven
+    bytes, as one in 256 does: what torch writes when that rank's hash happens to be small."""
+    hashes = [pos for op, _, pos in pickletools.genops(data) if op.name == "LONG1" and data[pos + 1] == 8]
+    at = hashes[which]
+    value = int.from_bytes(data[at + 2 : at + 10], "little", signed=True) >> 16
+    return data[: at + 1] + b"\x07" + value.to_bytes(7, "little", signed=True) + data[at + 10 :]
+
+
+def test_a_run_of_files_of_other_structures_leaves_the_reference_in_use(many_ranks, monkeypatch):
+    from fsdpfast._parsing import pickle_twins
+
+    pickles = rank_pickles(many_ranks)
+    odd = [(path, with_a_shorter_hash(data, i)) for i, (path, data) in enumerate(pickles[3 : 4 + pickle_twins._KEPT])]
+    assert len({data for _, data in odd}) == len(odd)  # each a structure of its own
+    after = pickles[4 + pickle_twins._KEPT :]
+    twins = Twins()
+    for path, data in pickles[:3] + odd:
+        _assert_same(twins.load(data, path), safe_unpickle(data, path))
+    read_in_full = []
+    original = pickle_twins.safe_unpickle
+    monkeypatch.setattr(
+        pickle_twins,
+        "safe_unpickle",
+        lambda data, *args, **kw: read_in_full.append(data) or original(data, *args, **kw),
+    )
+    for path, data in after:
+        _assert_same(twins.load(data, path), safe_unpickle(data, path))
+    assert not {data for _, data in after} & set(read_in_full), "a file after the odd ones was read in full"

@@ -47,6 +47,10 @@ SPECS = {
         # (Shard(0), Shard(1)) row-parallel ones (strided runs), (Shard(0),) on the dp sub-mesh (two copies)
         LiveSpec("w4-tp-2x2", tp=2, seed=39),
         LiveSpec("w4-tp-2x2-to-bf16", tp=2, save_dtype="bf16", max_shard_size="40KB", seed=40),
+        # meshes that list their ranks in decreasing order: rank r holds FSDP2's piece r (its process-group
+        # rank) while the DTensor records coordinate 3 - r; 101 vocabulary rows make the pieces uneven
+        LiveSpec("w4-reversed-mesh", mesh_ranks=(3, 2, 1, 0), seed=44),
+        LiveSpec("w4-hsdp-reversed-mesh", hsdp=True, mesh_ranks=((3, 2), (1, 0)), seed=45),
     ],
     8: [LiveSpec("w8-hsdp-tp-2x2x2", tp=2, hsdp=True, save_dtype="bf16", seed=41)],  # HSDP + TP: one replica writes
 }

@@ -29,6 +29,9 @@ CASES = [
     LiveCase("mixed", "mixed", seed=52),
     LiveCase("plain", "plain", seed=53),
     LiveCase("clash-on-rank-1", "clash-on-rank-1", seed=59),
+    LiveCase("shard-size-on-rank-1", "shard-size-on-rank-1", seed=60),
+    LiveCase("spelled-otherwise-on-rank-1", "spelled-otherwise-on-rank-1", seed=61),
+    LiveCase("overwrite", "overwrite", seed=62),
     LiveFsdp1Spec("fsdp1-untied", model="llama-tied", untie=True, seed=54),
     LiveFsdp1Spec("fsdp1-cast-buffers", cast_buffers=True, seed=55),
 ]
@@ -104,6 +107,38 @@ def test_tied_names_on_one_parameter_are_written_once(tmp_path):
     assert "lm_head.weight" not in tensors_of(tmp_path / "out")
 
 
+def tiny_tokenizer():
+    """A real fast tokenizer (two words), whose save_pretrained writes its files into the output."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabulary), unk_token="<unk>")
+
+
+def test_overwrite_replaces_a_live_save_but_not_what_was_added_to_it(tmp_path):
+    """Its config, generation config and tokenizer files are listed in its manifest; an eval file is not."""
+    model = build_model(CheckpointSpec("plain", seed=60))
+    out = tmp_path / "out"
+    fsdpfast.save_pretrained(model, out, dtype="bf16", tokenizer=tiny_tokenizer())
+    written = sorted(p.name for p in out.iterdir())
+    assert "tokenizer.json" in written and "tokenizer_config.json" in written, written
+    (out / "eval_results.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(BadInput) as refused:
+        fsdpfast.save_pretrained(model, out, overwrite=True)
+    assert "holds 1 entry fsdpfast did not write (eval_results.json)" in one_line_refusal(refused.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging folder or lock left
+    (out / "eval_results.json").unlink()
+    fsdpfast.save_pretrained(model, out, overwrite=True)  # float32 now, no tokenizer
+    assert not (out / "tokenizer.json").exists()
+    written = tensors_of(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(written[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert fsdpfast.verify(out).ok
+
+
 # --- spawned gloo ranks ---
 
 
@@ -172,3 +207,43 @@ def test_a_rank_that_cannot_plan_stops_every_rank(saved):
     assert second["error"] == f"BadInput: {refusal}", second
     assert first["error"] == f"OtherRankFailed: rank 1 failed: {refusal}; nothing was published", first
     assert nothing_published(folder, "live")
+
+
+def test_a_rank_given_another_shard_size_is_refused_before_anything_is_made(saved):
+    """Each rank lays out the files from its own max_shard_size: rank 1's would write at other offsets."""
+    folder = saved / "shard-size-on-rank-1"
+    first, second = outcomes(folder)
+    refusal = (
+        "rank 1 called save_pretrained with max_shard_size='100KB', rank 0 with max_shard_size='5GB'; "
+        "call it with the same arguments on every rank"
+    )
+    assert first["error"] == f"RankDisagrees: {refusal}", first
+    assert second["error"] == f"OtherRankFailed: rank 0 failed: {refusal}; nothing was published", second
+    assert nothing_published(folder, "live")
+
+
+def test_the_same_arguments_spelled_otherwise_are_written(saved):
+    """The look-alike: bf16 and bfloat16, 5GB and 5000MB agree; the folder holds torch's bf16 casts."""
+    folder = saved / "spelled-otherwise-on-rank-1"
+    assert all(o["ok"] for o in outcomes(folder)), outcomes(folder)
+    written, reference = tensors_of(folder / "live"), load_file(folder / "reference.safetensors")
+    assert set(written) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(written[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_overwrite_on_every_rank_replaces_only_an_earlier_save(saved):
+    """Rank 0 checks the earlier folder before any rank writes: a file of the user's stops every rank."""
+    folder = saved / "overwrite"
+    refused = [json.loads((folder / f"refused-{rank}.json").read_text()) for rank in range(WORLD)]
+    what = "holds 1 entry fsdpfast did not write (eval_results.json)"
+    assert refused[0]["error"].startswith("BadInput: ") and what in refused[0]["error"], refused[0]
+    assert refused[1]["error"].startswith("OtherRankFailed: rank 0 failed: ") and what in refused[1]["error"]
+    assert all(r["kept"] and "\n" not in r["error"] for r in refused), refused
+    assert all(o["ok"] for o in outcomes(folder)), outcomes(folder)  # the same save once the file was gone
+    written, reference = tensors_of(folder / "live"), load_file(folder / "reference.safetensors")
+    assert set(written) == set(reference)
+    for key, value in reference.items():  # float32: the bf16 folder was replaced
+        assert torch.equal(written[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".live")]  # no staging folder, no lock
+    assert fsdpfast.verify(folder / "live").ok

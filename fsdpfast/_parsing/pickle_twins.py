@@ -24,9 +24,20 @@ import struct
 from typing import Any
 
 from ..errors import FsdpfastError
-from .safe_load import DTensorRef, Record, StorageRef, TensorRef, _plain, _tensor_ref, is_count, safe_unpickle
+from .safe_load import (
+    DTensorRef,
+    Record,
+    StorageRef,
+    TensorRef,
+    _plain,
+    _tensor_ref,
+    as_dims,
+    check_fits_storage,
+    is_count,
+    safe_unpickle,
+)
 
-_KEPT = 4  # references tried per file, the last used first: rank numbers past 255 (and 65535) pickle wider
+_KEPT = 4  # references kept: rank numbers past 255 (and 65535) pickle wider, a hash may pickle a byte shorter
 _LEAF = (int, float, str, bytes, bool, type(None))
 _DIRTY_SETS_KEPT = 64  # per reference; rank files usually change one set of objects
 # The fields of the records a tensor becomes, in their constructors' order.
@@ -46,23 +57,33 @@ class Twins:
     def load(self, data: bytes, where: str) -> Any:
         changes_of = _native_changes()
         if changes_of is not None:
-            for i, reference in enumerate(self._references):
+            for reference in self._references:
                 changes = changes_of(reference.data, data)
                 if changes is not None:
                     value = reference.variant(data, changes, where)
                     if value is not None:
-                        # the most used first: files of another structure (a hash pickled a
-                        # byte shorter) become references too, and must not push this one out
-                        self._references.insert(0, self._references.pop(i))
+                        reference.uses += 1
+                        self._references.sort(key=_most_used)  # stable: the older of two as used first
                         return value
-                    break
         value = safe_unpickle(data, where, self.extra_records)
         if changes_of is not None and _plain(data):
-            self._references.insert(
-                0, _Reference(data, value, self.extra_records, where, self._unusable.setdefault(len(data), set()))
+            if len(self._references) >= _KEPT:
+                # The least used goes, the oldest of those: never the one most files are read from
+                # for a run of files of other structures (each with one of its DTensors' hashes a
+                # byte shorter, as one hash in 256 is), each kept in case more are like it.
+                self._references.remove(min(self._references, key=_uses))
+            self._references.append(
+                _Reference(data, value, self.extra_records, where, self._unusable.setdefault(len(data), set()))
             )
-            del self._references[_KEPT:]
         return value
+
+
+def _most_used(reference: _Reference) -> int:
+    return -reference.uses
+
+
+def _uses(reference: _Reference) -> int:
+    return reference.uses
 
 
 def _native_changes():
@@ -91,6 +112,8 @@ class _Reference:
         self.unusable = unusable  # shared by the references of one program (see Twins)
         self._parents: dict[int, list[tuple[Any, tuple]]] | None = None
         self._dirty_sets: dict[frozenset[int], frozenset[int]] = {}  # see _dirty
+        self._storages: dict[str, tuple[int, str, int]] | None = None  # see _storages_agree
+        self.uses = 0  # files read as its variants
 
     def variant(self, data: bytes, changes: list[int], where: str) -> Any | None:
         """What unpickling `data` gives, made from this reference; None where it cannot be."""
@@ -121,7 +144,7 @@ class _Reference:
                 places[token].append((holder, field, index))
             second = self._probe(tokens, 1)
             updates = [(*place, second.values[t]) for t, found in places.items() for place in found]
-            if not _same(self._rebuilt(updates, parents=self._parents_of()), second.result):
+            if not _same(self._rebuilt(updates, checked=False), second.result):
                 raise _Unusable
         except (_Unusable, FsdpfastError, ValueError, TypeError, RecursionError):
             self.unusable.update(tokens)
@@ -140,7 +163,8 @@ class _Reference:
             token_of[(type(value), value)] = t
         if len(token_of) != len(tokens):
             raise _Unusable
-        result = safe_unpickle(bytes(probe), self.where, self.extra_records)
+        # made-up numbers need not make sense together (a shape past its storage): unchecked
+        result = safe_unpickle(bytes(probe), self.where, self.extra_records, check_records=False)
         changed: list[tuple[Any, tuple, int | None, Any]] = []
         _differences(self.value, result, changed, set())
         return _Probe(values, token_of, result, changed)
@@ -152,10 +176,11 @@ class _Reference:
 
     # --- making a variant ----------------------------------------------------------------------
 
-    def _rebuilt(self, updates: list[tuple[Any, tuple, int | None, Any]], parents=None) -> Any:
+    def _rebuilt(self, updates: list[tuple[Any, tuple, int | None, Any]], checked: bool = True) -> Any:
         """The reference's value with each (object, field, index, value) update made: new objects
-        for the updated ones and every object holding them, the rest shared."""
-        parents = self._parents_of() if parents is None else parents
+        for the updated ones and every object holding them, the rest shared. `checked`: each new
+        record checked as the unpickler checks it (safe_load's check_records), else _Unusable."""
+        parents = self._parents_of()
         changed: dict[int, dict[tuple, Any]] = {}
         for holder, field, index, value in updates:
             own = changed.setdefault(id(holder), {})
@@ -164,7 +189,26 @@ class _Reference:
             else:  # an element of a tuple of numbers or strings (a shape, a mesh coordinate)
                 old = own.get(field, _field(holder, field))
                 own[field] = old[:index] + (value,) + old[index + 1 :]
-        return _Remake(changed, self._dirty(frozenset(changed), parents)).of(self.value)
+        remake = _Remake(changed, self._dirty(frozenset(changed), parents), checked)
+        value = remake.of(self.value)
+        if checked and remake.storages and not self._storages_agree(remake.storages):
+            raise _Unusable  # unpickled in full, the file is refused in the unpickler's words
+        return value
+
+    def _storages_agree(self, made: list[StorageRef]) -> bool:
+        """Whether the storage records a variant remade agree with every other reference to their
+        storage in it (safe_load.check_same_storage): the reference's own agree, so a storage named
+        by more references than were remade keeps the reference's dtype and size."""
+        if self._storages is None:
+            self._storages = _storages_by_key(self.value)
+        seen: dict[str, list] = {}
+        for storage in made:
+            seen.setdefault(storage.key, []).append(storage)
+        for key, remade in seen.items():
+            count, dtype, numel = self._storages[key]
+            if len({(s.dtype, s.numel) for s in remade} | ({(dtype, numel)} if len(remade) < count else set())) > 1:
+                return False
+        return True
 
     def _dirty(self, changed: frozenset[int], parents) -> frozenset[int]:
         """The objects changed and every object holding one (ids): the same for each variant that
@@ -189,10 +233,11 @@ class _Remake:
     closure naming itself: that is a cycle, which would keep every variant until the garbage
     collector runs, and it is paused while planning.)"""
 
-    __slots__ = ("changed", "dirty", "made")
+    __slots__ = ("changed", "checked", "dirty", "made", "storages")
 
-    def __init__(self, changed: dict[int, dict[tuple, Any]], dirty: frozenset[int]):
-        self.changed, self.dirty, self.made = changed, dirty, {}
+    def __init__(self, changed: dict[int, dict[tuple, Any]], dirty: frozenset[int], checked: bool):
+        self.changed, self.dirty, self.made, self.checked = changed, dirty, {}, checked
+        self.storages: list[StorageRef] = []  # the storage records remade
 
     def of(self, obj):
         """`obj` in the variant."""
@@ -358,6 +403,23 @@ def _parents(value) -> dict[int, list[tuple[Any, tuple]]]:
     return parents
 
 
+def _storages_by_key(value) -> dict[str, tuple[int, str, int]]:
+    """Storage key -> (how many storage records name it, their dtype, their size) in `value`."""
+    found: dict[str, tuple[int, str, int]] = {}
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj) is StorageRef:
+            count = found.get(obj.key, (0,))[0]
+            found[obj.key] = (count + 1, obj.dtype, obj.numel)
+        stack.extend(child for _, child in _children(obj) if _is_container(child))
+    return found
+
+
 def _differences(a, b, out: list, seen: set) -> None:
     """Into `out`, (container in a, field, index in the field's tuple or None, value in b) of every
     number or string that differs; _Unusable where the two differ in structure."""
@@ -406,7 +468,7 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
         spec = of(spec) if id(spec) in dirty else spec
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise _Unusable
-        return DTensorRef(local, spec)
+        return DTensorRef(local, spec, obj.shape, obj.stride)
     if isinstance(obj, dict):
         new = type(obj)()
         for key, value in obj.items():
@@ -444,14 +506,23 @@ def _copy_with(obj, own: dict[tuple, Any] | None, remake: _Remake):
         for (_, name), value in (own or {}).items():
             values[name] = value
         if isinstance(obj, StorageRef):
-            if not isinstance(values["key"], str) or not is_count(values["numel"]):
+            # a storage named otherwise would be another record: no rank file of one program does that
+            if values["key"] != obj.key or not is_count(values["numel"]):
                 raise _Unusable
-            return StorageRef(values["key"], values["dtype"], values["numel"])
+            storage = StorageRef(values["key"], values["dtype"], values["numel"])
+            remake.storages.append(storage)
+            return storage
         if isinstance(obj, TensorRef):
-            return _tensor_ref(*values.values())
+            tensor = _tensor_ref(*values.values())
+            if remake.checked:
+                check_fits_storage(tensor)
+            return tensor
         if not isinstance(values["local"], TensorRef) or not isinstance(values["spec"], Record):
             raise _Unusable
-        return DTensorRef(values["local"], values["spec"])
+        shape, stride = as_dims(values["shape"]), as_dims(values["stride"])
+        if shape is None or stride is None:
+            raise _Unusable
+        return DTensorRef(values["local"], values["spec"], shape, stride)
     raise _Unusable
 
 

@@ -73,6 +73,10 @@ class TensorRef:
 class DTensorRef:
     local: TensorRef
     spec: Record  # DTensorSpec stand-in; readers.placements interprets it
+    # the size and stride the DTensor itself was pickled with (torch's wrapper subclass), which
+    # its spec's tensor_meta must repeat (rank_files checks); None where no such size was read
+    shape: tuple[int, ...] | None = None
+    stride: tuple[int, ...] | None = None
 
 
 @_takes_no_state
@@ -193,6 +197,7 @@ class _WrapperShell:
     cls: Any
     dtype: str
     shape: tuple[int, ...]
+    stride: Any = None
 
 
 def _tensor_ref(storage, storage_offset, size, stride, dtype: str) -> TensorRef:
@@ -239,7 +244,12 @@ def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, bac
     if isinstance(storage, StorageRef) and storage.dtype == "uint8" and dtype != "uint8":
         if dtype not in DTYPES:
             raise BadInput(f"tensor of dtype {dtype} is not supported")
-        numel = storage.numel // DTYPES[dtype][0]
+        numel, spare = divmod(storage.numel, DTYPES[dtype][0])
+        if spare:  # torch.save never writes it: a storage of whole elements
+            raise _RecordError(
+                f"storage record data/{storage.key} holds {storage.numel} bytes, not a whole number of "
+                f"{dtype} elements ({DTYPES[dtype][0]} bytes each); the file is corrupt"
+            )
         storage = StorageRef(storage.key, str(dtype), numel)
     return _tensor_ref(storage, storage_offset, size, stride, str(dtype))
 
@@ -249,7 +259,7 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=Non
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
-    return _WrapperShell(cls, str(dtype), tuple(size))
+    return _WrapperShell(cls, str(dtype), tuple(size), stride)
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
@@ -264,7 +274,10 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         local, spec = state.get("_local_tensor"), state.get("_spec")
         if not isinstance(local, TensorRef) or not isinstance(spec, Record):
             raise BadInput("a DTensor in this checkpoint lacks its local tensor or its spec")
-        return DTensorRef(local, spec)
+        shape, stride = as_dims(obj.shape), as_dims(obj.stride)
+        if shape is None or stride is None:
+            raise BadInput(f"a DTensor in this checkpoint has size {obj.shape!r:.80} and stride {obj.stride!r:.80}")
+        return DTensorRef(local, spec, shape, stride)
     if isinstance(obj, TensorRef) and new_type in (_PLAIN_TENSOR, _PARAMETER):
         return obj
     name = getattr(new_type, "qualname", new_type)
@@ -359,10 +372,11 @@ class _RestrictedUnpickler(pickle._Unpickler):
     memo array to twice the largest index a PUT opcode names, so five bytes of a crafted file
     make it allocate and clear tens of GB. Checkpoint pickles are small; the cost is a few ms."""
 
-    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str], check_records: bool = True):
         super().__init__(io.BytesIO(data))
         self.where = where
         self.extra_records = extra_records
+        self.storages: dict[str, StorageRef] | None = {} if check_records else None
 
     def find_class(self, module: str, name: str):
         qualname = f"{module}.{name}"
@@ -402,7 +416,10 @@ class _RestrictedUnpickler(pickle._Unpickler):
         key = key.decode() if isinstance(key, bytes) else str(key)
         if not is_count(numel):
             raise BadInput(f"{self.where}: storage {key!r} has size {numel!r}, not a whole number")
-        return StorageRef(key, kind.dtype, numel)
+        storage = StorageRef(key, kind.dtype, numel)
+        if self.storages is not None:
+            check_same_storage(self.storages.setdefault(key, storage), storage, self.where)
+        return storage
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -410,10 +427,11 @@ class _PlainUnpickler(pickle.Unpickler):
     allow-list and persistent ids as _RestrictedUnpickler; BUILD onto anything but a record or a
     dict is refused by the objects themselves (_refuse_state)."""
 
-    def __init__(self, data: bytes, where: str, extra_records: frozenset[str]):
+    def __init__(self, data: bytes, where: str, extra_records: frozenset[str], check_records: bool = True):
         super().__init__(io.BytesIO(data))
         self.where = where
         self.extra_records = extra_records
+        self.storages: dict[str, StorageRef] | None = {} if check_records else None
 
     find_class = _RestrictedUnpickler.find_class
     persistent_load = _RestrictedUnpickler.persistent_load
@@ -433,37 +451,75 @@ def _plain(data: bytes) -> bool:
 _PYTHON_ONLY = False  # tests set it to read every pickle with the Python unpickler
 
 
-def safe_unpickle(data: bytes, where: str, extra_records: frozenset[str] = frozenset()) -> Any:
+def safe_unpickle(
+    data: bytes, where: str, extra_records: frozenset[str] = frozenset(), check_records: bool = True
+) -> Any:
     """Unpickle `data` (a checkpoint's data.pkl) into plain containers and inert records.
 
     `extra_records`: further fully qualified class names a reader accepts as inert records.
+    `check_records`: refuse records that disagree with themselves, as torch.load does: one storage
+    record named with two dtypes or sizes, a tensor reaching past its storage (check_records). Only
+    pickle_twins' probes, pickles it rewrites with made-up numbers to see where they land, skip it.
     A plain pickle (every one torch writes) is read by the C unpickler, four times faster; any
     other, and any pickle the C unpickler fails on, by the Python one, whose answer (or message)
     is the one given: the two read plain pickles alike (tests/test_fuzz.py compares them).
     """
     if _plain(data):
         try:
-            return _load(_PlainUnpickler, data, where, extra_records)
+            return _load(_PlainUnpickler, data, where, extra_records, check_records)
         except Exception:  # noqa: S110  (the Python unpickler says what is wrong, in its words)
             pass
-    return _load(_RestrictedUnpickler, data, where, extra_records)
+    return _load(_RestrictedUnpickler, data, where, extra_records, check_records)
 
 
-def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str]) -> Any:
+def _load(unpickler, data: bytes, where: str, extra_records: frozenset[str], check_records: bool = True) -> Any:
     try:
-        value = unpickler(data, where, extra_records).load()
+        value = unpickler(data, where, extra_records, check_records).load()
+    except _RecordError as exc:  # raised by a stand-in, which does not know the file
+        raise BadInput(f"{where}: {exc}") from None
     except (UnsafeCheckpoint, BadInput):
         raise
     except RecursionError:
         raise BadInput(f"{where}: the pickle nests too deeply to be a checkpoint") from None
     except Exception as exc:  # malformed pickles raise many kinds of errors
         raise BadInput(f"{where}: the pickle is damaged ({type(exc).__name__}: {exc}); the file is corrupt") from None
-    if _depth_exceeds(value, _MAX_DEPTH):  # readers and messages walk what they read recursively
-        raise BadInput(f"{where}: the pickle nests more than {_MAX_DEPTH} levels deep; not a checkpoint")
+    try:
+        _check_value(value, check_records)  # readers and messages walk what they read recursively
+    except _RecordError as exc:
+        raise BadInput(f"{where}: {exc}") from None
     return value
 
 
 _MAX_DEPTH = 100  # a DTensor in an optimizer state in a dict nests about 10 levels
+
+
+class _RecordError(BadInput):
+    """A record that disagrees with itself, found where the file's name is not known."""
+
+
+def check_same_storage(first: StorageRef, again: StorageRef, where: str) -> None:
+    """Two references to one storage record must agree: torch.load reads the record once, with the
+    first one's dtype and size, and gives every later tensor on it that dtype, whatever it names."""
+    # torch.save skips its one-dtype-per-storage check for a storage of no bytes (a null data pointer)
+    if (again.dtype, again.numel) != (first.dtype, first.numel) and (first.numel, again.numel) != (0, 0):
+        raise BadInput(
+            f"{where}: storage record data/{first.key} is named as {first.numel} {first.dtype} elements "
+            f"and as {again.numel} {again.dtype} elements; torch.save names a storage one way; the file is corrupt"
+        )
+
+
+def check_fits_storage(tensor: TensorRef) -> None:
+    """torch.load's check (Tensor.set_): the last element a tensor's offset, shape and strides reach
+    lies in its storage. A tensor of no elements reaches none, wherever its offset is."""
+    if 0 in tensor.shape:
+        return
+    end = tensor.offset + 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride))
+    if end > tensor.storage.numel:
+        raise _RecordError(
+            f"a {tensor.dtype} tensor of shape {list(tensor.shape)}, strides {list(tensor.stride)} and offset "
+            f"{tensor.offset} reaches element {end} of storage record data/{tensor.storage.key}, which holds "
+            f"{tensor.storage.numel}; the file is corrupt"
+        )
 
 
 def each_object(value: Any):
@@ -485,20 +541,24 @@ def each_object(value: Any):
             stack.extend([*item.args, *item.state.values(), item.state_value])
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Iteratively, each container once (pickles can share and even cycle through containers)."""
+def _check_value(value: Any, check_records: bool) -> None:
+    """Nesting deeper than _MAX_DEPTH through any path (a dict's attributes too: torch pickles the
+    state dict's `_metadata` onto it), and (check_records) every tensor against its storage.
+    Iteratively, each container once (pickles can share and even cycle through containers)."""
     seen: set[int] = set()
     stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, Record):
-            children = [*item.args, *item.state.values(), item.state_value]
+            children = [*item.args, *item.state.keys(), *item.state.values(), item.state_value]
         elif isinstance(item, dict):
-            children = [*item.keys(), *item.values()]
+            children = [*item.keys(), *item.values(), *getattr(item, "__dict__", {}).values()]
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = item
         elif isinstance(item, DTensorRef):
             children = [item.local, item.spec]
+        elif isinstance(item, ShardedTensorRef):
+            children = [item.shape, item.state]
         elif isinstance(item, _WrapperShell):
             children = list(vars(item).values())
         else:
@@ -506,11 +566,15 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if depth >= limit:
-            return True
+        if depth >= _MAX_DEPTH:
+            raise _RecordError(f"the pickle nests more than {_MAX_DEPTH} levels deep; not a checkpoint")
         depth += 1
-        stack.extend([(child, depth) for child in children if not isinstance(child, _LEAVES)])
-    return False
+        for child in children:
+            if type(child) is TensorRef:
+                if check_records:
+                    check_fits_storage(child)
+            elif not isinstance(child, _LEAVES):
+                stack.append((child, depth))
 
 
-_LEAVES = (int, float, str, bytes, type(None), TensorRef, StorageRef)  # nothing below them to walk
+_LEAVES = (int, float, str, bytes, type(None), StorageRef)  # nothing below them to walk

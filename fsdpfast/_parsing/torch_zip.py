@@ -149,32 +149,7 @@ class TorchZip:
             self._storages = {key: (record.start, record.size, record.method) for key, record in found.items()}
 
     def _end_record(self, tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
-        """(entries, directory size, directory offset, where the end records begin)."""
-        at = len(tail) - _EOCD.size
-        if tail[at : at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
-            at = tail.rfind(_EOCD_MAGIC, max(0, len(tail) - _EOCD.size - 0xFFFF))
-            if at < 0:
-                raise BadInput(f"{self.where}: not a readable torch.save archive ({self._not_zip()})")
-        fields = _EOCD.unpack_from(tail, at)
-        count, cd_size, cd_offset = fields[4], fields[5], fields[6]
-        end = tail_start + at
-        locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator : locator + 4] == _ZIP64_LOCATOR_MAGIC:
-            record = locator - _ZIP64_EOCD.size  # the zip64 end record sits right before its locator
-            if record < 0 or tail[record : record + 4] != _ZIP64_EOCD_MAGIC:
-                raise BadInput(
-                    f"{self.where}: not a readable torch.save archive (damaged zip64 end record; "
-                    "the file is truncated or corrupt)"
-                )
-            zip64 = _ZIP64_EOCD.unpack_from(tail, record)
-            count, cd_size, cd_offset = zip64[7], zip64[8], zip64[9]
-            end = tail_start + record
-        elif _MAX32 in (cd_size, cd_offset) or count == 0xFFFF:
-            raise BadInput(
-                f"{self.where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
-                "the file is truncated or corrupt)"
-            )
-        return count, cd_size, cd_offset, end
+        return end_record(tail, tail_start, self.where, self._not_zip)
 
     def _central_directory(self, directory: bytes, count: int, cd_offset: int) -> dict[str, _Record]:
         records: dict[str, _Record] = {}
@@ -332,14 +307,16 @@ class TorchZip:
         return SourceBuffer(self.path, *self.storage_bytes(storage), storage.dtype)
 
     def storage_bytes(self, storage) -> tuple[int, int]:
-        """(byte offset in the file, byte length) of the bytes `storage` holds, checked against its record."""
+        """(byte offset in the file, byte length) of the bytes `storage` holds, checked against its record
+        as torch.load checks it: the record holds exactly the storage's elements, no byte more or less."""
         if storage.dtype not in DTYPES:
             raise BadInput(f"{self.where}: dtype {storage.dtype} is not supported")
         offset, length = self.storage_span(storage.key)
         nbytes = storage.numel * itemsize(storage.dtype)
-        if length < nbytes:
+        if length != nbytes:
             raise BadInput(
-                f"{self.where}: storage {storage.key} holds {length} bytes, the pickle says {nbytes}; the file is corrupt"
+                f"{self.where}: storage record {self.prefix}data/{storage.key} holds {length} bytes, the pickle "
+                f"says {storage.numel} {storage.dtype} elements ({nbytes} bytes); the file is corrupt"
             )
         return offset, nbytes
 
@@ -370,3 +347,84 @@ def _zip64_values(extra: bytes, size: int, csize: int, header: int) -> tuple[int
             return size, csize, header
         at += 4 + length
     raise ValueError("zip64 sizes without their extra field")
+
+
+def end_record(
+    tail: bytes, tail_start: int, where: str, not_zip=lambda: "no zip end record"
+) -> tuple[int, int, int, int]:
+    """(entries, directory size, directory offset, where the end records begin)."""
+    at = len(tail) - _EOCD.size
+    if tail[at : at + 4] != _EOCD_MAGIC:  # torch writes no archive comment; others may
+        at = tail.rfind(_EOCD_MAGIC, max(0, len(tail) - _EOCD.size - 0xFFFF))
+        if at < 0:
+            raise BadInput(f"{where}: not a readable torch.save archive ({not_zip()})")
+    fields = _EOCD.unpack_from(tail, at)
+    count, cd_size, cd_offset = fields[4], fields[5], fields[6]
+    end = tail_start + at
+    locator = at - _ZIP64_LOCATOR.size
+    if locator >= 0 and tail[locator : locator + 4] == _ZIP64_LOCATOR_MAGIC:
+        record = locator - _ZIP64_EOCD.size  # the zip64 end record sits right before its locator
+        if record < 0 or tail[record : record + 4] != _ZIP64_EOCD_MAGIC:
+            raise BadInput(
+                f"{where}: not a readable torch.save archive (damaged zip64 end record; "
+                "the file is truncated or corrupt)"
+            )
+        zip64 = _ZIP64_EOCD.unpack_from(tail, record)
+        count, cd_size, cd_offset = zip64[7], zip64[8], zip64[9]
+        end = tail_start + record
+    elif _MAX32 in (cd_size, cd_offset) or count == 0xFFFF:
+        raise BadInput(
+            f"{where}: not a readable torch.save archive (zip64 sizes without a zip64 end record; "
+            "the file is truncated or corrupt)"
+        )
+    return count, cd_size, cd_offset, end
+
+
+def record_checksums(fd: int, file_size: int, where: str) -> list[tuple[bytes, int, int]]:
+    """(name, CRC-32, size) of every record of the torch.save archives that make up the open file
+    `fd`: one (torch.save) or several end to end (DCP's .distcp: one a tensor), from the last to
+    the first. Each archive's zip directory, read from its tail, says what its records' bytes are,
+    as torch.save recorded them, and where the archive begins: the end of the one before. Reads
+    nothing else. BadInput if the file is not such archives, first byte to last."""
+    records: list[tuple[bytes, int, int]] = []
+    end = file_size
+    while end > 0:
+        tail_start = max(0, end - (_TAIL if end == file_size else _WINDOW_TAIL))
+        tail = os.pread(fd, end - tail_start, tail_start)
+        if len(tail) < _EOCD.size or tail[-_EOCD.size : -_EOCD.size + 4] != _EOCD_MAGIC:
+            raise BadInput(f"{where}: no zip end record at byte {end}")
+        count, cd_size, cd_offset, directory_end = end_record(tail, tail_start, where)
+        start = directory_end - cd_size - cd_offset  # the archive's first byte: its offsets count from there
+        if start < 0 or cd_offset < 0:
+            raise BadInput(f"{where}: a zip directory that points before the file")
+        at_file = start + cd_offset
+        if at_file >= tail_start:
+            directory = tail[at_file - tail_start : at_file - tail_start + cd_size]
+        else:
+            directory = os.pread(fd, cd_size, at_file)
+        records += _directory_checksums(directory, count, where)
+        end = start
+    return records
+
+
+def _directory_checksums(directory: bytes, count: int, where: str) -> list[tuple[bytes, int, int]]:
+    records, at = [], 0
+    for _ in range(count):
+        if at + _CENTRAL.size > len(directory):
+            raise BadInput(f"{where}: the zip directory is cut short")
+        fields = _CENTRAL.unpack_from(directory, at)
+        if fields[0] != _CENTRAL_MAGIC:
+            raise BadInput(f"{where}: damaged zip directory")
+        crc, csize, size, name_len, extra_len, comment_len = fields[9], fields[10], fields[11], *fields[12:15]
+        name_at = at + _CENTRAL.size
+        if size == _MAX32 or csize == _MAX32:
+            try:
+                extra = directory[name_at + name_len : name_at + name_len + extra_len]
+                size, _, _ = _zip64_values(extra, size, csize, 0)
+            except (ValueError, struct.error):
+                raise BadInput(f"{where}: damaged zip64 sizes") from None
+        records.append((directory[name_at : name_at + name_len], crc, size))
+        at = name_at + name_len + extra_len + comment_len
+    if at != len(directory):
+        raise BadInput(f"{where}: the zip directory holds more than its entries")
+    return records

@@ -2,15 +2,17 @@
 published by one rename when complete.
 
 Only one merge into an OUT_DIR runs at a time (io.output_guard), and it first removes what a
-killed one left there. An empty OUT_DIR is replaced; --overwrite replaces an earlier fsdpfast
-output, nothing else. Other processes of a merge under torchrun write into the same staging
-folder through `LocalTarget.join` (a shared filesystem).
+killed one left there. An empty OUT_DIR is replaced; --overwrite replaces a folder holding only
+what an earlier merge wrote, as its manifest lists it (io.earlier_output), and removes nothing
+else. Other processes of a merge under torchrun write into the same staging folder through
+`LocalTarget.join` (a shared filesystem).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -18,8 +20,18 @@ import stat
 
 from ..configs import load_config
 from ..errors import BadInput, on_command_line, option
-from ..manifest import MANIFEST_NAME  # a merged folder given as --config: its manifest describes other weights
-from .output_guard import OLD_MARKER, STAGING_MARKER, OutputLock, remove_leftovers, write_marker
+from ..manifest import MANIFEST_NAME, WRITTEN  # a --config folder's manifest describes other weights: not copied
+from .earlier_output import overwrite_refusal, written_files
+from .output_guard import (
+    OLD_MARKER,
+    PUBLISHED_MARKER,
+    STAGING_MARKER,
+    OutputLock,
+    remove_leftovers,
+    restore_previous,
+    settle_old,
+    write_marker,
+)
 
 # Weight files and indexes never copied from a config folder (it may be a whole base model), nor
 # pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
@@ -37,6 +49,7 @@ _WEIGHT_SUFFIXES = (
     ".pkl",
 )
 _TRAINING_STATE = ("trainer_state.json",)
+log = logging.getLogger("fsdpfast")  # what is kept of an earlier OUT_DIR, for Python callers too
 
 
 class LocalTarget:
@@ -53,6 +66,7 @@ class LocalTarget:
         parent = os.path.dirname(self.out_dir)
         self._check_out_dir(out_dir, overwrite)
         self.published = False
+        self.warnings: list[str] = []  # what was kept from an earlier OUT_DIR because fsdpfast did not write it
         self._old: str | None = None  # where --overwrite moves the previous OUT_DIR (as `previous`)
         self._made_parents = make_parents(parent)
         try:
@@ -61,7 +75,9 @@ class LocalTarget:
             remove_empty(self._made_parents)
             raise
         try:
-            self.cleaned = remove_leftovers(self.out_dir)
+            for kept in remove_leftovers(self.out_dir):
+                log.warning("%s", kept)
+                self.warnings.append(kept)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
@@ -81,12 +97,9 @@ class LocalTarget:
                 f"{out_dir} already exists and {held}; choose another output folder, or pass "
                 f"{option('overwrite', True)} to replace an earlier merge"
             )
-        if not replaceable(self.out_dir):
-            raise BadInput(
-                f"{out_dir} holds files fsdpfast did not write (no {MANIFEST_NAME}); "
-                f"{option('overwrite', True)} replaces only an empty folder or an earlier merge: "
-                "remove it yourself or choose another folder"
-            )
+        refusal = overwrite_refusal(self.out_dir, out_dir)
+        if refusal:
+            raise BadInput(refusal)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -110,13 +123,20 @@ class LocalTarget:
     def write_json(self, name: str, value: dict) -> None:
         self.write_bytes(name, json_bytes(value))
 
+    def write_manifest(self, manifest: dict) -> None:
+        """The manifest, written last: it lists every file written before it, with its size and
+        st_mtime_ns, which is what a later --overwrite may remove."""
+        self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: written_files(self.path, leave_out=(STAGING_MARKER,))})
+
     def publish(self) -> None:
         """Rename the staging folder to OUT_DIR: in one step over an empty OUT_DIR (rename(2) replaces
         an empty folder), else (--overwrite of an earlier merge) after moving the previous one aside.
 
         Ctrl-C and SIGTERM arrive as KeyboardInterrupt between any two bytecodes, even right
         after a rename returned, so on any exception whether OUT_DIR was published is read from
-        the folders themselves; `discard` then removes or puts back the previous OUT_DIR.
+        the folders themselves; `discard` then removes or puts back the previous OUT_DIR. Once
+        published, the previous OUT_DIR loses what the earlier merge wrote (`warnings` says what
+        else it held and where that was kept).
         """
         _fsync_dir(self.path)
         parent, name = os.path.split(self.out_dir)
@@ -138,14 +158,27 @@ class LocalTarget:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
+                if not self._old:
+                    raise BadInput(
+                        f"{self.out_dir}: files appeared in the empty output folder during the merge; "
+                        "nothing was published"
+                    ) from None
+                kept = restore_previous(self._old, self.out_dir)  # the earlier merge back, or kept and named
+                where = f"the earlier merge is kept in {os.path.join(self._old, 'previous')}" if kept else ""
+                self._old = None
                 raise BadInput(
-                    f"{self.out_dir}: files appeared in the empty output folder during the merge; nothing was published"
+                    f"{self.out_dir}: files appeared in the output folder while the earlier merge was being "
+                    f"replaced; nothing was published{'; ' + where if where else ''}"
                 ) from None
             self.published = True
+            if self._old:  # what lets a later run clear the previous OUT_DIR if this one is killed now
+                write_marker(self._old, PUBLISHED_MARKER, self.out_dir)
         except BaseException:
             self.published = not os.path.lexists(self.path)  # the rename into place had happened
             raise
         _fsync_dir(parent)
+        if self._old:
+            self._settle_previous()  # here, so that what it kept is in the report
 
     def discard(self) -> None:
         """Remove the staging folder unless published, settle an --overwrite swap (the previous
@@ -162,13 +195,16 @@ class LocalTarget:
                 remove_empty(self._made_parents)
 
     def _settle_previous(self) -> None:
-        previous = os.path.join(self._old, "previous")
-        if not self.published and os.path.lexists(previous):
-            if os.path.lexists(self.out_dir):  # cannot happen under the lock; never delete the previous output
-                return
-            os.rename(previous, self.out_dir)
-        shutil.rmtree(previous, ignore_errors=True)  # before the marker, so a SIGKILL here is still cleaned up
-        shutil.rmtree(self._old, ignore_errors=True)
+        if self.published:
+            if not os.path.isfile(os.path.join(self._old, PUBLISHED_MARKER)):  # interrupted before it was written
+                write_marker(self._old, PUBLISHED_MARKER, self.out_dir)
+            kept = settle_old(self._old, self.out_dir)  # only what the earlier merge wrote; the marker last
+        else:
+            kept = restore_previous(self._old, self.out_dir)  # never deletes the previous output
+        self._old = None
+        if kept:
+            log.warning("%s", kept)
+            self.warnings.append(kept)
 
 
 class JoinedTarget:
@@ -176,6 +212,7 @@ class JoinedTarget:
     Its maker locks, publishes and discards it."""
 
     published = False
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, out_dir: str, token: str):
         self.out_dir = os.path.abspath(out_dir)
@@ -197,6 +234,9 @@ class JoinedTarget:
         raise RuntimeError("only the process that made the target writes whole files into it")
 
     write_json = write_bytes
+
+    def write_manifest(self, manifest: dict) -> None:
+        raise RuntimeError("only the process that made the target writes the manifest")
 
     def publish(self) -> None:
         raise RuntimeError("only the process that made the target publishes it")
@@ -270,15 +310,6 @@ def _empty_folder(path: str) -> bool:
         return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
     except OSError:
         return False
-
-
-def replaceable(out_dir: str) -> bool:
-    """May --overwrite replace this existing folder: empty, or an earlier fsdpfast output (its manifest)."""
-    try:
-        entries = os.listdir(out_dir)
-    except OSError as exc:
-        raise BadInput(f"{out_dir}: cannot read the existing output folder ({exc.strerror})") from None
-    return not entries or os.path.isfile(os.path.join(out_dir, MANIFEST_NAME))
 
 
 def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> None:

@@ -30,6 +30,10 @@ class Target(Protocol):
 
     def write_json(self, name: str, value: dict) -> None: ...
 
+    def write_manifest(self, manifest: dict) -> None:
+        """The output's manifest, after every other file: it adds the list of them (`written`),
+        which is all a later --overwrite may remove."""
+
     def publish(self) -> None:
         """Make every file written visible at once, at the output's name."""
 

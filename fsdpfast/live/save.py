@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 from ..execute.parts import tensor_checksums
 from ..group import MergeGroup
 from ..io.staging import JoinedTarget, LocalTarget, with_dtype
-from ..manifest import MANIFEST_NAME, build_manifest
+from ..manifest import build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
+from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
 from .fsdp1 import is_fsdp1, live_state
 from .state import plan_live
@@ -38,6 +39,7 @@ class SaveReport:
     seconds: float
     processes: int
     tied: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what --overwrite kept from the earlier folder, and where
 
 
 def save_pretrained(
@@ -71,10 +73,12 @@ def save_pretrained(
     config = config if config is not None else getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
     planned = []
+    # what decides the folder's layout on every rank (rank 0's overwrite alone is used: it must agree too)
+    asked = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
 
     def plan_here():
         planned.extend(_plan(model, dtype, config_dict))
-        return holding(*planned)
+        return holding(*planned), compared_options(asked)
 
     holdings = processes.gather(plan_here)  # a rank that cannot plan stops all; rank 0 gets every rank's holding
     plan, tensors = planned
@@ -127,7 +131,9 @@ class _Output:
 
 
 def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile], holdings) -> _Output:
-    agree(holdings)  # before anything is made: ranks that plan differently would write a wrong folder
+    # before anything is made: ranks that lay out or plan differently would write a wrong folder
+    check_ranks_options([options for _, options in holdings], "save_pretrained")
+    agree([held for held, _ in holdings])
     target = LocalTarget(out_dir, overwrite)
     try:
         for f in files:  # the headers first: the ranks write tensor bytes only
@@ -156,7 +162,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
     flat = {name: crc for f in files for name, crc in checksums[f.name].items()}
     manifest = build_manifest(out_dir, plan, files, flat, [], "live", dtype)
     manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against
-    target.write_json(MANIFEST_NAME, manifest)
+    target.write_manifest(manifest)  # last: it lists every file above, the tokenizer's too
     target.publish()
     return SaveReport(
         out_dir,
@@ -166,6 +172,7 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
         time.perf_counter() - start,
         processes,
         {t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+        list(target.warnings),
     )
 
 

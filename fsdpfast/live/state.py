@@ -137,7 +137,7 @@ def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
         target = [Replicate() if kind == "replicate" else Shard(0) for kind, _, _ in kinds]
         value = value.redistribute(mesh, target)
         kinds = placement_kinds(value, name)
-    coordinate = mesh.get_coordinate()
+    coordinate = _piece_coordinate(mesh)
     if coordinate is None or not _writes_copy(mesh, coordinate, kinds):
         return None
     recorded = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in (getattr(value._spec, "shard_order", None) or ()))
@@ -145,6 +145,15 @@ def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     local = value.to_local().detach()
     reading = choose_reading([layout], [tuple(local.shape)], [f"save_pretrained: {name}"])
     return LocalPiece(local.contiguous(), layout.local_extents(reading))
+
+
+def _piece_coordinate(mesh) -> tuple[int, ...] | None:
+    """Where this rank's pieces sit: its rank in each mesh dim's process group (FSDP2 shards by it and
+    full_tensor() gathers by it), which is its mesh coordinate only where the mesh lists the group's
+    ranks in increasing order (readers.mesh_ranks); None if this rank is not in the mesh."""
+    if mesh.get_coordinate() is None:
+        return None
+    return tuple(mesh.get_local_rank(dim) for dim in range(mesh.ndim))
 
 
 def _writes_copy(mesh, coordinate, kinds) -> bool:

@@ -20,7 +20,7 @@ import re
 from collections import Counter
 
 from ..configs import load_config
-from ..errors import BadInput
+from ..errors import BadInput, option
 from .split import ADAPTER_ROOT, AdapterPlan, LoraModule
 
 META_NAME = "lora_train_meta.json"  # verl
@@ -46,23 +46,82 @@ def resolve(
     """Fill every adapter's `config` (and `problems`); one note per adapter says where each value came from."""
     meta, meta_path = train_meta(folder)
     architecture = _architecture(config_dir)
+    folders = config_folders(folder, config_dir)
     for adapter in adapters:
-        saved, saved_path = saved_config(config_folders(folder, config_dir), adapter.name)
-        recorded: dict = dict(saved)
-        origin = {key: os.path.basename(saved_path) for key in saved}
-        if meta and (adapter.name == "default" or len(adapters) == 1):
-            for key in ("r", "lora_alpha", "task_type"):
-                if key in meta and key not in recorded:
-                    recorded[key], origin[key] = meta[key], META_NAME
-        for key, flag, value in (("r", "--lora-r", lora_r), ("lora_alpha", "--lora-alpha", lora_alpha)):
-            if value is not None:
-                if key in recorded and recorded[key] != value:
-                    notes.append(
-                        f"adapter {adapter.name}: {flag} {value} replaces {key} {recorded[key]} of {origin[key]}"
-                    )
-                recorded[key], origin[key] = value, flag
-        adapter.config = _config(adapter, recorded, origin, architecture, saved_path or meta_path)
+        mine = adapter.name == "default" or len(adapters) == 1  # verl's meta is the one adapter's
+        recorded, where = recorded_values(
+            adapter.name, folders, (meta, meta_path) if mine else ({}, None), lora_r, lora_alpha, notes
+        )
+        origin = {key: os.path.basename(path) for key, path in where.items()}
+        adapter.config = _config(adapter, recorded, origin, where, architecture)
         notes.append(f"LoRA adapter {adapter.name} -> {adapter.folder}: {_origins(adapter.config, origin)}")
+
+
+# Values that decide the adapter's bytes or its scaling: every file that records one must record the same.
+_AGREED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "fan_in_fan_out")
+_META_KEYS = ("r", "lora_alpha", "task_type")  # what verl's lora_train_meta.json records
+_FLAGS = {"r": ("lora_r", "R"), "lora_alpha": ("lora_alpha", "A")}
+
+
+def recorded_values(
+    adapter: str,
+    folders: list[str],
+    meta: tuple[dict, str | None],
+    lora_r,
+    lora_alpha,
+    notes: list[str],
+    agreed: tuple[str, ...] = _AGREED,
+) -> tuple[dict, dict[str, str]]:
+    """(what is recorded for `adapter`, the file path or flag each value came from).
+
+    Every adapter_config.json found for it (peft's; see config_folders) and verl's lora_train_meta.json
+    (`meta`: its values and path, or ({}, None)) must agree on the values in _AGREED; a contradiction is
+    refused naming both, unless --lora-r / --lora-alpha gives that value (then a note says what it replaced).
+    `agreed`: the values checked (a reader that rebuilds the model checks those that shape it).
+    """
+    flags = {"r": lora_r, "lora_alpha": lora_alpha}
+    records = [(path, config) for path, config in saved_configs(folders, adapter)]
+    meta_values, meta_path = meta
+    if meta_path:  # verl records lora_alpha 0 when it was not set: that is no value to contradict
+        kept = {k: meta_values[k] for k in _META_KEYS if k in meta_values}
+        if kept.get("lora_alpha") == 0 and any("lora_alpha" in config for _, config in records):
+            kept.pop("lora_alpha")
+        records.append((meta_path, kept))
+    recorded: dict = {}
+    where: dict[str, str] = {}
+    for path, config in records:
+        for key, value in config.items():
+            if key not in recorded:
+                recorded[key], where[key] = value, path
+            elif key in agreed and recorded[key] != value and flags.get(key) is None:
+                raise BadInput(_contradiction(adapter, key, (recorded[key], where[key]), (value, path)))
+    for key, value in flags.items():
+        if value is None:
+            continue
+        flag = "--" + _FLAGS[key][0].replace("_", "-")
+        replaced = [f"{key} {c[key]} of {os.path.basename(p)}" for p, c in records if key in c and c[key] != value]
+        if replaced:
+            notes.append(f"adapter {adapter}: {flag} {value} replaces {', '.join(dict.fromkeys(replaced))}")
+        recorded[key], where[key] = value, flag
+    return recorded, where
+
+
+def source(where: dict[str, str], key: str) -> str:
+    """Where `key` was recorded, for a message: the file's path, or the option as the user gave it."""
+    found = where.get(key, key)
+    return option(_FLAGS[key][0]) if found.startswith("--") and key in _FLAGS else found
+
+
+def _contradiction(adapter: str, key: str, first: tuple, second: tuple) -> str:
+    settle = (
+        f"give the training's value with {option(_FLAGS[key][0], meta=_FLAGS[key][1])}"
+        if key in _FLAGS
+        else "remove or correct the file that is not this training's"
+    )
+    return (
+        f"adapter {adapter}: {first[1]} records {key} {_shown(first[0])} but {second[1]} records "
+        f"{key} {_shown(second[0])}; {settle}"
+    )
 
 
 def scaling(config: dict, module: LoraModule) -> float:
@@ -74,31 +133,42 @@ def scaling(config: dict, module: LoraModule) -> float:
 def pattern_value(patterns: dict, module: str, default):
     """peft's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module name."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error:
+            raise BadInput(f"{key!r} in a rank_pattern or alpha_pattern is not a regular expression") from None
     return default
 
 
-def _config(adapter: AdapterPlan, recorded: dict, origin: dict, architecture: str | None, source: str | None) -> dict:
+def _config(adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, architecture: str | None) -> dict:
+    """adapter_config.json from what is recorded (`where`: each value's file or flag) and the tensors."""
     config = dict(recorded)
-    where = f"adapter {adapter.name}"
     modules = list(adapter.modules.values())
     ranks = {m.module: m.rank for m in modules}
     config["peft_type"] = "LORA"
     if recorded.get("peft_type", "LORA") != "LORA":
-        raise BadInput(f"{source}: peft_type {recorded['peft_type']!r} for {where}, whose tensors are LoRA's")
-    r = _whole(recorded.get("r"), "r", origin)
-    if r is None:
+        raise BadInput(
+            f"{source(where, 'peft_type')}: peft_type {recorded['peft_type']!r} for adapter {adapter.name}, "
+            "whose tensors are LoRA's"
+        )
+    if recorded.get("target_parameters"):  # peft's LoRA on bare parameters (MoE experts): lora_A is not [r, in]
+        raise BadInput(
+            f"{source(where, 'target_parameters')}: adapter {adapter.name} records target_parameters "
+            f"{_shown(recorded['target_parameters'])[:80]}: LoRA on parameters (peft's ParamWrapper) is not "
+            "merged by fsdpfast; merge the base weights without it, or fuse with peft's merge_and_unload"
+        )
+    r = _whole(recorded.get("r"), "r", where)
+    pattern = _pattern(recorded.get("rank_pattern"), where, "rank_pattern")
+    if r is None:  # nothing records r: the most common rank, the others in rank_pattern
         r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 0
         origin["r"] = "from the lora_A shapes"
-    pattern = dict(recorded.get("rank_pattern") or {})
-    wrong = {name: rank for name, rank in ranks.items() if pattern_value(pattern, name, r) != rank}
-    if wrong and len(set(ranks.values())) == 1:  # one rank everywhere: the record is wrong, the tensors are not
-        origin["r"] = f"from the lora_A shapes; {origin['r']} said {r}"
-        r, wrong = next(iter(ranks.values())), {}
-    if wrong:
-        pattern.update(wrong)
-        origin["rank_pattern"] = f"{len(wrong)} modules' ranks from the lora_A shapes"
+        wrong = {name: rank for name, rank in ranks.items() if pattern_value(pattern, name, r) != rank}
+        if wrong:
+            pattern.update(wrong)
+            origin["rank_pattern"] = f"{len(wrong)} modules' ranks from the lora_A shapes"
+    else:
+        _check_ranks(adapter, r, pattern, where)
     config["r"], config["rank_pattern"] = r, pattern
     alpha = recorded.get("lora_alpha")
     if alpha is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
@@ -108,13 +178,13 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, architecture: st
             else "no lora_alpha is recorded"
         )
         adapter.problems.append(
-            f"{where}: {said} (verl records 0 when it was not set): give the training's --lora-alpha"
+            f"adapter {adapter.name}: {said} (verl records 0 when it was not set): give the training's --lora-alpha"
         )
         config["lora_alpha"] = None
         origin["lora_alpha"] = "missing"
     else:
         config["lora_alpha"] = alpha
-    config["alpha_pattern"] = dict(recorded.get("alpha_pattern") or {})
+    config["alpha_pattern"] = _pattern(recorded.get("alpha_pattern"), where, "alpha_pattern")
     targets = recorded.get("target_modules")
     if not _targets_cover(targets, [m.module for m in modules]):
         if targets is not None:
@@ -150,12 +220,51 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, architecture: st
     return config
 
 
-def _whole(value, key: str, origin: dict) -> int | None:
+def _whole(value, key: str, where: dict) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise BadInput(f"{origin.get(key, key)}: {key} {value!r} is not a positive whole number")
+        raise BadInput(f"{source(where, key)}: {key} {value!r} is not a positive whole number")
     return value
+
+
+def _pattern(value, where: dict, key: str) -> dict:
+    """A recorded rank_pattern or alpha_pattern: module name patterns (peft's regular expressions) -> positive
+    whole ranks, or positive alphas."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{source(where, key)}: {key} {_shown(value)[:80]} is not an object")
+    number = (int,) if key == "rank_pattern" else (int, float)
+    for name, given in value.items():
+        if isinstance(given, bool) or not isinstance(given, number) or given <= 0:
+            what = "whole number" if key == "rank_pattern" else "number"
+            raise BadInput(f"{source(where, key)}: {key} {name[:80]!r}: {given!r} is not a positive {what}")
+    return dict(value)
+
+
+def _check_ranks(adapter: AdapterPlan, r: int, pattern: dict, where: dict) -> None:
+    """Refuse a recorded r (and rank_pattern) that another rank of a module's lora_A contradicts: the tensors
+    are the trained adapter, so the record is another training's (and its lora_alpha is not to be trusted)."""
+    wrong = [(m, pattern_value(pattern, m.module, r)) for m in adapter.modules.values()]
+    wrong = [(m, said) for m, said in wrong if said != m.rank]
+    if not wrong:
+        return
+    module, said = wrong[0]
+    by = "rank_pattern" if pattern_value(pattern, module.module, None) is not None else "r"
+    more = f" ({len(wrong)} of {len(adapter.modules)} modules differ)" if len(wrong) > 1 else ""
+    ranks = Counter(m.rank for m in adapter.modules.values())
+    common = ranks.most_common(1)[0][0]
+    if by == "r" and all(pattern_value(pattern, m.module, common) == m.rank for m in adapter.modules.values()):
+        settle = f"give {option('lora_r', common)} if that file is this training's, else correct or remove it"
+        if where.get("r", "").startswith("--"):
+            settle = f"give {option('lora_r', common)} or leave it out"
+    else:
+        settle = f"correct or remove {source(where, by)}"
+    raise BadInput(
+        f"adapter {adapter.name}: {source(where, by)} gives {module.module} rank {said} ({by}), but its lora_A is "
+        f"{list(module.lora_A.shape)} (rank {module.rank}){more}; {settle}"
+    )
 
 
 def _targets_cover(targets, modules: list[str]) -> bool:
@@ -178,11 +287,19 @@ def config_folders(folder: str, config_dir: str | None) -> list[str]:
 
 def saved_config(folders: list[str], adapter: str) -> tuple[dict, str | None]:
     """peft's adapter_config.json of `adapter` in the first of `folders` that has one, and its path."""
+    found = saved_configs(folders, adapter)
+    return (found[0][1], found[0][0]) if found else ({}, None)
+
+
+def saved_configs(folders: list[str], adapter: str) -> list[tuple[str, dict]]:
+    """Every adapter_config.json of `adapter` in `folders`, in their order, each file once: (path, its values)."""
+    found, seen = [], set()
     for folder in folders:
         path = os.path.join(folder, CONFIG_NAME) if adapter == "default" else os.path.join(folder, adapter, CONFIG_NAME)
-        if os.path.isfile(path):
-            return load_config(path), path
-    return {}, None
+        if os.path.isfile(path) and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            found.append((path, load_config(path)))
+    return found
 
 
 def train_meta(folder: str) -> tuple[dict, str | None]:

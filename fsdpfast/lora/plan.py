@@ -1,6 +1,7 @@
 """PEFT LoRA checkpoints in plan_merge: split the names, resolve each adapter's config, add --base, fuse.
 
-Applied right after the reader (any layout), before prepare. What the user chose is recorded in
+Applied right after the reader (any layout), before prepare: read_adapters, then (once lora.targets has
+checked the adapted modules against the model) fuse_chosen. What the user chose is recorded in
 the plan's options, so the manifest lets `verify --against` plan the same output again.
 """
 
@@ -18,7 +19,7 @@ from .split import is_peft, split
 _FLAGS = ("merge_lora", "lora_alpha", "lora_r", "base")
 
 
-def apply(
+def read_adapters(
     plan: MergePlan,
     src: str,
     *,
@@ -27,7 +28,9 @@ def apply(
     lora_r: int | None = None,
     base: str | None = None,
 ) -> MergePlan:
-    given = {k: v for k, v in zip(_FLAGS, (merge_lora, lora_alpha, lora_r, base)) if v not in (None, False, "")}
+    """The base plan with `adapters` and their configs (split, --base added, configs resolved); unchanged
+    for a checkpoint without LoRA tensors, where any LoRA flag is refused."""
+    given = _given(merge_lora, lora_alpha, lora_r, base)
     if not is_peft(plan):
         if given:
             flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
@@ -35,8 +38,7 @@ def apply(
         return plan
     _check_numbers(lora_alpha, lora_r)
     plan = split(plan)
-    lora_only = not plan.tensors
-    if base and not lora_only:
+    if base and plan.tensors:
         raise BadInput(
             f"--base {base}: {src} holds its own base weights ({len(plan.tensors)} tensors); "
             "--base is for LoRA-only checkpoints (save_lora_only)"
@@ -45,7 +47,24 @@ def apply(
         plan = add_base(plan, os.fspath(base))
     notes: list[str] = []
     resolve(plan.adapters, src, plan.config_dir, lora_alpha, lora_r, notes)
-    plan = plan.noted(*notes)
+    return plan.noted(*notes)
+
+
+def fuse_chosen(
+    plan: MergePlan,
+    src: str,
+    *,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
+) -> MergePlan:
+    """After read_adapters (and lora.targets' check): --merge-lora fuses the chosen adapters; what the user
+    chose is recorded in the plan's and the adapters' options."""
+    if not plan.adapters:
+        return plan
+    given = _given(merge_lora, lora_alpha, lora_r, base)
+    lora_only = bool(base) or not plan.tensors  # read_adapters took --base only for a LoRA-only checkpoint
     adapter_options = {**plan.options, "lora_alpha": lora_alpha, "lora_r": lora_r}
     keep_adapters = not merge_lora
     if lora_only and not base:
@@ -73,6 +92,10 @@ def apply(
         options = {**{k: v for k, v in adapter_options.items() if v is not None}, "peft_adapter": adapter.name}
         adapter.plan = adapter.plan.but(options=options)
     return plan.but(options={**plan.options, **given})
+
+
+def _given(merge_lora, lora_alpha, lora_r, base) -> dict:
+    return {k: v for k, v in zip(_FLAGS, (merge_lora, lora_alpha, lora_r, base)) if v not in (None, False, "")}
 
 
 def describe(plan: MergePlan) -> list[dict]:

@@ -435,7 +435,7 @@ class _Chunks:
                         raise BadInput(
                             f"{archive.where}: holds {type(tensor).__name__}, not the tensor chunk of {flat_name}"
                         )
-                    byte_offset, byte_length = archive.storage_span(tensor.storage.key)
+                    byte_offset, byte_length = archive.storage_bytes(tensor.storage)
                     self.read[(path, offset, length)] = (tensor, byte_offset, byte_length, archive.where)
 
 

@@ -21,6 +21,7 @@ from .._parsing.safe_load import Record, TensorRef, is_count, safe_unpickle
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
 from .discover import complete_ranks
+from .saved_steps import scalar_value
 
 DEEPSPEED_RECORDS = frozenset(
     {
@@ -83,6 +84,14 @@ def resolve_tag(folder: str, tag: str | None) -> tuple[str, str, str]:
     raise BadInput(f"{folder}: no `latest` file and several tags ({', '.join(tags)}); choose one with {option('tag')}")
 
 
+@dataclass(frozen=True)
+class OptimizerFile:
+    """What an optimizer file says about the save it belongs to, beside its optimizer_state_dict."""
+
+    ds_version: object  # None where the file records none
+    step: int | float | None  # the wrapped torch optimizer's step count (Adam's `step`); None if it keeps none
+
+
 @dataclass
 class RankFiles:
     world: int
@@ -90,6 +99,7 @@ class RankFiles:
     bf16: bool
     optim: list[tuple[str, dict]]  # per rank: (path, optimizer_state_dict)
     model: list[tuple[str, dict]]  # stage 1/2: one file; stage 3: one per rank
+    optim_files: list[OptimizerFile]  # per rank, as `optim`
 
 
 def read_rank_files(tag_dir: str) -> RankFiles:
@@ -127,10 +137,12 @@ def read_rank_files(tag_dir: str) -> RankFiles:
         raise BadInput(
             f"{os.path.join(tag_dir, _optim_name(prefix, 0))} is missing: every rank's optimizer file is needed"
         )
-    state0 = _optimizer_state(optim[0])
+    first_file = _optimizer_file(optim[0])
+    state0 = first_file[0]
     stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0])
     ordered = complete_ranks(tag_dir, optim, world, lambda r: _optim_name(prefix, r))
-    states = [(optim[0], state0)] + [(path, _optimizer_state(path)) for _, path in ordered[1:]]
+    read = [first_file] + [_optimizer_file(path) for _, path in ordered[1:]]
+    states = [(path, state) for (_, path), (state, _) in zip(ordered, read)]
     for path, state in states[1:]:
         if _stage(state, path) != stage or _partition_count(state, path) != world:
             raise BadInput(
@@ -148,7 +160,7 @@ def read_rank_files(tag_dir: str) -> RankFiles:
                 f"{model_paths[0]} is missing: a ZeRO stage {stage} checkpoint keeps the model's shapes and buffers there"
             )
     model = [(path, _model_state(path)) for path in model_paths]
-    return RankFiles(world, stage, prefix == "bf16_", states, model)
+    return RankFiles(world, stage, prefix == "bf16_", states, model, [facts for _, facts in read])
 
 
 def _optim_name(prefix: str, rank: int) -> str:
@@ -160,12 +172,38 @@ def load_pickle(path: str) -> Any:
         return safe_unpickle(archive.pickle_bytes, path, DEEPSPEED_RECORDS)
 
 
-def _optimizer_state(path: str) -> dict:
-    whole = load_pickle(path)
-    state = whole.get("optimizer_state_dict") if isinstance(whole, dict) else None
-    if not isinstance(state, dict) or "zero_stage" not in state:
-        raise BadInput(f"{path}: not a DeepSpeed ZeRO optimizer file (no optimizer_state_dict with a zero_stage)")
-    return state
+def _optimizer_file(path: str) -> tuple[dict, OptimizerFile]:
+    with TorchZip(path) as archive:
+        whole = safe_unpickle(archive.pickle_bytes, path, DEEPSPEED_RECORDS)
+        state = whole.get("optimizer_state_dict") if isinstance(whole, dict) else None
+        if not isinstance(state, dict) or "zero_stage" not in state:
+            raise BadInput(f"{path}: not a DeepSpeed ZeRO optimizer file (no optimizer_state_dict with a zero_stage)")
+        step = scalar_value(_torch_optimizer_step(state), archive, path)
+    return state, OptimizerFile(whole.get("ds_version"), step)
+
+
+def _torch_optimizer_step(state: dict):
+    """The step count of the torch optimizer ZeRO wraps, as pickled (a 0-d tensor or a number), or None.
+
+    Stage 1/2 (and bf16) keep its state_dict() under base_optimizer_state (an elastic checkpoint: one
+    state per group, the groups' step beside them), stage 3 under optimizer_state_dict; torch's Adam
+    counts in each parameter's state, DeepSpeed's FusedAdam in its param groups."""
+    inner = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
+    if isinstance(inner, (list, tuple)):  # elastic
+        first = inner[0] if inner else None
+        step = first.get("step") if isinstance(first, dict) else None
+        return state.get("base_optimizer_state_step") if step is None else step
+    if not isinstance(inner, dict):
+        return None
+    per_param = inner.get("state")
+    if isinstance(per_param, dict) and per_param:
+        first = per_param[min(per_param, key=repr)]
+        if isinstance(first, dict) and "step" in first:
+            return first["step"]
+    groups = inner.get("param_groups")
+    return (
+        groups[0].get("step") if isinstance(groups, (list, tuple)) and groups and isinstance(groups[0], dict) else None
+    )
 
 
 def _model_state(path: str) -> dict:

@@ -22,6 +22,7 @@ from .._parsing.safe_load import TensorRef, as_dims, is_count
 from ..errors import BadInput, option
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
+from .deepspeed_saves import check_one_save
 from .reader import Reader, ReaderOption
 from .storage_sources import StorageSources
 
@@ -57,6 +58,8 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
         buffers = _buffers(files, sources)
     finally:
         sources.close()
+    # After planning, so a file whose own sizes disagree is named by what the plan found in it first.
+    one_save = check_one_save(tag_dir, files)
     planned = {**trained, **frozen, **buffers}
     order = [str(name) for name in model["module"] if name in planned] + [
         n for n in planned if n not in model["module"]
@@ -66,6 +69,7 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
         f"DeepSpeed ZeRO stage {files.stage}, tag {tag} ({how}), {files.world} ranks, "
         f"{'bf16' if files.bf16 else 'fp32'} training, saved by DeepSpeed {model.get('ds_version', '?')}"
     ]
+    notes.append(one_save)
     tensors += _aliases(shared, planned, notes, excluded)
     leftover = [
         str(n) for n in model["module"] if str(n) not in planned and str(n) not in shared and str(n) not in excluded

@@ -25,13 +25,14 @@ for a plain model, so a config that does not fit is refused, not merged.
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import BadInput, option
-from ..lora.config import CONFIG_NAME, META_NAME, config_folders, saved_config, train_meta
+from ..errors import BadInput, ModelMismatch, option
+from ..lora.config import CONFIG_NAME, META_NAME, config_folders, recorded_values, saved_config, source, train_meta
 from ..lora.split import PREFIX, lora_role
 
 # LoraConfig fields a saved adapter_config.json contributes: those that decide which modules get
@@ -54,6 +55,7 @@ _SHAPING = (
     "target_parameters",
     "ensure_weight_tying",
 )
+_SHAPES_RANKS = ("r", "rank_pattern")  # the recorded values the rebuilt model's shapes depend on
 _FOUND_BY_NAME = ("exclude_modules", "layers_to_transform", "layers_pattern")  # exact module paths replace them
 
 
@@ -97,9 +99,14 @@ def rebuild(
     folders = config_folders(folder, config_dir)
     order = list(named) or ["default"]
     configs, notes, shown = {}, [], []
+    modules = dict(model.named_modules())
     for adapter in order:
         saved, saved_path = saved_config(folders, adapter)
         mine = adapter == "default" or len(order) == 1  # verl's meta is the one adapter's (as lora.config reads it)
+        _check_modules(named.get(adapter), modules, adapter, model)
+        recorded, where = recorded_values(  # lora_alpha (not needed here) is checked by lora.config, after
+            adapter, folders, (meta, meta_path) if mine else ({}, None), lora_r, None, [], _SHAPES_RANKS
+        )
         fields, how = _fields(
             folder,
             adapter,
@@ -107,9 +114,9 @@ def rebuild(
             weights,
             saved,
             saved_path,
+            (recorded, where),
             meta if mine else {},
             meta_path if mine else None,
-            lora_r,
             folders,
         )
         configs[adapter] = _lora_config(peft, fields, folder, adapter)
@@ -188,8 +195,21 @@ def _named(sizes: dict[str, int], unit_paths: list[str]) -> dict[str, _Named]:
     return found
 
 
+def _check_modules(named: _Named | None, modules: dict, adapter: str, model) -> None:
+    """An adapter the files name for a module the model lacks is refused here, naming it: peft's own refusal
+    (target modules not found) would list the patterns, not the module."""
+    lacking = [m for m in (*named.modules, *named.copies) if m not in modules] if named else []
+    if lacking:
+        more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+        raise ModelMismatch(
+            f"adapter {adapter}: the rank files hold LoRA tensors for {lacking[0]}{more}, a module "
+            f"{type(model).__name__} built from config.json does not have; the adapter is not this model's: check "
+            f"that config.json describes the model it was trained on ({option('config', meta='DIR')})"
+        )
+
+
 def _fields(
-    folder, adapter, named: _Named | None, weights, saved, saved_path, meta, meta_path, lora_r, folders
+    folder, adapter, named: _Named | None, weights, saved, saved_path, recorded, meta, meta_path, folders
 ) -> tuple[dict, str]:
     """The LoraConfig arguments of one adapter, and where they came from."""
     fields = {key: saved[key] for key in _SHAPING if key in saved}
@@ -218,7 +238,7 @@ def _fields(
         fields["rank_pattern"] = {re.escape(m): k for m, k in ranks.items() if k != r}
         sources.append("ranks read off the parameter views' sizes")
     else:
-        r, origin = _recorded_rank(lora_r, fields, meta, meta_path)
+        r, origin = _recorded_rank(*recorded)
         if r is None:
             raise BadInput(
                 f"{folder}: FSDP1 flat parameters of a PEFT model, which fsdpfast rebuilds to unflatten them, but "
@@ -243,19 +263,15 @@ def _rank(parts: dict[str, int | None], weight: int | None) -> int | None:
     return r if r * r * weight == a * b else None
 
 
-def _recorded_rank(lora_r, fields, meta, meta_path) -> tuple[int | None, str | None]:
-    for value, origin in (
-        (lora_r, "--lora-r"),
-        (fields.get("r"), CONFIG_NAME),
-        (meta.get("r") if meta else None, META_NAME),
-    ):
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise BadInput(
-                    f"{meta_path if origin == META_NAME else origin}: r {value!r} is not a positive whole number"
-                )
-            return value, origin
-    return None, None
+def _recorded_rank(recorded: dict, where: dict) -> tuple[int | None, str | None]:
+    """r as --lora-r, adapter_config.json or lora_train_meta.json records it (lora.config: files that disagree
+    are refused), and where it came from."""
+    r = recorded.get("r")
+    if r is None:
+        return None, None
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise BadInput(f"{source(where, 'r')}: r {r!r} is not a positive whole number")
+    return r, os.path.basename(where["r"])
 
 
 def _looked(folders: list[str], meta: dict, meta_path: str | None) -> str:

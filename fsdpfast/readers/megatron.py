@@ -13,9 +13,10 @@ those tensors, so the split is byte placement, no arithmetic:
 - the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
 No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
-or huggingface/ in or beside the folder), checked against the training args a run keeps in common.pt
-(readers.megatron_args) when it does; without a config.json, from those args, which then give the
-output's config.json (readers.megatron_config). Every tensor's shape is checked against the sizes.
+or huggingface/ in or beside the folder); without one, from the training args a run keeps in common.pt
+(readers.megatron_args), which then give the output's config.json (readers.megatron_config). Every
+tensor's shape is checked against the sizes, and the args, where common.pt holds them, against the
+tensors and config.json alike (readers.megatron_checks).
 Optimizer state beside the model is not merged.
 """
 
@@ -30,8 +31,8 @@ from .._parsing.boxes import window_extents
 from ..configs import load_config
 from ..errors import BadInput, option
 from ..plan.model import MergePlan, TensorPlan
-from . import dcp, megatron_config
-from .megatron_args import COMMON, TrainingArgs, read_training_args
+from . import dcp, megatron_checks, megatron_config
+from .megatron_args import COMMON, read_training_args
 from .megatron_folder import is_torch_dist
 from .reader import Reader
 
@@ -84,7 +85,8 @@ class _Sizes:
     ffn: int
     layers: int
     vocab: int
-    tied: bool | None  # None: config.json does not say
+    tied: bool
+    tie_stated: bool  # False: config.json does not say, and means untied (transformers' default)
 
 
 @dataclass(frozen=True)
@@ -103,29 +105,27 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     layers = _layer_tensors(folder, model)
     _refuse_unknown(folder, model, layers)  # before asking for a config: no config makes an MoE model mergeable
     args, args_note = read_training_args(folder)
-    if args is not None:
-        megatron_config.refuse_what_hf_does_not_compute(folder, args)
+    found = _tensor_sizes(model, layers)
+    if args is not None:  # the args against the tensors first: with a config.json or without, the same checks
+        megatron_checks.refuse_what_hf_does_not_compute(folder, args)
+        megatron_checks.check_against_tensors(folder, args, found)
     config, config_note = _config_dir(folder, config, args is not None, args_note)
-    built = None
+    built, positions_note = None, None
     if config is None:  # no config.json anywhere: the run's own args say what the model is
         built, config_note = megatron_config.build(
-            folder,
-            args,
-            rows=model[_EMBED].shape[0],
-            tied=_OUTPUT not in model,
-            qkv_bias=_QKV[1] in layers,
-            dtype=model[_EMBED].dtype,
+            folder, args, rows=found.rows, tied=found.tied, qkv_bias=found.qkv_bias, dtype=model[_EMBED].dtype
         )
         source = f"config.json built from {COMMON}"
         sizes = _sizes(built, source)
+        _check_shapes(folder, source, model, layers, sizes)
     else:
         source = os.path.join(config, "config.json")
         values = load_config(source)
         sizes = _sizes(values, source)
-        if args is not None:
-            _check_args(folder, source, sizes, args)
-            megatron_config.check_against(folder, source, values, args)
-    _check_shapes(folder, source, model, layers, sizes)
+        _check_shapes(folder, source, model, layers, sizes)
+        _check_family(folder, source, values, found.qkv_bias)
+        if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
+            positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
     by_layer: dict = {}  # stacked tensor -> layer -> its chunks
     outputs = _outputs(model, layers, sizes)
     tensors = [_plan(folder, name, shape, windows, by_layer) for name, shape, windows in outputs]
@@ -136,6 +136,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         config_note,
         args_note,
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
+        positions_note,
     )
     if model[_EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
@@ -197,26 +198,54 @@ def _sizes(values: dict, path: str) -> _Sizes:
         number("intermediate_size"),
         number("num_hidden_layers"),
         number("vocab_size"),
-        tied if isinstance(tied, bool) else None,
+        tied is True,  # absent (or not a bool): untied, the default of Llama, Mistral and Qwen2
+        isinstance(tied, bool),
     )
 
 
-def _check_args(folder: str, path: str, s: _Sizes, args: TrainingArgs) -> None:
-    """config.json against the run's own args: the first size they disagree on is refused in one line."""
-    pairs = (
-        ("num_layers", args.layers, "num_hidden_layers", s.layers),
-        ("hidden_size", args.hidden, "hidden_size", s.hidden),
-        ("num_attention_heads", args.heads, "num_attention_heads", s.heads),
-        ("num_query_groups", args.groups, "num_key_value_heads", s.groups),
-        ("kv_channels", args.head_dim, "head_dim", s.head_dim),
-        ("ffn_hidden_size", args.ffn, "intermediate_size", s.ffn),
+def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
+    """What the tensors show, for the checks of the args (a missing dimension reads 0)."""
+
+    def layer_shape(key):
+        found = layers[key]
+        return found[None].shape[1:] if None in found else next(iter(found.values())).shape
+
+    def dim(shape, i):
+        return shape[i] if len(shape) > i else 0
+
+    qkv = layers[_QKV[0]]
+    embedding = model[_EMBED].shape
+    return megatron_checks.TensorSizes(
+        rows=dim(embedding, 0),
+        hidden=dim(embedding, 1),
+        layers=dim(qkv[None].shape, 0) if None in qkv else len(qkv),
+        qkv_rows=dim(layer_shape(_QKV[0]), 0),
+        attention=dim(layer_shape(_PROJ), 1),
+        fc1_rows=dim(layer_shape(_FC1), 0),
+        ffn=dim(layer_shape(_FC2), 1),
+        tied=_OUTPUT not in model,
+        qkv_bias=_QKV[1] in layers,
     )
-    for arg, recorded, key, given in pairs:
-        if recorded is not None and recorded != given:
-            raise BadInput(
-                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {path} "
-                f"gives {key} {given}: the config is not this checkpoint's model"
-            )
+
+
+def _check_family(folder: str, path: str, values: dict, qkv_bias: bool) -> None:
+    """A QKV bias is Qwen2's (q, k and v carry one, o does not); Llama's attention_bias puts one on o_proj
+    too, and Mistral has none: the other pairings load with biases dropped or missing."""
+    model_type = values["model_type"]
+    wants = model_type == "qwen2" or (model_type == "llama" and values.get("attention_bias") is True)
+    if (model_type == "qwen2") if qkv_bias else not wants:
+        return
+    found = "holds linear_qkv.bias (a bias on q, k and v only)" if qkv_bias else "holds no linear_qkv.bias"
+    given = (
+        f"model_type {model_type!r}"
+        + (f" with attention_bias {values.get('attention_bias')!r}" if model_type == "llama" else "")
+        + (", whose q, k and v carry a bias" if wants else "")
+    )
+    fits = "a qwen2 config" if qkv_bias else "a llama or mistral config without attention_bias"
+    raise BadInput(
+        f"{folder}: the checkpoint {found}, but {path} has {given}: the config is not this checkpoint's model; "
+        f"pass {option('config', meta='DIR')} with {fits}"
+    )
 
 
 def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
@@ -322,15 +351,16 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Siz
         raise BadInput(
             f"{folder}: {_FINAL_NORM} is {list(model[_FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
         )
-    if s.tied is not None and s.tied == (_OUTPUT in model):
+    if s.tied == (_OUTPUT in model):
         holds = (
             "holds output_layer.weight (untied)"
             if _OUTPUT in model
             else "holds no output_layer.weight (tied embeddings)"
         )
         raise BadInput(
-            f"{folder}: the checkpoint {holds}, but {path} has tie_word_embeddings {str(s.tied).lower()}: "
-            "the config is not this checkpoint's model"
+            f"{folder}: the checkpoint {holds}, but {path} has "
+            + (f"tie_word_embeddings {str(s.tied).lower()}" if s.tie_stated else "no tie_word_embeddings (untied)")
+            + f": the config is not this checkpoint's model; pass {option('config', meta='DIR')} with its own"
         )
 
 

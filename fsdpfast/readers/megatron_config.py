@@ -9,7 +9,8 @@ own size is not in the args), tied embeddings are the absence of output_layer.we
 the weights'. The family: QKV bias without other biases is Qwen2; otherwise Llama, since Llama and
 Mistral without a sliding window are one computation with the same names and the args cannot tell
 them apart. A size the family needs that the args do not record, or a feature its config cannot
-express, is refused: --config then names the model.
+express, is refused: --config then names the model. The args have been checked against the tensors
+before (readers.megatron_checks), as they are when a config.json is given.
 """
 
 from __future__ import annotations
@@ -26,46 +27,12 @@ _NEEDED = (
     ("norm_epsilon", "rms_norm_eps"),
     ("rotary_base", "rope_theta"),
 )
-# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says
-NOT_HF = (
-    ("rotary_interleaved", lambda v: v is True, "interleaved rotary embeddings"),
-    ("apply_layernorm_1p", lambda v: v is True, "zero-centred norm weights (apply_layernorm_1p)"),
-    ("rotary_percent", lambda v: v is not None and v != 1.0, "rotary embeddings on part of each head"),
-    ("normalization", lambda v: v is not None and v != "RMSNorm", "a norm other than RMSNorm"),
-    ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
-)
 # Features a built config would have to name but the args do not describe fully: --config says
 _NEEDS_CONFIG = (
     ("use_rope_scaling", lambda v: v is True, "RoPE scaling"),
     ("rotary_seq_len_interpolation_factor", lambda v: v is not None, "RoPE sequence interpolation"),
     ("window_size", lambda v: v is not None, "sliding-window attention"),
 )
-
-
-def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
-    """Args that say the run computed something no Llama / Mistral / Qwen2 does: one line."""
-    for arg, is_on, what in NOT_HF:
-        if arg in args.recorded and is_on(args.recorded[arg]):
-            raise BadInput(
-                f"{folder}: the training args in {COMMON} have {arg} {args.recorded[arg]!r}: the model uses {what}, "
-                "which Hugging Face Llama / Mistral / Qwen2 do not compute; the megatron layout cannot write it"
-            )
-
-
-def check_against(folder: str, path: str, values: dict, args: TrainingArgs) -> None:
-    """config.json's norm epsilon and RoPE base against the args, where both say."""
-    rope = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
-    pairs = (
-        ("norm_epsilon", "rms_norm_eps", values.get("rms_norm_eps")),
-        ("rotary_base", "rope_theta", rope.get("rope_theta", values.get("rope_theta"))),
-    )
-    for arg, key, given in pairs:
-        recorded = args.recorded.get(arg)
-        if _number(recorded) and _number(given) and recorded != given:
-            raise BadInput(
-                f"{folder}: the training args in {COMMON} have {arg} {recorded}; {path} gives {key} {given}: "
-                "the config is not this checkpoint's model"
-            )
 
 
 def build(folder: str, args: TrainingArgs, *, rows: int, tied: bool, qkv_bias: bool, dtype: str) -> tuple[dict, str]:
@@ -87,21 +54,6 @@ def build(folder: str, args: TrainingArgs, *, rows: int, tied: bool, qkv_bias: b
             raise BadInput(
                 f"{folder}: no config.json, and the training args in {COMMON} have {arg} {r[arg]!r} ({what}), "
                 f"which a config built from them would not describe exactly; {how}"
-            )
-    for arg, recorded, found, what in (
-        ("padded_vocab_size", r.get("padded_vocab_size"), rows, "embedding rows"),
-        ("add_qkv_bias", r.get("add_qkv_bias"), qkv_bias, "linear_qkv.bias present"),
-        (
-            "untie_embeddings_and_output_weights",
-            r.get("untie_embeddings_and_output_weights"),
-            not tied,
-            "output_layer.weight present",
-        ),
-    ):
-        if recorded is not None and recorded != found:
-            raise BadInput(
-                f"{folder}: the training args in {COMMON} have {arg} {recorded!r}, but the checkpoint has {what} "
-                f"{found!r}: the args are not this checkpoint's; {how}"
             )
     family = "qwen2" if qkv_bias else "llama"
     values = {

@@ -26,6 +26,7 @@ from math import prod
 from .._parsing.boxes import box_extents
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count
 from ..errors import BadInput
+from .mesh_ranks import mesh_place
 
 Runs = tuple[tuple[int, int], ...]  # (global start, length) ranges, in the order the local piece holds them
 
@@ -47,7 +48,7 @@ class DTensorLayout:
     global_shape: tuple[int, ...]
     dtype: str
     mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]  # this rank's position in the mesh
+    coordinate: tuple[int, ...]  # where this rank's piece sits: its rank in each mesh dim's process group
     # ("shard", dim, 1) | ("strided", dim, split_factor) | ("replicate", None, 1)
     placements: tuple[tuple[str, int | None, int], ...]
     # (tensor dim, mesh dims in sharding order): recorded, decoded from _StridedShard split
@@ -55,10 +56,23 @@ class DTensorLayout:
     shard_order: tuple[tuple[int, tuple[int, ...]], ...] | None
     mesh_rank: int | None = None  # the global rank that saved it, where the DeviceMesh records it
     mesh_world: int | None = None  # ranks in the whole mesh this one is part of (a sub-mesh's root), if recorded
+    global_stride: tuple[int, ...] | None = None  # the spec's, where recorded as whole numbers
+    # the rank's coordinate in the mesh tensor, where it is not `coordinate` (a mesh whose ranks do not
+    # increase along a dim: readers.mesh_ranks)
+    mesh_coordinate: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         names = {"shard": "Shard({})", "strided": "_StridedShard({}, split_factor={})", "replicate": "Replicate()"}
         return "(" + ", ".join(names[kind].format(dim, factor) for kind, dim, factor in self.placements) + ")"
+
+    def coordinate_note(self) -> str:
+        """What a message adds where the piece's coordinate is not the rank's place in the mesh tensor."""
+        if self.mesh_coordinate is None:
+            return ""
+        return (
+            f" (its process-group ranks, as FSDP2 shards; its DeviceMesh coordinate is {self.mesh_coordinate}, "
+            "the mesh not listing its ranks in increasing order)"
+        )
 
     def is_primary_replica(self) -> bool:
         """True on the one replica group that is read (coordinate 0 on every Replicate mesh dim)."""
@@ -155,6 +169,7 @@ def choose_reading(layouts: list[DTensorLayout], local_shapes: list[tuple[int, .
         raise BadInput(
             f"{wheres[i]}: local shape {local_shapes[i]} but {layout.describe()} of {layout.global_shape} "
             f"over mesh {layout.mesh_shape} gives {layout.local_shape(reading)} at coordinate {layout.coordinate}"
+            + layout.coordinate_note()
         )
     for other in fits[1:]:
         for layout, where in zip(layouts, wheres):
@@ -205,14 +220,15 @@ def _slice_runs(runs: Runs, start: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def read_layout(spec: Record, where: str) -> DTensorLayout:
-    """What a DTensor's spec says."""
+def read_layout(spec: Record, where: str, rank: int | None = None) -> DTensorLayout:
+    """What a DTensor's spec says; `rank`: the saving rank, where its DeviceMesh does not record it
+    (the file's name or metadata says it)."""
     mesh = spec.get("mesh")
     meta = spec.get("tensor_meta")
     raw_placements = spec.get("placements")
     if not isinstance(mesh, Record) or not isinstance(meta, Record) or raw_placements is None:
         raise BadInput(f"{where}: DTensor spec lacks its mesh, placements or tensor metadata")
-    recorded_shape, _stride, dtype = _tensor_meta(meta, where)
+    recorded_shape, recorded_stride, dtype = _tensor_meta(meta, where)
     global_shape = as_dims(recorded_shape)
     if global_shape is None:
         raise BadInput(f"{where}: DTensor global shape {recorded_shape!r} is not a list of whole numbers")
@@ -235,16 +251,21 @@ def read_layout(spec: Record, where: str) -> DTensorLayout:
                 f"{where}: _StridedShard split factor {factor} exceeds the {prod(mesh_shape)} ranks of its "
                 "DeviceMesh; no layout of torch's makes that"
             )
-    rank = mesh.get("_rank")
+    coordinate = tuple(coordinate)
+    place = mesh_place(mesh, rank, coordinate, where)
+    piece_at = place.group_coordinate if place is not None else coordinate
+    saved_by = mesh.get("_rank")
     return DTensorLayout(
         tuple(global_shape),
         str(dtype),
         mesh_shape,
-        tuple(coordinate),
+        piece_at,
         placements,
         _shard_order(spec, placements, mesh_shape, where),
-        rank if is_count(rank) else None,
+        saved_by if is_count(saved_by) else None,
         _mesh_world(mesh),
+        as_dims(recorded_stride),
+        coordinate if piece_at != coordinate else None,
     )
 
 

@@ -28,6 +28,12 @@ from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
 from .storage_sources import StorageSources
 
+UNORDERED_MESH_NOTE = (
+    "the DeviceMesh does not list its ranks in increasing order: each piece is placed at its rank's place in "
+    "the mesh dim's process group (torch sorts a group's ranks; FSDP2 shards and full_tensor() gathers by them), "
+    "not at the mesh coordinate the DTensor records"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class DTensorPiece:
@@ -93,7 +99,9 @@ def load_rank_states(
             if isinstance(value, (TensorRef, DTensorRef)):
                 key = names.setdefault(str(name), str(name))
                 if isinstance(value, DTensorRef):
-                    layout = layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}")
+                    layout = layouts.of(value.spec, lambda path=path, key=key: f"{path}: {key}", rank)
+                    if value.shape != layout.global_shape or value.stride != layout.global_stride:
+                        _outer_disagrees(f"{path}: {key}", value, layout)
                     local = value.local
                     source, offset = _local_source(state, key, local, sources) if prod(local.shape) else (-1, 0)
                     where_source.append(source)
@@ -165,6 +173,8 @@ def _plan(states: list[RankState], layout: str, config_dir: str | None) -> Merge
             copies += whole_copies(name, pieces, sources)
     if world > 1 and not any_dtensor:
         tensors, copies, notes = plan_plain_tensors(list(states[0].tensors), states, config_dir, sources)
+    if any(layout.mesh_coordinate is not None for p in placed.values() for layout in p.layouts):
+        notes.append(UNORDERED_MESH_NOTE)
     skipped = sorted({k for s in states for k in s.skipped})
     if skipped:
         notes.append(
@@ -194,12 +204,12 @@ class SpecLayouts:
         self._by_spec: dict[int, tuple[object, DTensorLayout]] = {}
         self._interned: dict[DTensorLayout, DTensorLayout] = {}
 
-    def of(self, spec, where: Callable[[], str]) -> DTensorLayout:
-        """The layout of `spec` (a spec record); `where()` names it in a message."""
+    def of(self, spec, where: Callable[[], str], rank: int | None = None) -> DTensorLayout:
+        """The layout of `spec` (a spec record) in the file of `rank`; `where()` names it in a message."""
         known = self._by_spec.get(id(spec))
         if known is not None and known[0] is spec:
             return known[1]
-        layout = read_layout(spec, where())
+        layout = read_layout(spec, where(), rank)
         layout = self._interned.setdefault(layout, layout)
         self._by_spec[id(spec)] = (spec, layout)  # the spec kept alive, so its id is not reused
         return layout
@@ -307,6 +317,19 @@ def _place(name: str, pieces, world: int) -> _Placement:
             f"{first_state.path}: the pieces of {name} cover {covered} of its {prod(reference.global_shape)} elements"
         )
     return _Placement(tuple(layouts), tuple(read), reference.global_shape, dtype)
+
+
+def _outer_disagrees(where: str, value: DTensorRef, layout: DTensorLayout) -> None:
+    """The error for a DTensor whose own size or stride is not its spec's (torch.load would take
+    both; the DTensor's shape would then say one thing and its sharding another)."""
+    if value.shape != layout.global_shape:
+        mine, spec, what = value.shape, layout.global_shape, "size"
+    else:
+        mine, spec, what = value.stride, layout.global_stride, "stride"
+    raise BadInput(
+        f"{where}: the DTensor's {what} {mine} disagrees with {spec} in its spec's tensor_meta; "
+        "the file was altered or is damaged"
+    )
 
 
 def _disagreement(where: str, layout, value, reference, first, first_state) -> None:

@@ -86,14 +86,21 @@ def _optimizer_step(path: str) -> str | None:
             return None
         first = state[min(state, key=repr)]
         step = first.get("step") if isinstance(first, dict) else None
-        if isinstance(step, TensorRef) and not step.shape and step.dtype in _SCALARS:
-            buffer = archive.storage_buffer(step.storage)
-            size = struct.calcsize(_SCALARS[step.dtype])
-            if (step.offset + 1) * size > buffer.nbytes:
-                raise BadInput(f"{path}: the optimizer's step reaches past its storage; the file is corrupt")
-            with open(path, "rb") as f:
-                f.seek(buffer.byte_offset + step.offset * size)
-                step = struct.unpack(_SCALARS[step.dtype], f.read(size))[0]
-    if isinstance(step, (int, float)) and not isinstance(step, bool):
-        return f"optimizer step {step:g}"
-    return None
+        step = scalar_value(step, archive, path)
+    return f"optimizer step {step:g}" if step is not None else None
+
+
+def scalar_value(value, archive: TorchZip, path: str) -> int | float | None:
+    """A number as pickled: itself, or the one element of a 0-d tensor (read from `archive`'s file); None otherwise."""
+    if isinstance(value, TensorRef) and not value.shape and value.dtype in _SCALARS:
+        buffer = archive.storage_buffer(value.storage)
+        size = struct.calcsize(_SCALARS[value.dtype])
+        if (value.offset + 1) * size > buffer.nbytes:
+            raise BadInput(f"{path}: the optimizer's step reaches past its storage; the file is corrupt")
+        with open(path, "rb") as f:
+            f.seek(buffer.byte_offset + value.offset * size)
+            data = f.read(size)
+        if len(data) != size:  # the file was cut short after its zip directory was read
+            raise BadInput(f"{path}: the file ends inside the optimizer's step; it is being written or was cut short")
+        value = struct.unpack(_SCALARS[value.dtype], data)[0]
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -31,6 +31,8 @@ class CheckpointSpec:
     # | dcp-hf (HuggingFaceStorageWriter, save_distributed) | dcp-hf-split (the same, two model files per rank)
     layout: str = "fsdp-ranks"
     hsdp: bool = False  # 2-D ("ddp", "fsdp") mesh with two replica groups
+    # the DeviceMesh's rank tensor, nested lists for HSDP (e.g. (3, 2, 1, 0)); None: init_device_mesh's
+    mesh_ranks: tuple | None = None
     shard_dim: int = 0  # FSDP2 shards 2-D weights along this dim
     wrappers: bool = False  # names carry module. / _checkpoint_wrapped_module. / _orig_mod.
     fsdp: bool = True  # False: plain model.state_dict() (a world of one; DDP when there are more ranks)
@@ -155,7 +157,7 @@ def serve_rank(rank: int, world_size: int, port: int, backend: str, jobs) -> Non
 
 
 def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
@@ -172,8 +174,11 @@ def _write_one(rank: int, world_size: int, root: str, spec: CheckpointSpec) -> N
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     if spec.fsdp:
-        if spec.hsdp:
-            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("ddp", "fsdp"))
+        names = ("ddp", "fsdp") if spec.hsdp else None
+        if spec.mesh_ranks is not None:  # a DeviceMesh over the ranks in the order given
+            mesh = DeviceMesh("cpu", torch.tensor(spec.mesh_ranks), mesh_dim_names=names)
+        elif spec.hsdp:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
         else:
             mesh = init_device_mesh("cpu", (world_size,))
         placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None

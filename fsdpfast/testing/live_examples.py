@@ -35,6 +35,8 @@ class LiveSpec:
     save_dtype: str | None = None  # save_pretrained(dtype=...)
     max_shard_size: str | int = "5GB"
     fail_rank: int | None = None  # this rank's writes fail (its file size limit is 1 KB): nothing may be published
+    # the DeviceMesh's rank tensor (nested lists under hsdp), e.g. (3, 2, 1, 0); None: init_device_mesh's
+    mesh_ranks: tuple | None = None
     tp: int = 1  # > 1: a (dp, tp) mesh, tensor parallel (torch's parallelize_module) over tp, then FSDP2 over dp
     # a DTensor buffer save_pretrained must refuse, added just before it is called: "partial" (a Partial
     # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
@@ -79,7 +81,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Liv
 
 def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -97,11 +99,13 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
         mesh = parallelize(model, spec.as_tp_spec(world_size))
         _train_tp_one_step(model, spec.seed)
     else:
-        mesh = (
-            init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-            if spec.hsdp
-            else init_device_mesh("cpu", (world_size,))
-        )
+        names = ("replicate", "shard") if spec.hsdp else None
+        if spec.mesh_ranks is not None:  # the ranks in the order given
+            mesh = DeviceMesh("cpu", torch.tensor(spec.mesh_ranks), mesh_dim_names=names)
+        elif spec.hsdp:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
         placement = (lambda p: Shard(spec.shard_dim) if p.ndim == 2 else None) if spec.shard_dim else None
         for layer in _layers(model):
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)

@@ -1,0 +1,236 @@
+"""The training args in a Megatron checkpoint's common.pt, checked against its tensors and against config.json.
+
+Every check of the args is here, so a merge with a config.json (--config, or huggingface/ found beside
+the folder) and one whose config.json is built from the args see the same ones, in this order:
+1. what the args say no Hugging Face Llama / Mistral / Qwen2 computes (rotary_interleaved, ...);
+2. the args against the tensors (layers, hidden size, heads x head dim, ffn size, padded vocabulary,
+   tied embeddings, QKV bias, experts): a contradiction means common.pt is not these tensors' run;
+3. the args against config.json, for what the tensors cannot tell (4 heads of 16 or 8 heads of 8,
+   norm epsilon, RoPE base and scaling, activation, how much of the vocabulary is padding).
+config.json against the tensors is readers.megatron's shape check; it runs between 2 and 3, so the
+args against config.json only ever meet a config whose shapes fit. Each refusal is one line naming
+both values and which side to fix. An arg that is not recorded is not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BadInput, option
+from .megatron_args import COMMON, TrainingArgs
+
+# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says
+NOT_HF = (
+    ("rotary_interleaved", lambda v: v is True, "interleaved rotary embeddings"),
+    ("apply_layernorm_1p", lambda v: v is True, "zero-centred norm weights (apply_layernorm_1p)"),
+    ("rotary_percent", lambda v: v is not None and v != 1.0, "rotary embeddings on part of each head"),
+    ("normalization", lambda v: v is not None and v != "RMSNorm", "a norm other than RMSNorm"),
+    ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
+    ("swiglu", lambda v: v is False, "an MLP other than SwiGLU"),
+)
+_SILU = ("silu", "swish")  # transformers' two names for the activation Megatron's swiglu gates with
+# Megatron-LM's own RoPE scalings and the rope_type each is in config.json: llama3 (use_rope_scaling,
+# factor rope_scaling_factor) and linear (rotary_seq_len_interpolation_factor)
+_LLAMA3, _LINEAR = "llama3", "linear"
+
+
+@dataclass(frozen=True)
+class TensorSizes:
+    """What the checkpoint's tensors show, whatever the args or config.json say."""
+
+    rows: int  # embedding rows, Megatron's vocabulary padding included
+    hidden: int  # embedding columns
+    layers: int
+    qkv_rows: int  # (heads + 2 x query groups) x head dim
+    attention: int  # linear_proj columns: heads x head dim
+    fc1_rows: int  # gate and up: 2 x ffn
+    ffn: int  # linear_fc2 columns
+    tied: bool  # no output_layer.weight
+    qkv_bias: bool
+
+
+def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
+    """Args that say the run computed something no Llama / Mistral / Qwen2 does: one line."""
+    for arg, is_on, what in NOT_HF:
+        if arg in args.recorded and is_on(args.recorded[arg]):
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {arg} {args.recorded[arg]!r}: the model uses {what}, "
+                "which Hugging Face Llama / Mistral / Qwen2 do not compute; the megatron layout cannot write it"
+            )
+
+
+def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -> None:
+    """The args against what the tensors show: the first contradiction, in one line."""
+    r = args.recorded
+    qkv = "decoder.layers.self_attention.linear_qkv"
+    attention = None
+    if args.heads and args.groups and args.head_dim:
+        n, g, d = args.heads, args.groups, args.head_dim
+        names = f"num_attention_heads {n}, num_query_groups {g}, kv_channels {d}"
+        if (n + 2 * g) * d != found.qkv_rows:
+            attention = f"{names}", f"{qkv}.weight has {found.qkv_rows} rows per layer, not ({n} + 2 x {g}) x {d}"
+        elif n * d != found.attention:
+            attention = (
+                f"{names}",
+                f"decoder.layers.self_attention.linear_proj.weight has {found.attention} columns, not {n} x {d}",
+            )
+    ffn = args.ffn
+    contradictions = (
+        (args.layers is not None and args.layers != found.layers)
+        and (f"num_layers {args.layers}", f"decoder.layers.* hold {found.layers} layers"),
+        (args.hidden is not None and args.hidden != found.hidden)
+        and (f"hidden_size {args.hidden}", f"embedding.word_embeddings.weight has {found.hidden} columns"),
+        attention,
+        (ffn is not None and (2 * ffn != found.fc1_rows or ffn != found.ffn))
+        and (
+            f"ffn_hidden_size {ffn}",
+            f"decoder.layers.mlp.linear_fc1.weight has {found.fc1_rows} rows and linear_fc2.weight {found.ffn} "
+            f"columns, not 2 x {ffn} and {ffn}",
+        ),
+        (_whole(r.get("padded_vocab_size")) and r["padded_vocab_size"] != found.rows)
+        and (f"padded_vocab_size {r['padded_vocab_size']}", f"embedding.word_embeddings.weight has {found.rows} rows"),
+        (args.tied is not None and args.tied != found.tied)
+        and (
+            f"untie_embeddings_and_output_weights {not args.tied}",
+            "the checkpoint holds output_layer.weight (untied)"
+            if not found.tied
+            else "the checkpoint holds no output_layer.weight (tied embeddings)",
+        ),
+        _qkv_bias(r, found.qkv_bias),
+        (_whole(r.get("num_experts")))
+        and (f"num_experts {r['num_experts']}", "the checkpoint holds no expert tensors (a dense model)"),
+    )
+    for contradiction in contradictions:
+        if contradiction:
+            recorded, shown = contradiction
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {recorded}, but {shown}: {COMMON} is not these "
+                f"tensors' run; merge the checkpoint the args belong to, or correct {COMMON}"
+            )
+
+
+def _qkv_bias(r: dict, present: bool):
+    """Megatron puts a bias on linear_qkv with add_qkv_bias, and on every linear layer with add_bias_linear."""
+    if r.get("add_bias_linear") is True:  # the other linear biases would be tensors readers.megatron refuses
+        return "add_bias_linear True", "the checkpoint has no bias on linear_proj, linear_fc1 or linear_fc2"
+    if isinstance(r.get("add_qkv_bias"), bool) and r["add_qkv_bias"] != present:
+        return f"add_qkv_bias {r['add_qkv_bias']}", f"{'a' if present else 'no'} linear_qkv.bias is in the checkpoint"
+    return None
+
+
+def check_against_config(
+    folder: str, path: str, values: dict, sizes, args: TrainingArgs, found: TensorSizes
+) -> str | None:
+    """The args against config.json (whose shapes fit the tensors): the first contradiction in one line.
+
+    `sizes`: config.json's sizes as readers.megatron reads them. Returns a note for a difference that
+    changes no weight and nothing computed up to the trained length (max_position_embeddings)."""
+    r = args.recorded
+    rope = _rope_scaling(values)
+    theta = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
+    act = values.get("hidden_act", "silu")  # Llama's, Mistral's and Qwen2's default
+    contradictions = (
+        _differ("num_layers", args.layers, "num_hidden_layers", sizes.layers),
+        _differ("hidden_size", args.hidden, "hidden_size", sizes.hidden),
+        _differ("num_attention_heads", args.heads, "num_attention_heads", sizes.heads),
+        _differ("num_query_groups", args.groups, "num_key_value_heads", sizes.groups),
+        _differ("kv_channels", args.head_dim, "head_dim", sizes.head_dim),
+        _differ("ffn_hidden_size", args.ffn, "intermediate_size", sizes.ffn),
+        _differ("norm_epsilon", _number(r.get("norm_epsilon")), "rms_norm_eps", _number(values.get("rms_norm_eps"))),
+        _differ(
+            "rotary_base",
+            _number(r.get("rotary_base")),
+            "rope_theta",
+            _number(theta.get("rope_theta", values.get("rope_theta"))),
+        ),
+        (r.get("swiglu") is True and act not in _SILU) and ("swiglu True (SiLU)", f"hidden_act {act!r}"),
+        *_rope_contradictions(r, rope),
+        _window_contradiction(r, values),
+        _vocab_contradiction(r, sizes.vocab, found.rows),
+    )
+    for contradiction in contradictions:
+        if contradiction:
+            recorded, given = contradiction
+            raise BadInput(
+                f"{folder}: the training args in {COMMON} have {recorded}; {path} gives {given}: the config is not "
+                f"this checkpoint's model; pass {option('config', meta='DIR')} with the model's own config.json"
+            )
+    trained, served = _whole(r.get("max_position_embeddings")), _whole(values.get("max_position_embeddings"))
+    if trained and served and trained != served:
+        return (
+            f"config.json's max_position_embeddings {served} kept; the run trained with {trained} ({COMMON}), "
+            "which changes no weight"
+        )
+    return None
+
+
+def _differ(arg: str, recorded, key: str, given):
+    """A contradiction where both say and disagree (10000 and 10000.0 agree)."""
+    if recorded is not None and given is not None and recorded != given:
+        return f"{arg} {recorded}", f"{key} {given}"
+    return None
+
+
+def _rope_scaling(values: dict) -> dict:
+    """config.json's RoPE scaling as transformers reads it: rope_scaling (the older key) wins over rope_parameters."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(values.get(key), dict):
+            return values[key]
+    return {}
+
+
+def _rope_contradictions(r: dict, rope: dict):
+    """Megatron-LM's two RoPE scalings against config.json's: each changes the rotation at every
+    position, so a config with the other (or none) computes another model. Scalings Megatron-LM
+    does not train with (yarn, dynamic, ...) are a serving choice and pass."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor = _number(rope.get("factor"))
+    llama3 = r.get("use_rope_scaling")
+    if llama3 is True:
+        wanted = _number(r.get("rope_scaling_factor"))
+        yield (kind != _LLAMA3) and ("use_rope_scaling True", f"rope_type {kind!r}, not {_LLAMA3!r}")
+        yield (kind == _LLAMA3) and _differ("rope_scaling_factor", wanted, "factor", factor)
+    elif llama3 is False:
+        yield (kind == _LLAMA3) and ("use_rope_scaling False", f"rope_type {_LLAMA3!r}")
+    linear = _number(r.get("rotary_seq_len_interpolation_factor"))
+    if linear:
+        yield (kind != _LINEAR) and (
+            f"rotary_seq_len_interpolation_factor {linear}",
+            f"rope_type {kind!r}, not {_LINEAR!r}",
+        )
+        yield (kind == _LINEAR) and _differ("rotary_seq_len_interpolation_factor", linear, "factor", factor)
+    elif "rotary_seq_len_interpolation_factor" in r and kind == _LINEAR:
+        yield "rotary_seq_len_interpolation_factor None", f"rope_type {_LINEAR!r}"
+
+
+def _window_contradiction(r: dict, values: dict):
+    """A run with sliding-window attention needs a config that has one (full attention computes other
+    outputs past the window); a window in the config that the run did not train with only limits
+    what the model sees of longer inputs, a serving choice, and passes."""
+    window = r.get("window_size")
+    has = values.get("sliding_window") is not None and values.get("use_sliding_window", True) is not False
+    if window is None or has:
+        return None
+    return f"window_size {window!r} (sliding-window attention)", "no sliding window (full attention)"
+
+
+def _vocab_contradiction(r: dict, vocab: int, rows: int):
+    """config.json's vocab_size is every embedding row (the padded size, as Qwen2's configs give it), or a
+    size Megatron-LM pads to those rows: by fewer than make_vocab_size_divisible_by x TP rows, where the
+    args record both. (Above the rows, the shape check has refused it.)"""
+    divisor, tp = _whole(r.get("make_vocab_size_divisible_by")), _whole(r.get("tensor_model_parallel_size"))
+    if not divisor or not tp or rows - vocab < divisor * tp:
+        return None
+    return (
+        f"make_vocab_size_divisible_by {divisor} and tensor_model_parallel_size {tp} (padding of fewer than "
+        f"{divisor * tp} rows, to the embedding's {rows})",
+        f"vocab_size {vocab}, {rows - vocab} rows short",
+    )
+
+
+def _whole(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
