@@ -9,7 +9,7 @@
 //   Embedding: delta = (B @ A).T * scaling in lora_embedding_A's dtype (same CPU widening), cast
 //              to the weight's dtype, then weight += delta.
 //   lora_bias: bias += lora_B.bias * scaling.
-// Only ATen ops are called, so one registration (CompositeExplicitAutograd) serves the CPU and
+// The schemas are in ops.cpp. Only ATen ops are called, so one registration (CompositeExplicitAutograd) serves the CPU and
 // CUDA; on a GPU the matmul runs there, as peft's would for a model on that GPU.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -57,11 +57,6 @@ at::Tensor lora_merge_bias(const at::Tensor& bias, const at::Tensor& lora_bias, 
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(fsdpfast, m) {
-  m.def("lora_merge(Tensor weight, Tensor lora_A, Tensor lora_B, float scaling, bool fan_in_fan_out, bool embedding) -> Tensor");
-  m.def("lora_merge_bias(Tensor bias, Tensor lora_bias, float scaling) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(fsdpfast, CompositeExplicitAutograd, m) {
   m.impl("lora_merge", &lora_merge);

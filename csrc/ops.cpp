@@ -1,7 +1,15 @@
-// The fsdpfast torch ops: schemas, and their CPU implementations over the kernels.
+// The fsdpfast torch ops: every schema, and the CPU implementations over the kernels.
 //
-// gather_convert copies every extent of a plan from byte views of the input files into byte
-// views of the output files, converting element types on the way, in one multithreaded pass.
+// The schemas are all here, so one block says what torch.ops.fsdpfast holds; the other files
+// only register implementations:
+//   gather_convert         copies every extent of a plan from byte views of the input files into
+//                          byte views of the output files, converting element types on the way, in
+//                          one multithreaded pass (CPU here, CUDA in cuda/gather_convert.cu).
+//   gather_convert_staged  the same from CPU views through pinned and device staging buffers and
+//                          the GPU (CUDA only: cuda/gather_convert.cu).
+//   convert_scalar         the element conversions one by one, so tests can check them anywhere.
+//   lora_merge, lora_merge_bias  a weight (bias) with a LoRA adapter fused in (lora_merge.cpp).
+// An argument the op writes into is declared `Tensor(x!)`: torch.compile and opcheck rely on it.
 // (Writing into files is the torch-free module's job: bindings.cpp.)
 #include <Python.h>
 #include <ATen/ATen.h>
@@ -102,7 +110,12 @@ at::Tensor convert_scalar(const at::Tensor& source, int64_t from, int64_t to) {
 
 TORCH_LIBRARY(fsdpfast, m) {
   m.def("gather_convert(Tensor[] sources, Tensor(a!)[] destinations, Tensor plan) -> ()");
+  m.def(
+      "gather_convert_staged(Tensor[] sources, Tensor(a!)[] destinations, Tensor plan, Tensor(b!)[] pinned_in, "
+      "Tensor(c!)[] pinned_out, Tensor(d!)[] device_in, Tensor(e!)[] device_out) -> ()");
   m.def("convert_scalar(Tensor source, int source_code, int target_code) -> Tensor");
+  m.def("lora_merge(Tensor weight, Tensor lora_A, Tensor lora_B, float scaling, bool fan_in_fan_out, bool embedding) -> Tensor");
+  m.def("lora_merge_bias(Tensor bias, Tensor lora_bias, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {

@@ -56,7 +56,8 @@ void launch_convert(int64_t from, int64_t to, const unsigned char* in, unsigned 
   FSDPFAST_CASE(kBFloat16, kFloat16)
   FSDPFAST_CASE(kFloat16, kBFloat16)
 #undef FSDPFAST_CASE
-  TORCH_CHECK(false, "unsupported conversion ", from, " -> ", to);
+  // check_plan_bounds accepted only these pairs for rows whose codes differ.
+  TORCH_INTERNAL_ASSERT(false, "unsupported conversion ", from, " -> ", to);
 }
 
 // --- gather_convert on device-resident views: one block per task ---
@@ -340,13 +341,7 @@ void gather_convert_staged(at::TensorList sources, at::TensorList destinations, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fsdpfast, m) {
-  m.def(
-      "gather_convert_staged(Tensor[] sources, Tensor(a!)[] destinations, Tensor plan, Tensor(b!)[] pinned_in, "
-      "Tensor(c!)[] pinned_out, Tensor(d!)[] device_in, Tensor(e!)[] device_out) -> ()");
-}
-
-// The staged op takes CPU views and CUDA buffers together; dispatch picks the CUDA kernel.
+// The schemas are in ops.cpp. The staged op takes CPU views and CUDA buffers together; dispatch picks the CUDA kernel.
 TORCH_LIBRARY_IMPL(fsdpfast, CUDA, m) {
   m.impl("gather_convert", &gather_convert_cuda);
   m.impl("gather_convert_staged", &gather_convert_staged);
