@@ -62,13 +62,25 @@ def torch_ops() -> bool:
         if _torch_ops_error is None:
             try:
                 from . import _C  # noqa: F401  (loading the library registers the ops)
-
-                _torch_ops_loaded = True
             except Exception as exc:  # ImportError, OSError: missing libraries, undefined symbols
                 _torch_ops_error = (
                     f"fsdpfast._C did not load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
                 )
+            else:
+                _register_fakes(torch)
+                _torch_ops_loaded = True
     return _torch_ops_loaded
+
+
+def _register_fakes(torch) -> None:
+    """What the ops return, computed without data (FakeTensor: torch.compile, torch.library.opcheck).
+    The gather ops need none: they return nothing and their schemas declare what they write, from
+    which torch makes their fakes; lora_merge's ATen-only implementation serves fake tensors itself."""
+
+    @torch.library.register_fake("fsdpfast::convert_scalar")
+    def _(source, source_code: int, target_code: int):
+        width = lambda code: 4 if code == CODES["float32"] else 2  # as csrc/ops.cpp sizes them
+        return source.new_empty(source.numel() // width(source_code) * width(target_code))
 
 
 def _release(version: str) -> str:
@@ -129,12 +141,7 @@ def crc32c_combine(crc_a: int | None, crc_b: int | None, length_b: int) -> int |
     byte ranges by several processes gets the checksum of its whole bytes."""
     if crc_a is None or crc_b is None:
         return None
-    combine = getattr(_native, "crc32c_combine", None)
-    if combine is None:  # a build from before the function was bound
-        from .errors import FsdpfastError
-
-        raise FsdpfastError("fsdpfast._native has no crc32c_combine (built from older sources); rebuild the extension")
-    return combine(crc_a, crc_b, length_b)
+    return _native.crc32c_combine(crc_a, crc_b, length_b)  # CRCs come from _native, so it is loaded
 
 
 def cpu_threads() -> int:
