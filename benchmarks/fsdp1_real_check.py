@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from fsdpfast.testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints  # noqa: E402
+from fsdpfast._testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints  # noqa: E402
 
 SPECS = [
     Fsdp1Spec("llama", seed=1),

@@ -157,7 +157,7 @@ def spawn_way(rank_main, way: str, args, leftovers: tuple[str, ...]) -> dict:
     `leftovers` from the work folder; what rank 0 wrote to `result` (JSON)."""
     import torch.multiprocessing as mp
 
-    from fsdpfast.testing.examples import _free_port
+    from fsdpfast._testing.fsdp2_writer import _free_port
 
     for leftover in leftovers:
         shutil.rmtree(os.path.join(args.workdir, leftover), ignore_errors=True)

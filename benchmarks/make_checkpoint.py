@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from fsdpfast.testing.examples import exit_rank
+from fsdpfast._testing.fsdp2_writer import exit_rank
 
 
 def llama_config(hidden: int = 2048, layers: int = 16, intermediate: int = 5632, vocab: int = 32000, heads: int = 16):

@@ -1,7 +1,7 @@
 """Planning many ranks: today's planner against an earlier one, side by side, on the same files.
 
 Writes (once, kept under --root) verl-style `model_world_size_{W}_rank_{r}.pt` folders of Llama-3
-shaped models, and DCP folders, with fsdpfast.testing.many_ranks: real FSDP2 (`fully_shard`) over
+shaped models, and DCP folders, with fsdpfast._testing.many_ranks: real FSDP2 (`fully_shard`) over
 torch's fake process group, real metadata and sparse data. Then times `fsdpfast merge --dry-run`
 (planning: every rank file read, every piece placed and checked) with the code of this tree and
 with the code of an earlier commit (--old, default the parent of the planner work), each run its
@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 
 from measure import Run, run_measured, size  # noqa: E402
 
-from fsdpfast.testing.many_ranks import LLAMA3  # noqa: E402
+from fsdpfast._testing.many_ranks import LLAMA3  # noqa: E402
 
 OLD_DEFAULT = "ca32be8"  # the commit before the planner work (issue 17)
 NEW_LIMIT = 1024  # the usual default soft limit of open files
@@ -75,7 +75,7 @@ def write_case(case: Case, root: str, jobs: int) -> str:
     command = [
         sys.executable,
         "-m",
-        "fsdpfast.testing.many_ranks",
+        "fsdpfast._testing.many_ranks",
         folder,
         "--model",
         case.model,

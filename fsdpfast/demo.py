@@ -15,8 +15,8 @@ def run_demo(workdir: str | None = None, world_size: int = 4) -> int:
         import transformers  # noqa: F401
     except ImportError:
         raise BadInput("the demo needs transformers: pip install 'fsdpfast[demo]'") from None
+    from ._testing.fsdp2_writer import PROBE_INPUT, CheckpointSpec, write_checkpoints
     from .api import merge
-    from .testing.examples import PROBE_INPUT, CheckpointSpec, write_checkpoints
 
     root = workdir or tempfile.mkdtemp(prefix="fsdpfast-demo-")
     try:

@@ -17,7 +17,7 @@ os.environ["FSDPFAST_MEASUREMENTS"] = os.devnull
 
 from helpers import CheckpointsByWorld  # noqa: E402
 
-from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints  # noqa: E402
+from fsdpfast._testing.fsdp2_writer import CheckpointSpec, write_checkpoints  # noqa: E402
 
 pytest_plugins = ["deepspeed_checkpoints"]  # the DeepSpeed ZeRO checkpoints' session fixture
 

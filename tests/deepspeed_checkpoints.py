@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 from helpers import CheckpointsByWorld
 
-from fsdpfast.testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
+from fsdpfast._testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints
 
 # name -> (world size, spec): every stage at world sizes 2 to 4, bf16 and fp32 training, tied
 # embeddings, frozen parameters, buffers and a second tag (two saves of one run, at stages 2 and 3).

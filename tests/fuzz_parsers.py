@@ -585,7 +585,7 @@ def write_seed_checkpoints(root: str) -> dict[str, str]:
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import SPECS
 
-    from fsdpfast.testing.examples import write_checkpoints
+    from fsdpfast._testing.fsdp2_writer import write_checkpoints
 
     folders = {}
     names = SEED_CHECKPOINTS + [READER_TARGETS["dcp_hf_header"][0]]
@@ -602,7 +602,7 @@ def write_reader_seeds(root: str) -> dict[str, str]:
 
     from test_fsdp1_flat import SPECS as FSDP1_SPECS
 
-    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
+    from fsdpfast._testing.fsdp1_examples import write_fsdp1_checkpoints
 
     world, spec = FSDP1_SPECS[FSDP1_SEED]
     write_fsdp1_checkpoints(os.path.join(root, "fsdp1"), [spec], world)
@@ -610,7 +610,7 @@ def write_reader_seeds(root: str) -> dict[str, str]:
     if importlib.util.find_spec("deepspeed") is not None:
         from deepspeed_checkpoints import DS_SPECS
 
-        from fsdpfast.testing.deepspeed_examples import write_deepspeed_checkpoints
+        from fsdpfast._testing.deepspeed_examples import write_deepspeed_checkpoints
 
         world, spec = DS_SPECS[DEEPSPEED_SEED]
         write_deepspeed_checkpoints(os.path.join(root, "deepspeed"), [spec], world)

@@ -63,7 +63,7 @@ def assert_bit_exact(
 
 
 def transformers_logits(out_dir: str, model_kind: str, dtype: str = "float32") -> torch.Tensor:
-    """Logits of the merged folder loaded with from_pretrained, on the examples' probe input.
+    """Logits of the merged folder loaded with from_pretrained, on the FSDP2 writer's probe input.
 
     The training side built its model in float32 and then called .to(dtype), which also casts
     non-persistent buffers (rotary frequencies); loading in float32 and casting the same way
@@ -71,7 +71,7 @@ def transformers_logits(out_dir: str, model_kind: str, dtype: str = "float32") -
     """
     import transformers
 
-    from fsdpfast.testing.examples import PROBE_INPUT
+    from fsdpfast._testing.fsdp2_writer import PROBE_INPUT
 
     cls = transformers.BertForMaskedLM if model_kind == "bert" else transformers.LlamaForCausalLM
     torch.set_num_threads(1)
@@ -116,9 +116,9 @@ class CheckpointsByWorld:
 
 
 def write_many_ranks(folder: str, world_size: int, seed: int) -> str:
-    """A tiny model's verl-style checkpoint of `world_size` rank files (fsdpfast.testing.many_ranks:
+    """A tiny model's verl-style checkpoint of `world_size` rank files (fsdpfast._testing.many_ranks:
     real FSDP2 metadata over torch's fake process group, seeded values)."""
-    command = ["-m", "fsdpfast.testing.many_ranks", folder, "--model", "tiny", "--world-size", str(world_size)]
+    command = ["-m", "fsdpfast._testing.many_ranks", folder, "--model", "tiny", "--world-size", str(world_size)]
     command += ["--data", "values", "--seed", str(seed)]
     subprocess.run([sys.executable, *command], check=True, timeout=900, capture_output=True)
     return folder
@@ -154,7 +154,7 @@ def assert_an_offline_merges_files(folder: Path, spec, out: Path) -> None:
 
 
 def live_outcomes(folder, world: int) -> list[dict]:
-    """How each rank's save_pretrained call ended (fsdpfast.testing.live_examples writes outcome-{rank}.json)."""
+    """How each rank's save_pretrained call ended (fsdpfast._testing.live_examples writes outcome-{rank}.json)."""
     return [json.loads((Path(folder) / f"outcome-{rank}.json").read_text()) for rank in range(world)]
 
 

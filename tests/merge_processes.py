@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdpfast.testing.examples import _free_port
+from fsdpfast._testing.fsdp2_writer import _free_port
 
 
 class Ranks:

@@ -7,7 +7,7 @@ import os
 import torch
 from helpers import bits
 
-from fsdpfast.testing.examples import PROBE_INPUT
+from fsdpfast._testing.fsdp2_writer import PROBE_INPUT
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -27,7 +27,7 @@ def adapter_folder(out, adapter: str) -> str:
 
 
 def peft_logits(out, folder: str, dtype: torch.dtype) -> torch.Tensor:
-    """The merged base loaded by transformers, the adapter by peft, on the examples' probe input.
+    """The merged base loaded by transformers, the adapter by peft, on the FSDP2 writer's probe input.
 
     Loaded in float32 and cast, as the training model was built (helpers.transformers_logits);
     the adapter kept in its saved dtype, as it was trained (autocast_adapter_dtype=False)."""

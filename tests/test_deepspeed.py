@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stage 1/2/3 checkpoints written by DeepSpeed itself, merged bit for bit.
 
-Two independent references for every checkpoint (see fsdpfast/testing/deepspeed_examples.py): the fp32
+Two independent references for every checkpoint (see fsdpfast/_testing/deepspeed_examples.py): the fp32
 master weights gathered from the live engine, and DeepSpeed's own zero_to_fp32 on the saved folder.
 Where zero_to_fp32 has gaps (stage 1 drops frozen parameters; its safetensors export fails on tied
 weights) the tests show what fsdpfast does instead.
@@ -19,7 +19,7 @@ from deepspeed_checkpoints import DS_SPECS
 from helpers import assert_bit_exact, bits, read_merged
 
 import fsdpfast
-from fsdpfast.testing.deepspeed_examples import FROZEN
+from fsdpfast._testing.deepspeed_examples import FROZEN
 
 BUFFER = "fsdpfast_probe_buffer"
 

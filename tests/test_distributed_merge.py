@@ -29,6 +29,7 @@ from test_bad_input import edit_state_dict, tree_digest
 
 import fsdpfast
 from fsdpfast import _ops
+from fsdpfast._testing.fsdp2_writer import CheckpointSpec, _free_port, write_checkpoints
 from fsdpfast.errors import EXIT_BAD_INPUT
 from fsdpfast.execute.engines import select_engine
 from fsdpfast.execute.parts import clip_extent, share_out, tensor_checksums
@@ -36,7 +37,6 @@ from fsdpfast.execute.writer import execute
 from fsdpfast.io.staging import LocalTarget
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
-from fsdpfast.testing.examples import CheckpointSpec, _free_port, write_checkpoints
 
 pytestmark = pytest.mark.skipif(
     not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module"
@@ -149,7 +149,7 @@ def _api_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from fsdpfast.testing.examples import exit_rank
+    from fsdpfast._testing.fsdp2_writer import exit_rank
 
     dist.init_process_group(
         "gloo",

@@ -70,7 +70,7 @@ def _write_odd_rank(rank: int, world: int, port: int, folder: str) -> None:
 def odd_checkpoint(tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
 
-    from fsdpfast.testing.examples import _free_port
+    from fsdpfast._testing.fsdp2_writer import _free_port
 
     folder = tmp_path_factory.mktemp("odd")
     mp.spawn(_write_odd_rank, args=(2, _free_port(), str(folder)), nprocs=2, join=True)

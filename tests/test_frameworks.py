@@ -1,6 +1,6 @@
 """The folders training frameworks write, given whole, as their users would: each merged bit for bit.
 
-Checkpoints come from the frameworks' own saving code on gloo ranks (fsdpfast.testing.framework_examples):
+Checkpoints come from the frameworks' own saving code on gloo ranks (fsdpfast._testing.framework_examples):
 accelerate 1.15 (`Accelerator.save_state`, `save_fsdp_model`), torchtitan's `CheckpointManager`,
 and a Hugging Face Trainer's `checkpoint-N/` written by the calls the Trainer makes under FSDP (the
 Trainer selects FSDP only on an accelerator). verl's step folder is built from verl's rank files
@@ -33,7 +33,7 @@ needs_torchtitan = pytest.mark.skipif(not HAVE_TORCHTITAN, reason="torchtitan (i
 
 
 def _specs():
-    from fsdpfast.testing.framework_examples import FrameworkSpec
+    from fsdpfast._testing.framework_examples import FrameworkSpec
 
     specs = []
     if HAVE_ACCELERATE:
@@ -62,7 +62,7 @@ def _specs():
 
 class FrameworkCheckpoints(CheckpointsByWorld):
     def __init__(self, root: str):
-        from fsdpfast.testing.framework_examples import write_framework_checkpoints
+        from fsdpfast._testing.framework_examples import write_framework_checkpoints
 
         super().__init__(root, _specs(), write_framework_checkpoints, lambda spec, root: spec.folder(root))
 

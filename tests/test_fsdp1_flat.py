@@ -1,7 +1,7 @@
 """FSDP1 LOCAL_STATE_DICT flat parameters, written by real FSDP1 on gloo ranks, merged bit for bit.
 
 FSDP1 runs on the CPU when given `device_id=torch.device("cpu")`, so every checkpoint here
-comes from FSDP1 itself (fsdpfast.testing.fsdp1_examples), and the reference is FSDP1's own
+comes from FSDP1 itself (fsdpfast._testing.fsdp1_examples), and the reference is FSDP1's own
 FULL_STATE_DICT of the same model.
 """
 
@@ -19,8 +19,8 @@ from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_m
 
 import fsdpfast
 from fsdpfast._parsing.safe_load import safe_unpickle
+from fsdpfast._testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
-from fsdpfast.testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints
 
 DECODER_AND_MLP = ("LlamaDecoderLayer", "LlamaMLP")
 # name -> (world size, spec). 3 ranks split every flat parameter unevenly; use_orig_params
@@ -304,7 +304,7 @@ def _resplit_root(rank: int, world: int, port: int, folder: str) -> None:
 def test_partition_sizes_other_than_fsdp1s(fsdp1, tmp_path):
     import torch.multiprocessing as mp
 
-    from fsdpfast.testing.examples import _free_port
+    from fsdpfast._testing.fsdp2_writer import _free_port
 
     folder = fsdp1.copy("w3-tied", tmp_path)  # 3 ranks: the sizes above
     mp.spawn(_resplit_root, args=(3, _free_port(), folder), nprocs=3, join=True)

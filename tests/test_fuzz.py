@@ -54,7 +54,7 @@ def test_parser_raises_only_clean_errors(seeds, tmp_path, target):
 def fsdp1_seed(tmp_path_factory) -> str:
     from test_fsdp1_flat import SPECS
 
-    from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
+    from fsdpfast._testing.fsdp1_examples import write_fsdp1_checkpoints
 
     root = str(tmp_path_factory.mktemp("fsdp1-seed"))
     world, spec = SPECS[FSDP1_SEED]

@@ -21,8 +21,8 @@ from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, rank_f
 from test_bad_input import api_refuses, cli_refuses, run_cli
 
 import fsdpfast
+from fsdpfast._testing.fsdp2_writer import CheckpointSpec, write_checkpoints
 from fsdpfast.readers.rank_files import UNORDERED_MESH_NOTE
-from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints
 
 EMBED = "model.embed_tokens.weight"  # (100, 64) or (101, 64): even or uneven over 4 ranks
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64)

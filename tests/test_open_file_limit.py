@@ -2,7 +2,7 @@
 merge maps inputs without keeping them open, so the open-file limit does not bound the world size.
 
 The checkpoint: 80 ranks of real FSDP2 (`fully_shard`) over torch's fake process group, written in
-one process (fsdpfast.testing.many_ranks), each rank saving its real shards of a tiny Llama-shaped
+one process (fsdpfast._testing.many_ranks), each rank saving its real shards of a tiny Llama-shaped
 model built from a seed; the reference is that model before sharding. Each merge runs in a child
 whose soft and hard RLIMIT_NOFILE are set below the number of rank files, so it cannot raise them.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import assert_bit_exact, read_merged, write_many_ranks
 
-from fsdpfast.testing.many_ranks import TINY, unsharded_state
+from fsdpfast._testing.many_ranks import TINY, unsharded_state
 
 WORLD = 80
 LIMIT = 48  # open files a child may hold: well under WORLD, enough for Python, torch and the output

@@ -385,7 +385,7 @@ def test_overwrite_replaces_a_live_saves_folder(checkpoints, tmp_path):
     """save_pretrained's folder (its tokenizer's files too) is an earlier output like a merge's."""
     from test_save_pretrained_refusals import tiny_tokenizer
 
-    from fsdpfast.testing.examples import CheckpointSpec, build_model
+    from fsdpfast._testing.fsdp2_writer import CheckpointSpec, build_model
 
     _, folder = checkpoints.get("w2-llama")
     out = tmp_path / "merged"

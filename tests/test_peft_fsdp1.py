@@ -1,7 +1,7 @@
 """PEFT LoRA models in FSDP1 LOCAL_STATE_DICT flat parameters, merged into a base model and an adapter folder.
 
 Every checkpoint comes from a real peft model wrapped by real FSDP1 on gloo ranks and trained for a step
-(fsdpfast.testing.peft_fsdp1_examples): decoder-layer units with use_orig_params=True, or peft's own
+(fsdpfast._testing.peft_fsdp1_examples): decoder-layer units with use_orig_params=True, or peft's own
 fsdp_auto_wrap_policy with use_orig_params=False. FSDP1 saves no parameter names or order, so fsdpfast
 rebuilds the peft model (readers.fsdp1_peft); the references come from the live model: FSDP1's
 FULL_STATE_DICT, peft's own adapter state dict and merge_and_unload() of it, the training model's logits.
@@ -22,9 +22,9 @@ from peft_checks import adapter_folder, assert_same, peft_logits
 from test_bad_input import cli_refuses
 
 import fsdpfast
+from fsdpfast._testing.peft_examples import PeftSpec, lora_config
+from fsdpfast._testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 from fsdpfast.lora.split import lora_role
-from fsdpfast.testing.peft_examples import PeftSpec, lora_config
-from fsdpfast.testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 
 pytest.importorskip("peft")
 

@@ -1,7 +1,7 @@
 """PEFT LoRA checkpoints, written as verl writes a LoRA actor, merged into a base model and adapter folders.
 
 Every checkpoint comes from a real peft model sharded by FSDP2 (or DeepSpeed ZeRO-2) on gloo ranks, trained for a
-step (fsdpfast.testing.peft_examples); the references are taken from that model by peft itself: the
+step (fsdpfast._testing.peft_examples); the references are taken from that model by peft itself: the
 adapters' state dicts as peft saves them, the logits of the training model, merge_and_unload().
 """
 
@@ -23,13 +23,13 @@ from peft_checks import adapter_folder, assert_same, peft_logits, untied
 from test_bad_input import api_refuses, cli_refuses, edit_state_dict
 
 import fsdpfast
-from fsdpfast.errors import BadInput
-from fsdpfast.testing.peft_examples import (
+from fsdpfast._testing.peft_examples import (
     PeftSpec,
     lora_config,
     write_peft_checkpoints,
     write_peft_deepspeed_checkpoints,
 )
+from fsdpfast.errors import BadInput
 
 peft = pytest.importorskip("peft")
 

@@ -20,7 +20,7 @@ from helpers import (
     read_merged,
 )
 
-from fsdpfast.testing.live_examples import LiveSpec, save_live
+from fsdpfast._testing.live_examples import LiveSpec, save_live
 
 SPECS = {
     2: [

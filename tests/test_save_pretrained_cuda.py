@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers import live_outcomes, read_merged
 
 import fsdpfast
-from fsdpfast.testing.live_examples import LiveSpec, save_live
+from fsdpfast._testing.live_examples import LiveSpec, save_live
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 

@@ -24,7 +24,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec, save_live_fsdp1
+from fsdpfast._testing.live_fsdp1_examples import LiveFsdp1Spec, save_live_fsdp1
 
 SPECS = {
     1: [LiveFsdp1Spec("w1-no-shard", seed=47)],  # one rank: FSDP1 switches to NO_SHARD

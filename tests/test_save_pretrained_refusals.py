@@ -5,7 +5,7 @@ A plain (unsharded) model is written as it is: on one process, and on every rank
 once wrapper prefixes are removed; names config.json ties that hold different values (plain,
 FSDP2) or two separate parameters (FSDP1); ranks that hold the model differently (FSDP2 on one,
 plain on another); FSDP1 buffers held in MixedPrecision's buffer_dtype. The distributed cases
-run on real gloo ranks (fsdpfast.testing.live_refusal_examples).
+run on real gloo ranks (fsdpfast._testing.live_refusal_examples).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 import fsdpfast
+from fsdpfast._testing.fsdp2_writer import CheckpointSpec, build_model
+from fsdpfast._testing.live_fsdp1_examples import LiveFsdp1Spec
+from fsdpfast._testing.live_refusal_examples import LiveCase, save_cases
 from fsdpfast.errors import BadInput
-from fsdpfast.testing.examples import CheckpointSpec, build_model
-from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec
-from fsdpfast.testing.live_refusal_examples import LiveCase, save_cases
 
 WORLD = 2
 CASES = [

@@ -1,5 +1,5 @@
 """FSDP2 + tensor parallel on dp x tp meshes (and HSDP + TP on three), written by real
-`parallelize_module` + `fully_shard` on gloo ranks (fsdpfast.testing.tp_examples), merged bit for bit.
+`parallelize_module` + `fully_shard` on gloo ranks (fsdpfast._testing.tp_examples), merged bit for bit.
 
 Every checkpoint mixes placements on the 2-D (or 3-D) mesh — `(_StridedShard(0, split_factor=tp),
 Shard(0))`, `(Shard(0), Shard(1))`, `(Shard(0), Replicate())` — with `(Shard(0),)` on the 1-D dp
@@ -19,8 +19,8 @@ from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdpfast
+from fsdpfast._testing.tp_examples import TpSpec, write_tp_checkpoints
 from fsdpfast.errors import BadInput
-from fsdpfast.testing.tp_examples import TpSpec, write_tp_checkpoints
 
 HEADS_OVER_3 = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
 # name -> (world size, spec). Uneven on purpose: vocab 101 rows over tp and dp, 44 or 15 MLP rows

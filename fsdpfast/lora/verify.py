@@ -6,6 +6,8 @@ checkpoint (`--against`: the adapter's tensors recomputed from the shards), or t
 of a reference (`--reference REF`: REF/lora_adapter, e.g. verl's merger output). Mismatches
 are named `lora_adapter/<tensor>`. `--smoke` loads each adapter onto the merged base model with
 peft (when installed): every tensor of the file must be loaded and the forward pass finite.
+verify hands in what this module needs of it (itself, its smoke test's base model loader), so the
+import runs one way: verify -> lora.verify.
 """
 
 from __future__ import annotations
@@ -44,18 +46,14 @@ def is_adapter_folder(folder: str) -> bool:
 
 
 def check_adapters(
-    report, out_dir: str, folders: list[str], *, against, reference, rtol, atol, layout, options
+    report, out_dir: str, folders: list[str], *, verify_folder, against, reference, rtol, atol, layout, options
 ) -> None:
-    """Verify each adapter folder as `verify` verifies OUT, adding its findings to `report`."""
-    from ..verify import Mismatch, verify
-
+    """Verify each adapter folder with `verify_folder` (verify itself, given by it), adding the findings to `report`."""
     for folder in folders:
         if not (isinstance(folder, str) and _plain(folder)):
-            report.mismatches.append(
-                Mismatch(
-                    "(manifest)",
-                    f"adapters lists {str(folder)[:80]!r}, not a folder inside the output; the manifest is damaged",
-                )
+            report.mismatch(
+                "(manifest)",
+                f"adapters lists {str(folder)[:80]!r}, not a folder inside the output; the manifest is damaged",
             )
             continue
         path = os.path.join(out_dir, folder)
@@ -64,7 +62,7 @@ def check_adapters(
             report.notes.append(f"{reference} has no {folder}: that adapter was checked against its manifest only")
             theirs = None
         try:
-            sub = verify(
+            sub = verify_folder(
                 path,
                 against=against,
                 reference=theirs,
@@ -74,17 +72,16 @@ def check_adapters(
                 **options,
             )
         except BadInput as exc:
-            report.mismatches.append(Mismatch(folder, str(exc)))
+            report.mismatch(folder, str(exc))
             continue
-        report.checks += [f"{folder}: {check}" for check in sub.checks]
-        report.tensors += sub.tensors
-        report.bytes_checked += sub.bytes_checked
-        report.mismatches += [Mismatch(f"{folder}/{m.tensor}", m.what, m.byte, m.element) for m in sub.mismatches]
-        report.notes += [f"{folder}: {note}" for note in sub.notes]
+        report.include(folder, sub)
 
 
-def smoke_adapters(base_dir: str, folders: list[str], notes: list[str]) -> list[str]:
-    """Problems found loading each adapter folder onto the model in `base_dir` with peft."""
+def smoke_adapters(base_dir: str, folders: list[str], notes: list[str], load_base) -> list[str]:
+    """Problems found loading each adapter folder onto the model in `base_dir` with peft.
+
+    load_base(folder) -> (model, input ids): the base model as verify's smoke test loads it.
+    """
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -94,11 +91,11 @@ def smoke_adapters(base_dir: str, folders: list[str], notes: list[str]) -> list[
         return []
     problems = []
     for folder in (f for f in folders if isinstance(f, str) and _plain(f)):
-        problems += [f"{folder}: {p}" for p in smoke_adapter(base_dir, os.path.join(base_dir, folder))]
+        problems += [f"{folder}: {p}" for p in smoke_adapter(base_dir, os.path.join(base_dir, folder), load_base)]
     return problems
 
 
-def smoke_adapter_folder(folder: str, notes: list[str]) -> list[str]:
+def smoke_adapter_folder(folder: str, notes: list[str], load_base) -> list[str]:
     """--smoke of an adapter folder given alone: the base model is its base_model_name_or_path, a local folder."""
     with open(os.path.join(folder, CONFIG_FILE)) as f:
         base = json.load(f).get("base_model_name_or_path")
@@ -111,19 +108,15 @@ def smoke_adapter_folder(folder: str, notes: list[str]) -> list[str]:
         import peft  # noqa: F401
     except ImportError:
         raise BadInput(f"{folder}: --smoke of an adapter folder needs peft; pip install peft") from None
-    return smoke_adapter(base, folder)
+    return smoke_adapter(base, folder, load_base)
 
 
-def smoke_adapter(base_dir: str, folder: str) -> list[str]:
+def smoke_adapter(base_dir: str, folder: str, load_base) -> list[str]:
     import peft
     import torch
-    import transformers
     from safetensors.torch import load_file
 
-    from ..smoke import SMOKE_TOKENS, load_model
-
-    config = transformers.AutoConfig.from_pretrained(base_dir)
-    model, _ = load_model(transformers, torch, config, base_dir)
+    model, ids = load_base(base_dir)
     try:
         model = peft.PeftModel.from_pretrained(model, folder, autocast_adapter_dtype=False)
     except Exception as exc:  # peft's own refusal (a config it cannot read, shapes that do not fit) is the finding
@@ -137,10 +130,9 @@ def smoke_adapter(base_dir: str, folder: str) -> list[str]:
         for name in sorted(set(saved) & set(loaded))
         if not torch.equal(saved[name].to(loaded[name].dtype), loaded[name])
     ]
-    vocab = getattr(config, "vocab_size", None) or 1
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([[t % vocab for t in SMOKE_TOKENS]])).logits
+        logits = model(input_ids=ids).logits
     if not torch.isfinite(logits).all():
         problems.append(f"output logits: {int((~torch.isfinite(logits)).sum())} values are not finite")
     return problems

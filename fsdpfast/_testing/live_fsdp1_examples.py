@@ -17,7 +17,8 @@ from functools import partial
 
 import torch
 
-from .examples import (
+from .fsdp1_examples import FILE_NAME, wrap_classes
+from .fsdp2_writer import (
     PROBE_INPUT,
     CheckpointSpec,
     _free_port,
@@ -27,7 +28,6 @@ from .examples import (
     build_model,
     serve_rank,
 )
-from .fsdp1_examples import FILE_NAME, wrap_classes
 from .live_examples import _limit_file_size
 
 

@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, build_model, serve_rank
+from .fsdp2_writer import CheckpointSpec, _free_port, _layers, _train_one_step, build_model, serve_rank
 from .live_fsdp1_examples import LiveFsdp1Spec, save_one
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, build_model, exit_rank, model_config
+from .fsdp2_writer import CheckpointSpec, _free_port, build_model, exit_rank, model_config
 
 # Parameters frozen (requires_grad False) when a spec asks for frozen parameters: one 2-D
 # weight and one norm, so both land outside the optimizer's flat groups.

@@ -1,6 +1,6 @@
 """Real PEFT LoRA checkpoints for the tests, written the way verl writes a LoRA actor.
 
-Each rank is a spawned gloo process: a tiny transformers model (fsdpfast.testing.examples) becomes a
+Each rank is a spawned gloo process: a tiny transformers model (fsdpfast._testing.fsdp2_writer) becomes a
 peft model (`get_peft_model`, `init_lora_weights=False` so lora_B starts non-zero), FSDP2
 shards every decoder layer and the root (`fully_shard`), one AdamW step trains the adapter,
 and each rank saves `model.state_dict()` as verl's FSDPCheckpointManager does
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .examples import PROBE_INPUT, CheckpointSpec, _write_hf_files, build_model, spawn_writers
+from .fsdp2_writer import PROBE_INPUT, CheckpointSpec, _write_hf_files, build_model, spawn_writers
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class PeftSpec:
     name: str
     # fsdp-ranks (verl) | guide-ranks | dcp | dcp-hf | deepspeed-zero2 | fsdp1-orig, fsdp1-peft-policy (their own writers)
     layout: str = "fsdp-ranks"
-    model: str = "llama"  # llama | llama-tied (fsdpfast.testing.examples)
+    model: str = "llama"  # llama | llama-tied (fsdpfast._testing.fsdp2_writer)
     dtype: str = "float32"  # the model's dtype; adapters keep it (autocast_adapter_dtype=False)
     r: int = 8
     lora_alpha: int = 16
@@ -139,7 +139,7 @@ def _deepspeed_rank_main(rank: int, world_size: int, port: int, root: str, specs
     import io
 
     from .deepspeed_examples import join_deepspeed
-    from .examples import exit_rank
+    from .fsdp2_writer import exit_rank
 
     join_deepspeed(rank, world_size, port)
     import deepspeed

@@ -1,6 +1,6 @@
 """Real FSDP2 + tensor-parallel checkpoints on a dp x tp mesh, for the tests.
 
-Each rank is a spawned gloo process. The tiny Llama of fsdpfast.testing.examples (with biases, so that
+Each rank is a spawned gloo process. The tiny Llama of fsdpfast._testing.fsdp2_writer (with biases, so that
 1-D parameters are sharded too) is split by torch's own `parallelize_module` over the "tp"
 dimension of an `init_device_mesh("cpu", (dp, tp))` as torchtitan splits Llama (q/k/v and
 gate/up projections ColwiseParallel, o/down projections RowwiseParallel, optionally lm_head
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .examples import CheckpointSpec, _tied_names, build_model, spawn_writers
+from .fsdp2_writer import CheckpointSpec, _tied_names, build_model, spawn_writers
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def write_one(rank: int, world_size: int, root: str, spec: TpSpec) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    from .examples import _write_hf_files
+    from .fsdp2_writer import _write_hf_files
 
     example = _example(spec)
     model = build_model(example)

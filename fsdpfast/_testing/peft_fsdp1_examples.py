@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from .examples import PROBE_INPUT, spawn_writers
 from .fsdp1_examples import FILE_NAME, wrap_classes
+from .fsdp2_writer import PROBE_INPUT, spawn_writers
 from .peft_examples import PeftSpec, _write_references, _write_verl_files, build_peft_model
 
 LAYOUTS = ("fsdp1-orig", "fsdp1-peft-policy")

@@ -2,7 +2,7 @@
 
 Each rank builds the same tiny model, shards it with FSDP2 `fully_shard` (dim 0, another dim via
 shard_placement_fn, or HSDP; or tensor parallel with torch's `parallelize_module` over a (dp, tp)
-mesh and FSDP2 over dp, as fsdpfast.testing.tp_examples does), trains one step, then writes three things: the folder
+mesh and FSDP2 over dp, as fsdpfast._testing.tp_examples does), trains one step, then writes three things: the folder
 save_pretrained makes (`live/`), the verl-style rank files of the same model for an offline merge
 (`ckpt/`), and, on rank 0, the reference: `get_model_state_dict(full_state_dict=True)` saved the
 usual way, by the model's own `save_pretrained` (`reference/`). Each rank records how its call
@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
+from .fsdp2_writer import CheckpointSpec, _free_port, _layers, _train_one_step, _write_hf_files, build_model, serve_rank
 from .tp_examples import TpSpec, parallelize
 from .tp_examples import _example as _tp_example
 from .tp_examples import _train_one_step as _train_tp_one_step

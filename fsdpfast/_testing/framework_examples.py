@@ -1,6 +1,6 @@
 """Checkpoints written by training frameworks' own saving code, on spawned gloo ranks, for the tests.
 
-- accelerate (1.15): `Accelerator.prepare` shards the examples' tiny model with FSDP2 or FSDP1,
+- accelerate (1.15): `Accelerator.prepare` shards the FSDP2 writer's tiny model with FSDP2 or FSDP1,
   one AdamW step changes every weight, then `Accelerator.save_state` (a DCP folder per model,
   `pytorch_model_fsdp_{i}/`, beside `optimizer_{i}/` and rng states) or `save_fsdp_model(...,
   use_dcp=False)` (per-rank `pytorch_model_fsdp_{i}_rank{r}.bin`) writes it. On the CPU accelerate
@@ -15,7 +15,7 @@
   the top level of the state dict beside `optimizer`, `lr_scheduler`, `dataloader`,
   `train_state`) and the last step model-only in its export dtype, for a model sharded with
   FSDP2 and torchtitan's own optimizer and scheduler containers. (Its Trainer assumes CUDA;
-  the checkpoint manager does not care which model it saves: the examples' Llama is used.)
+  the checkpoint manager does not care which model it saves: the FSDP2 writer's Llama is used.)
 
 Rank 0 also saves the unsharded model gathered in the writing process (FSDP2 `full_tensor()`,
 FSDP1 FULL_STATE_DICT) as the reference a merge must equal bit for bit.
@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from .examples import CheckpointSpec, _free_port, _layers, build_model, model_config, serve_rank
+from .fsdp2_writer import CheckpointSpec, _free_port, _layers, build_model, model_config, serve_rank
 
 KINDS = ("accelerate-state", "accelerate-two-models", "accelerate-ranks", "trainer-checkpoint", "torchtitan")
 

@@ -19,7 +19,7 @@ coordinator's global plan, each rank's writes, the coordinator's `.metadata`); a
 is written with zeros and its zero blocks then deallocated (`fallocate --dig-holes`: the bytes read
 back the same).
 
-    python -m fsdpfast.testing.many_ranks OUT --model 8B --world-size 1024 [--layout dcp] [--ranks 0:512]
+    python -m fsdpfast._testing.many_ranks OUT --model 8B --world-size 1024 [--layout dcp] [--ranks 0:512]
 """
 
 from __future__ import annotations

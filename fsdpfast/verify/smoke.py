@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import BadInput, option
+from ..errors import BadInput, option
 
 SMOKE_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79]  # a fixed input; ids past the vocabulary wrap around
 
@@ -24,7 +24,7 @@ def smoke_test(out_dir: str) -> list[str]:
     except ImportError as exc:
         raise BadInput(f"{option('smoke', True)} needs transformers ({exc}); pip install transformers") from None
     transformers.utils.logging.disable_progress_bar()  # our report is the output
-    from .configs import load_config
+    from ..configs import load_config
 
     if not isinstance(load_config(os.path.join(out_dir, "config.json")).get("model_type"), str):
         raise BadInput(
@@ -40,7 +40,7 @@ def smoke_test(out_dir: str) -> list[str]:
         f"{key}: shape differs from the model's ({detail})" for key, *detail in info.get("mismatched_keys", [])
     ]
     vocab = getattr(config, "vocab_size", None) or 1
-    ids = torch.tensor([[t % vocab for t in SMOKE_TOKENS]])
+    ids = smoke_input(torch, vocab)
     model.eval()
     with torch.no_grad():
         outputs = model(input_ids=ids)
@@ -59,6 +59,22 @@ def smoke_test(out_dir: str) -> list[str]:
                 f"output {name}: {bad} of {value.numel()} values are not finite (NaN or inf in the weights?)"
             )
     return problems
+
+
+def smoke_input(torch, vocab: int):
+    """The fixed input ids, wrapped into the vocabulary: batch 1."""
+    return torch.tensor([[t % vocab for t in SMOKE_TOKENS]])
+
+
+def smoke_base(base_dir: str):
+    """The model in `base_dir` as the smoke test loads it, and its smoke input: what a PEFT adapter is loaded onto
+    (given to lora.verify, which does not import verify)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(base_dir)
+    model, _ = load_model(transformers, torch, config, base_dir)
+    return model, smoke_input(torch, getattr(config, "vocab_size", None) or 1)
 
 
 def load_model(transformers, torch, config, out_dir: str):

@@ -3,7 +3,7 @@
 FSDP1 (`FullyShardedDataParallel`) refuses to start without an accelerator unless it is told
 the device: with `device_id=torch.device("cpu")` it runs on the CPU with gloo (torch 2.13),
 so these files come from FSDP1 itself, not from an imitation of its flattening rules. Each
-rank is a spawned process; FSDP1 wraps a tiny transformers model (the examples' models) with
+rank is a spawned process; FSDP1 wraps a tiny transformers model (the FSDP2 writer's models) with
 `ModuleWrapPolicy` over the given classes, one AdamW step changes every weight, and each rank
 saves `model.state_dict()` under `StateDictType.LOCAL_STATE_DICT` as accelerate names it
 (`pytorch_model_fsdp_rank{r}.bin`). Rank 0 also saves FSDP1's own FULL_STATE_DICT as the
@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from .examples import (
+from .fsdp2_writer import (
     CheckpointSpec,
     _free_port,
     _tied_names,
@@ -35,7 +35,7 @@ FILE_NAME = "pytorch_model_fsdp_rank{rank}.bin"  # accelerate's name for LOCAL_S
 @dataclass(frozen=True)
 class Fsdp1Spec:
     name: str
-    model: str = "llama"  # llama | llama-tied | bert (fsdpfast.testing.examples)
+    model: str = "llama"  # llama | llama-tied | bert (fsdpfast._testing.fsdp2_writer)
     dtype: str = "float32"
     use_orig_params: bool = False
     wrap: tuple[str, ...] = ()  # module class names; () = the model's _no_split_modules; ("none",) = the root only

@@ -1,2 +1,0 @@
-"""Real sharded checkpoints written by real torch.distributed / DeepSpeed / framework code, for the
-demo and the tests. Not used by a merge."""

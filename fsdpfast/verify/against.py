@@ -1,0 +1,118 @@
+"""`verify --against CKPT`: every tensor recomputed from the shards and compared with the output byte for byte.
+
+The merge's own plan, runner and kernels do the work, chunk by chunk, nothing held whole; the sink
+compares instead of writing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from .. import _ops
+from ..api import plan_merge  # the one line to repoint when plan_merge moves to the pipeline
+from ..dtypes import CASTABLE, itemsize, target_dtype
+from ..errors import BadInput, ModelMismatch
+from ..execute.compare import CompareSink
+from ..execute.runner import run
+from ..io.sources import SourceFiles
+from ..io.stored import MappedFiles, StoredTensor
+from ..manifest import CHECKSUM
+from ..plan.layout import PlacedTensor
+from .report import Mismatch, VerifyReport, compare_names
+
+
+def check_against(
+    report: VerifyReport,
+    stored: dict[str, StoredTensor],
+    files: MappedFiles,
+    checkpoint: str,
+    manifest: dict | None,
+    layout: str | None,
+    options: dict,
+) -> None:
+    report.checks.append(f"recomputed from {checkpoint}")
+    manifest = manifest or {}
+    plan = _replan(report, checkpoint, manifest, layout, options)
+    if plan is None:
+        return
+    compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
+    jobs = _comparable(report, plan, stored, manifest)
+    recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
+    sink = CompareSink(files, _fused_device(manifest, plan))
+    pieces = [PlacedTensor(tensor, have.byte_offset, have.nbytes) for tensor, have in jobs]
+    with SourceFiles(plan.sources) as sources:
+        crcs = run(pieces, sources, sink)
+    for (tensor, have), crc in zip(jobs, crcs):
+        report.count_checked(have)
+        first = sink.first[tensor.name]
+        if first >= 0:
+            report.mismatches.append(
+                Mismatch(tensor.name, "bytes differ from the checkpoint's", first, first // itemsize(have.dtype))
+            )
+        elif crc is not None and tensor.name in recorded and int(recorded[tensor.name][CHECKSUM], 16) != crc:
+            report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
+
+
+def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str | None, options: dict):
+    """The checkpoint's plan as the merge made it (its recorded layout and options, unless given); None: refused."""
+    has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
+    layout = layout or manifest.get("layout")
+    recorded = dict((manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {})
+    adapter = recorded.pop("peft_adapter", None)  # this folder is one PEFT adapter of the checkpoint (lora.output)
+    # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
+    # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
+    try:
+        plan = plan_merge(
+            checkpoint,
+            dtype="keep",
+            layout=layout,
+            config=report.out_dir if has_config else None,
+            full_copy_check=True,
+            **{**recorded, **{name: value for name, value in options.items() if value is not None}},
+        )
+    except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
+        report.mismatches.append(Mismatch("(model)", str(exc)))
+        return None
+    if adapter is not None:
+        from ..lora.split import find_adapter
+
+        plan = find_adapter(plan, adapter).plan
+    return plan
+
+
+def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], manifest: dict) -> list:
+    """(planned tensor, stored tensor) for each tensor both have with the same dtype and shape; a mismatch for the rest."""
+    wanted_dtype = manifest.get("dtype")
+    jobs = []
+    for tensor in plan.tensors:
+        have = stored.get(tensor.name)
+        if have is None:
+            continue
+        # The merge's --dtype: from the manifest, else read off the output (a cast one is floating).
+        wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
+        tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
+        if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
+            report.mismatches.append(
+                Mismatch(
+                    tensor.name,
+                    f"stored as {have.dtype} {list(have.shape)}, the checkpoint "
+                    f"gives {tensor.target_dtype} {list(tensor.shape)}",
+                )
+            )
+            continue
+        jobs.append((tensor, have))
+    return jobs
+
+
+def _fused_device(manifest: dict, plan) -> str:
+    """--merge-lora outputs: fused weights are recomputed on the kind of device the merge computed them on."""
+    from ..lora.fuse import device_for
+
+    device = device_for(manifest.get("engine", "cpu"))
+    if device == "cuda" and any(t.compute is not None for t in plan.tensors) and not _ops.native_cuda():
+        raise BadInput(
+            "the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "
+            "verify --against on a machine with a GPU, or check the output against its manifest"
+        )
+    return device
