@@ -219,6 +219,7 @@ def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, 
     """A 3 MB run at an odd offset of a file, in 4 MB chunks: converted slice by slice, each slice's
     pages dropped after use (the kernel's release_sources), every byte as torch's .to() writes it."""
     from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.io.local_file import LocalFile
     from fsdpfast.io.sources import SourceFiles
     from fsdpfast.plan.layout import PlacedTensor
     from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
@@ -233,9 +234,10 @@ def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, 
     try:
         os.ftruncate(fd, len(expected))
         with SourceFiles([SourceBuffer(str(source), 4100, values.numel() * 4, "float32")]) as sources:
-            NativeCpuEngine(chunk_bytes=4 << 20).output(fd, len(expected)).write(
+            NativeCpuEngine(chunk_bytes=4 << 20).output(LocalFile(fd), len(expected)).write(
                 [PlacedTensor(tensor, 0, len(expected))], sources
             )
     finally:
         os.close(fd)
     assert (tmp_path / "out.bin").read_bytes() == expected
+
