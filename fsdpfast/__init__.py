@@ -37,13 +37,12 @@ Errors (all FsdpfastError, with a one-line message that says what was found and 
 The command line does the same: `fsdpfast merge|inspect|verify|demo --help`.
 """
 
-__version__ = "0.1.0"
-
-from .api import MergeReport, inspect, merge, plan_merge  # noqa: E402
-from .errors import BadInput, FsdpfastError, UnsafeCheckpoint  # noqa: E402
-from .live.save import SaveReport, save_pretrained  # noqa: E402
-from .manifest import SourceChanged  # noqa: E402
-from .verify import VerifyReport, verify  # noqa: E402
+from ._version import __version__
+from .api import MergeReport, inspect, merge, plan_merge
+from .errors import BadInput, FsdpfastError, UnsafeCheckpoint
+from .live.save import SaveReport, save_pretrained
+from .manifest import SourceChanged
+from .verify import VerifyReport, verify
 
 __all__ = [
     "merge",

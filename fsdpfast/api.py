@@ -14,9 +14,11 @@ from .execute.measurements import job_kind
 from .execute.parts import share_out, tensor_bytes, tensor_checksums
 from .execute.writer import execute
 from .group import MergeGroup, local_processes
+from .hf.config_files import copy_config_files, write_built_config
 from .io.earlier_output import overwrite_refusal
+from .io.local_target import LocalTarget
+from .io.output_place import check_output_place
 from .io.sources import rebased
-from .io.staging import LocalTarget, check_output_place, copy_config_files, write_built_config
 from .lora import output as lora_output
 from .lora import plan as lora_plan
 from .lora.targets import check_targets

@@ -12,8 +12,8 @@ import json
 import os
 import re
 
-from . import __version__
 from ._parsing.safe_load import is_count
+from ._version import __version__
 from .dtypes import TARGET_ALIASES
 from .errors import BadInput, FsdpfastError
 from .plan.layout import OutputFile

@@ -34,7 +34,7 @@ from fsdpfast.errors import EXIT_BAD_INPUT
 from fsdpfast.execute.engines import select_engine
 from fsdpfast.execute.parts import clip_extent, share_out, tensor_checksums
 from fsdpfast.execute.writer import execute
-from fsdpfast.io.staging import LocalTarget
+from fsdpfast.io.local_target import LocalTarget
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 

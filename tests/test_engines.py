@@ -219,6 +219,7 @@ def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, 
     """A 3 MB run at an odd offset of a file, in 4 MB chunks: converted slice by slice, each slice's
     pages dropped after use (the kernel's release_sources), every byte as torch's .to() writes it."""
     from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.io.local_file import LocalFile
     from fsdpfast.io.sources import SourceFiles
     from fsdpfast.plan.layout import PlacedTensor
     from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
@@ -233,9 +234,64 @@ def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, 
     try:
         os.ftruncate(fd, len(expected))
         with SourceFiles([SourceBuffer(str(source), 4100, values.numel() * 4, "float32")]) as sources:
-            NativeCpuEngine(chunk_bytes=4 << 20).output(fd, len(expected)).write(
+            NativeCpuEngine(chunk_bytes=4 << 20).output(LocalFile(fd), len(expected)).write(
                 [PlacedTensor(tensor, 0, len(expected))], sources
             )
     finally:
         os.close(fd)
     assert (tmp_path / "out.bin").read_bytes() == expected
+
+
+class _MemoryFile:
+    """A TargetFile (io.target) with no local descriptor, as a remote target's: bytes kept in memory."""
+
+    def __init__(self, size: int):
+        self.data = bytearray(size)
+
+    def write_at(self, data, offset: int) -> None:
+        self.data[offset : offset + len(data)] = data
+
+    def window(self, start: int, end: int):
+        data = self.data
+
+        class _Window:
+            def at(self, offset: int, nbytes: int) -> memoryview:
+                return memoryview(data)[offset : offset + nbytes]
+
+            def close(self) -> None:
+                pass
+
+        return _Window()
+
+    def local_descriptor(self):
+        return None
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@pytest.mark.parametrize("engine", available_engines())
+def test_every_engine_writes_a_file_without_a_descriptor_through_the_target_calls(checkpoints, tmp_path, engine):
+    """What a remote target's file gets (write_at and window only) is what a local file gets."""
+    from fsdpfast.execute.parts import whole
+    from fsdpfast.execute.writer import write_into
+    from fsdpfast.io.sources import SourceFiles
+    from fsdpfast.plan.layout import plan_files
+
+    _, folder = checkpoints.get("w3-bert-dim1")
+    plan = fsdpfast.plan_merge(folder, dtype="bf16")
+    expected = _write_with(select_engine(engine), folder, "bf16", tmp_path / "local")
+    with SourceFiles(plan.sources) as sources:
+        for planned in plan_files(plan, "40KB"):
+            file = _MemoryFile(planned.size)
+            write_into(file, planned.name, whole(planned), select_engine(engine), sources)
+            assert bytes(file.data) == expected[planned.name]

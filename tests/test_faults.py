@@ -54,7 +54,7 @@ if point == "file":
         return result
     writer.write_part = write_file_then_hold
 elif point == "published":
-    import fsdpfast.io.staging as staging
+    import fsdpfast.io.local_target as staging
     real_write_marker = staging.write_marker
     def write_marker_then_hold(folder, marker, out_dir):
         real_write_marker(folder, marker, out_dir)

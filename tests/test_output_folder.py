@@ -307,8 +307,8 @@ def test_the_previous_folder_keeps_a_manifest_it_cannot_read(tmp_path):
 
 
 def test_only_the_process_that_made_the_target_writes_the_manifest(tmp_path):
+    from fsdpfast.io.local_target import LocalTarget
     from fsdpfast.io.output_guard import STAGING_MARKER
-    from fsdpfast.io.staging import LocalTarget
 
     target = LocalTarget(str(tmp_path / "out"), overwrite=False)
     try:

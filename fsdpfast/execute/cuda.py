@@ -17,8 +17,9 @@ import torch
 from .. import _ops
 from ..dtypes import itemsize
 from ..io.sources import Source
+from ..io.target import TargetFile
 from ..plan.model import TensorPlan
-from .outputs import MappedOutput
+from .outputs import WindowOutput
 from .rows import build_rows, native_pair
 from .torch_ref import TorchEngine
 
@@ -100,8 +101,8 @@ class CudaEngine:
         self.slots = slots
         self._fallback = TorchEngine()
 
-    def output(self, fd: int, end: int, start: int = 0) -> MappedOutput:
-        return MappedOutput(fd, end, self.execute, "cuda", start)  # --merge-lora: fused on the GPU, as before
+    def output(self, file: TargetFile, end: int, start: int = 0) -> WindowOutput:
+        return WindowOutput(file.window(start, end), self.execute, "cuda")  # --merge-lora: fused on the GPU, as before
 
     def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: Source) -> None:
         native = [j for j in jobs if native_pair(j[0].source_dtype, j[0].target_dtype) and j[0].numel]

@@ -12,8 +12,9 @@ from array import array
 from .. import _ops
 from ..errors import FsdpfastError
 from ..io.sources import Source
+from ..io.target import TargetFile
 from ..plan.layout import PlacedTensor
-from .outputs import write_through_buffer
+from .outputs import WindowOutput, write_through_buffer
 from .rows import build_rows, native_pair
 
 CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
@@ -26,15 +27,21 @@ class NativeCpuEngine:
         self.chunk_bytes = chunk_bytes
         self.threads = threads or _ops.cpu_threads()
 
-    def output(self, fd: int, end: int, start: int = 0) -> FileOutput:
-        return FileOutput(self, fd)
+    def output(self, file: TargetFile, end: int, start: int = 0) -> FileOutput | WindowOutput:
+        fd = file.local_descriptor()
+        if fd is None:  # the kernels write only to a local descriptor: a window filled by torch, the same bytes
+            from .torch_ref import TorchEngine
+
+            return TorchEngine().output(file, end, start)
+        return FileOutput(self, file, fd)
 
 
 class FileOutput:
-    """The native engine's sink (execute.outputs.Sink): each piece written at its own offset."""
+    """The native engine's sink (execute.outputs.Sink): each piece written at its own offset of a
+    local file, by the kernels through its descriptor."""
 
-    def __init__(self, engine: NativeCpuEngine, fd: int):
-        self.engine, self.fd = engine, fd
+    def __init__(self, engine: NativeCpuEngine, file: TargetFile, fd: int):
+        self.engine, self.file, self.fd = engine, file, fd
 
     def write(self, placed: list[PlacedTensor], sources: Source) -> list[int]:
         """Write the pieces; their CRC-32Cs, combined from the chunks the threads wrote."""
@@ -69,7 +76,7 @@ class FileOutput:
             crcs.update(zip(map(id, native), written))
         for p in placed:
             if id(p) not in crcs:  # float64 casts (through torch), weights computed by --merge-lora
-                crcs[id(p)] = write_through_buffer(self.fd, p, sources)
+                crcs[id(p)] = write_through_buffer(self.file, p, sources)
         return [crcs[id(p)] for p in placed]
 
     def __enter__(self):

@@ -3,8 +3,9 @@
 `sink.write(pieces, sources)` produces each piece's bytes (a whole tensor, or a byte range of
 one: execute.parts) and returns their CRC-32Cs. The runner (execute.runner) feeds every sink the
 same way, batch after batch:
-- a file sink, `engine.output(fd, end, start)`: writes the pieces into bytes [start, end) of an
-  output file, through a shared mapping (torch, cuda) or by writing chunks at offsets (native);
+- a file sink, `engine.output(file, end, start)`: writes the pieces into bytes [start, end) of a
+  Target's file (io.target.TargetFile), through a window of it (torch, cuda) or by writing chunks
+  at offsets (native);
 - the compare sink (execute.compare): recomputes the pieces and compares them with a written
   output (verify --against).
 Pieces no fast path handles (float64 casts, LoRA weights computed by --merge-lora) are filled
@@ -13,13 +14,11 @@ in memory one at a time by `fill`.
 
 from __future__ import annotations
 
-import errno
-import mmap
-import os
 from typing import Protocol
 
 from .. import _ops
 from ..io.sources import Source
+from ..io.target import TargetFile, Window
 from ..plan.layout import PlacedTensor
 from ..plan.model import TensorPlan
 
@@ -33,20 +32,17 @@ class Sink(Protocol):
     def __exit__(self, *exc): ...
 
 
-class MappedOutput:
-    """Bytes [start, end) of the output file mapped writable; `execute(jobs, sources)` fills (tensor, byte view) jobs."""
+class WindowOutput:
+    """A window of an output file (io.target.Window), filled in memory: `execute(jobs, sources)`
+    fills (tensor, byte view) jobs."""
 
-    def __init__(self, fd: int, end: int, execute, device: str = "cpu", start: int = 0):
-        base = start - start % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a page boundary
-        _reserve(fd, start, end)
-        self._mapping = mmap.mmap(fd, end - base, access=mmap.ACCESS_WRITE, offset=base)
-        self._view = memoryview(self._mapping)
-        self._base = base
+    def __init__(self, window: Window, execute, device: str = "cpu"):
+        self._window = window
         self._execute, self._device = execute, device
 
     def write(self, pieces: list[PlacedTensor], sources: Source) -> list[int | None]:
         """Fill the pieces; their CRC-32Cs, taken from the freshly written pages."""
-        views = [self._view[p.offset - self._base : p.offset - self._base + p.nbytes] for p in pieces]
+        views = [self._window.at(p.offset, p.nbytes) for p in pieces]
         copied = [(p.tensor, view) for p, view in zip(pieces, views) if p.tensor.compute is None]
         if copied:
             self._execute(copied, sources)
@@ -62,19 +58,7 @@ class MappedOutput:
         return self
 
     def __exit__(self, *exc):
-        self._view.release()
-        self._mapping.flush()
-        self._mapping.close()
-
-
-def _reserve(fd: int, start: int, end: int) -> None:
-    """Allocate the range's blocks before mapping it: storing into a mapped page the disk has no
-    room for kills the process with SIGBUS, while posix_fallocate fails cleanly with ENOSPC."""
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a filesystem without it: map anyway
-            raise
+        self._window.close()
 
 
 def fill(tensor: TensorPlan, destination: memoryview, sources: Source, device: str = "cpu") -> None:
@@ -89,13 +73,10 @@ def fill(tensor: TensorPlan, destination: memoryview, sources: Source, device: s
         TorchEngine().execute([(tensor, destination)], sources)
 
 
-def write_through_buffer(fd: int, placed: PlacedTensor, sources: Source, device: str = "cpu") -> int | None:
+def write_through_buffer(file: TargetFile, placed: PlacedTensor, sources: Source, device: str = "cpu") -> int | None:
     """Fill one piece in a buffer of its own size, then write it at its offset (rare dtype pairs,
     computed weights); its CRC-32C."""
     buffer = bytearray(placed.nbytes)
     fill(placed.tensor, memoryview(buffer), sources, device)
-    view, offset = memoryview(buffer), placed.offset
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+    file.write_at(buffer, placed.offset)
     return _ops.crc32c(buffer)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from ..dtypes import torch_dtype
 from ..io.sources import Source
+from ..io.target import TargetFile
 from ..plan.model import TensorPlan
-from .outputs import MappedOutput
+from .outputs import WindowOutput
 
 
 class TorchEngine:
     name = "torch"
 
-    def output(self, fd: int, end: int, start: int = 0) -> MappedOutput:
-        return MappedOutput(fd, end, self.execute, "cpu", start)
+    def output(self, file: TargetFile, end: int, start: int = 0) -> WindowOutput:
+        return WindowOutput(file.window(start, end), self.execute, "cpu")
 
     def execute(self, jobs: list[tuple[TensorPlan, memoryview]], sources: Source) -> None:
         """Write each tensor's elements, converted to its target dtype, into its destination bytes."""

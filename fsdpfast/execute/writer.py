@@ -13,7 +13,9 @@ import os
 from contextlib import nullcontext
 
 from ..errors import FsdpfastError
+from ..io.local_file import LocalFile
 from ..io.sources import Source, SourceFiles
+from ..io.target import Target, TargetFile
 from ..open_files import out_of_files
 from ..plan.layout import OutputFile
 from ..plan.model import MergePlan
@@ -24,7 +26,7 @@ from .runner import run
 def execute(
     plan: MergePlan,
     files: list[OutputFile | FilePart],
-    target,
+    target: Target,
     *,
     engine,
     sources: Source | None = None,
@@ -44,34 +46,28 @@ def execute(
     return written
 
 
-def write_part(target, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
+def write_part(target: Target, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
     """Write `part` into the target's file of that name; the CRC-32C of each tensor byte range in it."""
     path = part.file.name  # for messages: the name is all they need
     try:
-        fd = target.open(part.file.name, part.file.size)
+        file = target.open(part.file.name, part.file.size)
     except OSError as exc:
         raise _os_write_failed(path, exc) from None
-    try:
-        return write_into(fd, path, part, engine, sources, progress)
-    finally:
-        os.close(fd)
+    with file:
+        return write_into(file, path, part, engine, sources, progress)
 
 
 def write_file(path: str, planned: OutputFile, engine, sources: Source, progress=None) -> dict[str, int | None]:
-    """Write a new file at `path` whole; each tensor's CRC-32C by name."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask, as open() gives
-    try:
-        os.ftruncate(fd, planned.size)
-        return tensor_checksums([planned], write_into(fd, path, whole(planned), engine, sources, progress))[
+    """Write a new local file at `path` whole, outside any Target; each tensor's CRC-32C by name."""
+    with LocalFile.create(path, planned.size) as file:
+        return tensor_checksums([planned], write_into(file, path, whole(planned), engine, sources, progress))[
             planned.name
         ]
-    finally:
-        os.close(fd)
 
 
-def write_into(fd: int, path: str, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
+def write_into(file: TargetFile, path: str, part: FilePart, engine, sources: Source, progress=None) -> list[Piece]:
     try:
-        return _write(fd, part, engine, sources, progress)
+        return _write(file, part, engine, sources, progress)
     except OSError as exc:  # disk full (ENOSPC), file size limit (EFBIG), quota, I/O error
         if exc.filename:  # an input file, named by the error itself
             raise
@@ -99,15 +95,15 @@ def _write_failed(path: str, reason: str, code: int | None) -> FsdpfastError:
     )
 
 
-def _write(fd: int, part: FilePart, engine, sources: Source, progress) -> list[Piece]:
+def _write(file: TargetFile, part: FilePart, engine, sources: Source, progress) -> list[Piece]:
     header = part.file.header[part.start : part.end]
     if header:
-        os.pwrite(fd, header, part.start)
+        file.write_at(header, part.start)
     found = pieces_of(part)  # empty tensors have no bytes to write (tensor_checksums knows their CRC)
     crcs = []
     if found:
         placed = [p for p, _ in found]
-        with engine.output(fd, max(p.offset + p.nbytes for p in placed), min(p.offset for p in placed)) as sink:
+        with engine.output(file, max(p.offset + p.nbytes for p in placed), min(p.offset for p in placed)) as sink:
             crcs = run(placed, sources, sink, progress)
-    os.fsync(fd)
+    file.sync()
     return [Piece(part.file.name, p.tensor.name, start, p.nbytes, crc) for (p, start), crc in zip(found, crcs)]

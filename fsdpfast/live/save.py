@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from ..execute.parts import tensor_checksums
 from ..group import MergeGroup
-from ..io.staging import JoinedTarget, LocalTarget, with_dtype
+from ..hf.config_files import with_dtype
+from ..io.local_target import JoinedTarget, LocalTarget
 from ..manifest import build_manifest
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
 from ..plan.normalise import parse_dtype
@@ -137,11 +138,8 @@ def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile], holding
     target = LocalTarget(out_dir, overwrite)
     try:
         for f in files:  # the headers first: the ranks write tensor bytes only
-            fd = target.open(f.name, f.size)
-            try:
-                os.pwrite(fd, f.header, 0)
-            finally:
-                os.close(fd)
+            with target.open(f.name, f.size) as file:
+                file.write_at(f.header, 0)
     except BaseException:
         target.discard()
         raise
@@ -158,7 +156,8 @@ def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start,
     if generation is not None and hasattr(generation, "to_dict"):
         target.write_json("generation_config.json", generation.to_dict())
     if tokenizer is not None:
-        tokenizer.save_pretrained(target.path)
+        with target.local_folder() as folder:
+            tokenizer.save_pretrained(folder)
     flat = {name: crc for f in files for name, crc in checksums[f.name].items()}
     manifest = build_manifest(out_dir, plan, files, flat, [], "live", dtype)
     manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against

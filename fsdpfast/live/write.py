@@ -21,7 +21,7 @@ length n, crc(A xor B) = crc(A) xor crc(B) xor crc(n zero bytes).
 from __future__ import annotations
 
 import ctypes
-import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +31,7 @@ from ..dtypes import itemsize, torch_dtype
 from ..errors import FsdpfastError
 from ..execute.parts import Piece
 from ..execute.rows import native_pair
+from ..io.target import TargetFile
 from ..plan.layout import OutputFile
 from .state import LiveTensor, dtype_name, local_run
 
@@ -52,12 +53,14 @@ class Spread:
     crc: int | None
 
 
-def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, rank: int) -> list[Piece | Spread]:
+def write_runs(
+    files: list[OutputFile], tensors: list[LiveTensor], open_file: Callable[[str, int], TargetFile], rank: int
+) -> list[Piece | Spread]:
     """Write what this rank holds of `tensors` (every rank calls this with the same list: a
-    redistribution is collective); `open_file(name, size)` gives a writable descriptor of an output file."""
+    redistribution is collective); `open_file(name, size)` opens an output file of the Target (Target.open)."""
 
     where = {p.tensor.name: (f, p) for f in files for p in f.tensors}
-    fds: dict[str, int] = {}
+    opened: dict[str, TargetFile] = {}
     pieces: list[Piece | Spread] = []
     pending: list[Future] = []
     threads = _threads()
@@ -69,29 +72,30 @@ def write_runs(files: list[OutputFile], tensors: list[LiveTensor], open_file, ra
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue
+                if file.name not in opened:
+                    opened[file.name] = open_file(file.name, file.size)
+                out = opened[file.name]
                 data, target, ready = local.data.contiguous(), placed.tensor.target_dtype, None
                 if data.is_cuda:
                     staging = staging or _PinnedSlots(IN_FLIGHT)
                     data, ready = staging.stage(data, target)
-                elif not _kernel_casts(data, target):
+                elif not _kernel_casts(data, target, out):
                     data = data.to(torch_dtype(target)).to("cpu").contiguous()
-                if file.name not in fds:
-                    fds[file.name] = open_file(file.name, file.size)
-                job = (fds[file.name], data, local.extents, target, placed, file.name, threads, ready)
+                job = (out, data, local.extents, target, placed, file.name, threads, ready)
                 pending.append(writer.submit(_write, *job))
                 while len(pending) >= IN_FLIGHT:
                     pieces += pending.pop(0).result()
             for future in pending:
                 pieces += future.result()
             pending = []
-            for fd in fds.values():
-                os.fsync(fd)
+            for out in opened.values():
+                out.sync()
         finally:
-            # a write already running cannot be cancelled: wait for it before its descriptor is closed
-            # (else it could write into whatever file reuses the number)
+            # a write already running cannot be cancelled: wait for it before its file is closed
+            # (else it could write into whatever file reuses the descriptor's number)
             writer.shutdown(wait=True, cancel_futures=True)
-            for fd in fds.values():
-                os.close(fd)
+            for out in opened.values():
+                out.close()
     return pieces
 
 
@@ -125,13 +129,18 @@ def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]
     return settled
 
 
-def _kernel_casts(data, target: str) -> bool:
+def _kernel_casts(data, target: str, out: TargetFile) -> bool:
     return (
         CAST == "native"
-        and _ops.native_cpu()
+        and _kernel_writes(out)
         and data.device.type == "cpu"
         and native_pair(dtype_name(data.dtype), target)
     )
+
+
+def _kernel_writes(out: TargetFile) -> bool:
+    """The native kernel writes (and checksums) pieces of a local file, through its descriptor."""
+    return _ops.native_cpu() and out.local_descriptor() is not None
 
 
 class _PinnedSlots:
@@ -191,20 +200,24 @@ def _threads() -> int:
     return torch.get_num_threads()  # what the job gave this process (torchrun: cores / local ranks)
 
 
-def _write(fd: int, data, extents, target: str, placed, file: str, threads: int, ready=None) -> list[Piece | Spread]:
+def _write(
+    out: TargetFile, data, extents, target: str, placed, file: str, threads: int, ready=None
+) -> list[Piece | Spread]:
     """Write `data`'s runs into the tensor's place in the file (once `ready`, the CUDA event of its
     copy to host, has fired); what its checksums are sent as."""
     if ready is not None:
         ready.synchronize()
     size = itemsize(target)
     runs = _runs(extents)  # (source element, count, tensor element) per run
-    if _ops.native_cpu():
-        crcs = _kernel_write(fd, data, runs, target, placed.offset, threads)
-    else:  # no kernel: no checksums either (the manifest records none)
+    if _kernel_writes(out):
+        crcs = _kernel_write(out.local_descriptor(), data, runs, target, placed.offset, threads)
+    else:  # through the Target (no checksums without the native module: the manifest records none)
         view, step = _bytes_of(data), data.element_size()
+        crcs = []
         for src, count, dst in runs.tolist():
-            _pwrite_all(fd, view[src * step : (src + count) * step], placed.offset + dst * size)
-        crcs = [None] * len(runs)
+            run = view[src * step : (src + count) * step]
+            out.write_at(run, placed.offset + dst * size)
+            crcs.append(_ops.crc32c(run))
     starts, lengths = runs[:, 2] * size, runs[:, 1] * size
     if len(starts) <= MAX_PIECES:
         return [Piece(file, placed.tensor.name, *run) for run in zip(starts.tolist(), lengths.tolist(), crcs)]
@@ -276,12 +289,6 @@ def _zeros_crc(n: int) -> int | None:
             crc = _ops.crc32c_combine(crc, power, length)
         power, length, n = _ops.crc32c_combine(power, power, length), length * 2, n >> 1
     return crc
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    written = 0
-    while written < len(view):  # pwrite may write less than asked (signals, very large runs)
-        written += os.pwrite(fd, view[written:], offset + written)
 
 
 def _bytes_of(tensor) -> memoryview:

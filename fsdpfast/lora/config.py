@@ -19,8 +19,8 @@ import os
 import re
 from collections import Counter
 
-from ..configs import load_config
 from ..errors import BadInput, option
+from ..hf.config import load_config
 from .split import ADAPTER_ROOT, AdapterPlan, LoraModule
 
 META_NAME = "lora_train_meta.json"  # verl

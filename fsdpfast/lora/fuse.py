@@ -121,7 +121,7 @@ def _check_untied(plan: MergePlan, by_name: dict[str, TensorPlan], target: Tenso
     shared = any(t.name != target.name and t.extents == target.extents for t in by_name.values()) and target.extents
     config = {}
     if plan.config_dir and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
-        from ..configs import load_config
+        from ..hf.config import load_config
 
         config = load_config(os.path.join(plan.config_dir, "config.json"))
     if shared or (config.get("tie_word_embeddings") and target.name.endswith(_OUTPUT_EMBEDDINGS)):

@@ -14,8 +14,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..configs import load_config
 from ..errors import ModelMismatch, option
+from ..hf.config import load_config
 
 SHOWN = 3  # names listed per kind of problem in the one-line error
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..configs import load_config
 from ..dtypes import TARGET_ALIASES, target_dtype
 from ..errors import BadInput, ModelMismatch, option
+from ..hf.config import load_config
 from ..io.sources import SourceFiles
 from ..io.tensor_bytes import first_difference
 from .model import MergePlan, TensorPlan

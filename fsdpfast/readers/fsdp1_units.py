@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..configs import load_config
 from ..errors import BadInput, option
+from ..hf.config import load_config
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from math import prod
 
 from .._parsing.boxes import window_extents
-from ..configs import load_config
 from ..errors import BadInput, option
+from ..hf.config import load_config
 from ..plan.model import MergePlan, TensorPlan
 from . import dcp, megatron_checks, megatron_config
 from .megatron_args import COMMON, read_training_args

@@ -24,7 +24,7 @@ def smoke_test(out_dir: str) -> list[str]:
     except ImportError as exc:
         raise BadInput(f"{option('smoke', True)} needs transformers ({exc}); pip install transformers") from None
     transformers.utils.logging.disable_progress_bar()  # our report is the output
-    from ..configs import load_config
+    from ..hf.config import load_config
 
     if not isinstance(load_config(os.path.join(out_dir, "config.json")).get("model_type"), str):
         raise BadInput(

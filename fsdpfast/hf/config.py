@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import BadInput
+from ..errors import BadInput
 
 
 def load_config(path: str) -> dict:

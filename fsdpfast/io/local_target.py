@@ -17,11 +17,13 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 
-from ..configs import load_config
-from ..errors import BadInput, on_command_line, option
-from ..manifest import MANIFEST_NAME, WRITTEN  # a --config folder's manifest describes other weights: not copied
+from ..errors import BadInput, option
+from ..manifest import MANIFEST_NAME, WRITTEN
 from .earlier_output import overwrite_refusal, written_files
+from .local_file import LocalFile
 from .output_guard import (
     OLD_MARKER,
     PUBLISHED_MARKER,
@@ -33,22 +35,6 @@ from .output_guard import (
     write_marker,
 )
 
-# Weight files and indexes never copied from a config folder (it may be a whole base model), nor
-# pickles and training state (it may be an accelerate or Trainer checkpoint folder: rng states, trainer_state.json).
-_WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".gguf",
-    ".distcp",
-    ".index.json",
-    ".pkl",
-)
-_TRAINING_STATE = ("trainer_state.json",)
 log = logging.getLogger("fsdpfast")  # what is kept of an earlier OUT_DIR, for Python callers too
 
 
@@ -113,8 +99,15 @@ class LocalTarget:
         """The staging folder `token` another process made beside `out_dir`, to write files into."""
         return JoinedTarget(out_dir, token)
 
-    def open(self, name: str, size: int) -> int:
-        return open_sized(self.file(name), size)
+    def open(self, name: str, size: int) -> LocalFile:
+        return LocalFile(open_sized(self.file(name), size))
+
+    @contextmanager
+    def local_folder(self, name: str = "") -> Iterator[str]:
+        """The staging folder itself (or a folder in it): what is written there is published with it."""
+        folder = self.file(name) if name else self.path
+        os.makedirs(folder, exist_ok=True)
+        yield folder
 
     def write_bytes(self, name: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(self.file(name)), exist_ok=True)
@@ -227,13 +220,16 @@ class JoinedTarget:
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def open(self, name: str, size: int) -> int:
-        return open_sized(self.file(name), size)
+    def open(self, name: str, size: int) -> LocalFile:
+        return LocalFile(open_sized(self.file(name), size))
 
     def write_bytes(self, name: str, data: bytes) -> None:
         raise RuntimeError("only the process that made the target writes whole files into it")
 
     write_json = write_bytes
+
+    def local_folder(self, name: str = "") -> AbstractContextManager[str]:
+        raise RuntimeError("only the process that made the target writes whole files into it")
 
     def write_manifest(self, manifest: dict) -> None:
         raise RuntimeError("only the process that made the target writes the manifest")
@@ -312,42 +308,8 @@ def _empty_folder(path: str) -> bool:
         return False
 
 
-def check_output_place(out_dir: str, checkpoint: str, config: str | None) -> None:
-    """Refuse an OUT_DIR equal to, above or inside the checkpoint or --config folder.
-
-    Replacing or containing a source would destroy it; inside one, nothing would be overwritten
-    file by file, but a later merge of the checkpoint would find the output among the shards, and
-    --overwrite of a folder inside them would delete part of a source: fsdpfast never writes into
-    what it reads. Symbolic links and dot segments are resolved first.
-    """
-    out = os.path.realpath(out_dir)
-    for role, folder in (("checkpoint", checkpoint), ("--config" if on_command_line() else "config", config)):
-        if folder is None:
-            continue
-        source = os.path.realpath(folder)
-        if _within(source, out):
-            raise BadInput(
-                f"{out_dir}: the output folder would replace or contain the {role} folder {folder}; "
-                "fsdpfast never writes into its inputs, choose a folder outside it"
-            )
-        if _within(out, source):
-            raise BadInput(
-                f"{out_dir}: the output folder is inside the {role} folder {folder}; "
-                "fsdpfast never writes into its inputs, choose a folder outside it"
-            )
-
-
-def _within(path: str, folder: str) -> bool:
-    """`path` is `folder` or below it (both resolved)."""
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def json_bytes(value: dict) -> bytes:
     return (json.dumps(value, indent=2) + "\n").encode()
-
-
-def write_json(path: str, value: dict) -> None:
-    write_durably(path, json_bytes(value))
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -355,46 +317,6 @@ def write_durably(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def copy_config_files(config_dir: str, target, torch_dtype: str | None) -> list[str]:
-    """Copy config, generation config, tokenizer and custom-code files; weights are never copied.
-
-    With a target dtype, config.json's dtype entry is updated to what was written.
-    """
-    copied = []
-    for entry in sorted(os.listdir(config_dir)):
-        source = os.path.join(config_dir, entry)
-        if (
-            not os.path.isfile(source)
-            or entry.endswith(_WEIGHT_SUFFIXES)
-            or entry.startswith(".")
-            or entry in (MANIFEST_NAME, *_TRAINING_STATE)
-        ):
-            continue
-        if entry == "config.json" and torch_dtype:
-            target.write_json(entry, _config_with_dtype(source, torch_dtype))
-        else:
-            with open(source, "rb") as f:
-                target.write_bytes(entry, f.read())
-        copied.append(entry)
-    return copied
-
-
-def write_built_config(config: dict, target, torch_dtype: str | None) -> list[str]:
-    """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
-    target.write_json("config.json", with_dtype(config, torch_dtype) if torch_dtype else config)
-    return ["config.json"]
-
-
-def with_dtype(config: dict, torch_dtype: str) -> dict:
-    """The config with its dtype entry (`dtype`, or transformers 4's `torch_dtype`) set to what was written."""
-    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
-    return {**config, **dict.fromkeys(keys, torch_dtype)}
-
-
-def _config_with_dtype(source: str, torch_dtype: str) -> dict:
-    return with_dtype(load_config(source), torch_dtype)
 
 
 def _fsync_dir(path: str) -> None:
