@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 import fsdpfast  # noqa: E402
 from fsdpfast._testing.deepspeed_examples import DeepSpeedSpec, write_deepspeed_checkpoints  # noqa: E402
-from fsdpfast._testing.fsdp2_writer import CheckpointSpec, build_model, write_checkpoints  # noqa: E402
 from fsdpfast._testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints  # noqa: E402
+from fsdpfast._testing.fsdp2_writer import CheckpointSpec, build_model, write_checkpoints  # noqa: E402
 from fsdpfast._testing.live_examples import LiveSpec, save_live  # noqa: E402
 from fsdpfast._testing.peft_examples import PeftSpec, write_peft_checkpoints  # noqa: E402
 
