@@ -20,10 +20,10 @@ import os
 import re
 from math import prod
 
-from .._parsing.boxes import box_extents, first_overlap
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from ..configs import load_config
 from ..errors import BadInput, option
+from ..geometry.boxes import box_extents, first_overlap
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .reader import Reader
 

@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from math import prod
 
-from .._parsing.boxes import window_extents
 from ..configs import load_config
 from ..errors import BadInput, option
+from ..geometry.boxes import window_extents
 from ..plan.model import MergePlan, TensorPlan
 from . import dcp, megatron_checks, megatron_config
 from .megatron_args import COMMON, read_training_args
