@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from . import readers
+from .checks.copies import check_copies
+from .checks.ties import check_tied_bytes
 from .errors import BadInput, InterruptedAfterPublishing, option
 from .execute.engines import check_engine_name, select_engine
 from .execute.measurements import job_kind
@@ -24,7 +26,6 @@ from .lora import plan as lora_plan
 from .lora.targets import check_targets
 from .manifest import build_manifest, check_same_sources, check_unchanged, source_identity
 from .plan.checks import check_plan
-from .plan.copies import check_copies
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files, tensor_nbytes
 from .plan.model import MergePlan
 from .plan.model_check import check_against_model, load_expected_model
@@ -97,7 +98,7 @@ def plan_merge(
     `allow_extra_tensors`) a tensor the model does not have is refused before any byte moves.
 
     Copies the checkpoint holds twice (buffers on every rank, HSDP replicas) must agree with the
-    one that is read: a sample of each is compared (plan.copies), every byte with `full_copy_check`.
+    one that is read: a sample of each is compared (checks.copies), every byte with `full_copy_check`.
 
     `options`, each for one layout (readers.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint
@@ -124,11 +125,11 @@ def plan_merge(
     plan = check_targets(plan, expected, why_not)  # each adapted module the model's, written or fused
     plan = lora_plan.fuse_chosen(plan, os.fspath(src), **lora)
     for adapter in plan.adapters:  # PEFT's own names: not checked against the model class
-        adapter.plan = prepare(adapter.plan, dtype, None)
+        adapter.plan = prepare(adapter.plan, dtype, None, check_tied_bytes=check_tied_bytes)
     lora_only = not plan.tensors and bool(plan.adapters)
     if lora_only:
         expected, why_not = None, "a LoRA-only checkpoint"
-    plan = prepare(plan, dtype, plan.config_dir, expected)
+    plan = prepare(plan, dtype, plan.config_dir, expected, check_tied_bytes=check_tied_bytes)
     if allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
     if expected is not None:

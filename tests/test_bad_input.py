@@ -594,7 +594,7 @@ def test_a_device_mesh_layout_axis_of_no_size_is_refused(w2_copy, shape):
     # Found by the fuzz target `merge`: a DeviceMesh whose layout axis has no whole-number size.
     from fsdpfast._parsing.safe_load import safe_unpickle
     from fsdpfast._parsing.torch_zip import TorchZip
-    from fsdpfast.readers.placements import read_layout
+    from fsdpfast.geometry.placements import read_layout
 
     archive = TorchZip(str(rank_file(w2_copy, 0)))
     state = safe_unpickle(archive.pickle_bytes, "rank 0")

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from fsdpfast._parsing.boxes import box_extents
-from fsdpfast.readers.placements import chunk_span
+from fsdpfast.geometry.boxes import box_extents
+from fsdpfast.geometry.placements import chunk_span
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 7, 13, 64, 101])

@@ -197,7 +197,7 @@ def test_window_extents_place_what_torch_slicing_takes():
 
 
 def _check_random_window(seed: int) -> None:
-    from fsdpfast._parsing.boxes import window_extents
+    from fsdpfast.geometry.boxes import window_extents
 
     rng = torch.Generator().manual_seed(seed)
 

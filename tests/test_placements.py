@@ -16,11 +16,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdpfast._parsing.boxes import box_extents
 from fsdpfast.errors import BadInput
-from fsdpfast.plan.checks import check_extents
-from fsdpfast.plan.model import SourceBuffer
-from fsdpfast.readers.placements import (
+from fsdpfast.geometry.boxes import box_extents
+from fsdpfast.geometry.placements import (
     LEFT_TO_RIGHT,
     SHARD_ORDER,
     DTensorLayout,
@@ -28,6 +26,8 @@ from fsdpfast.readers.placements import (
     choose_reading,
     strided_pick,
 )
+from fsdpfast.plan.checks import check_extents
+from fsdpfast.plan.model import SourceBuffer
 
 
 def _torch_local(tensor: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:

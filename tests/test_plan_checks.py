@@ -23,9 +23,9 @@ from test_bad_input import cli_refuses
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdpfast import _ops
-from fsdpfast._parsing.boxes import box_extents
 from fsdpfast.dtypes import itemsize
 from fsdpfast.errors import BadInput
+from fsdpfast.geometry.boxes import box_extents
 from fsdpfast.plan.checks import check_extents
 from fsdpfast.plan.columns import Records
 from fsdpfast.plan.model import Extent, SourceBuffer

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
 import fsdpfast
+from fsdpfast.checks import copies
 from fsdpfast.errors import BadInput
-from fsdpfast.plan import copies
-from fsdpfast.readers.placements import chunk_span
+from fsdpfast.geometry.placements import chunk_span
 from fsdpfast.readers.plain_pieces import _concatenate_to
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdpfast.io.tensor_bytes import runs_in_window
+from fsdpfast.checks.tensor_bytes import runs_in_window
 from fsdpfast.plan.model import Extent
 
 

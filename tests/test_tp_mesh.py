@@ -63,7 +63,7 @@ def _placements(folder: Path) -> set[str]:
     """The placements found in rank 0's file, as fsdpfast reads them."""
     from fsdpfast._parsing.safe_load import DTensorRef, safe_unpickle
     from fsdpfast._parsing.torch_zip import TorchZip
-    from fsdpfast.readers.placements import read_layout
+    from fsdpfast.geometry.placements import read_layout
 
     (path,) = folder.glob("*_rank_0.pt")
     with TorchZip(str(path)) as archive:

@@ -1,2 +1,2 @@
-"""Parsing helpers the readers share (private): the restricted unpickler, torch.save zip archives,
-safetensors headers, and the geometry that turns local pieces into extents. No reader logic here."""
+"""Parsing helpers the readers share (private): the restricted unpickler, torch.save zip archives
+and safetensors headers. Byte formats only: where a piece lands is geometry/, reader logic readers/."""

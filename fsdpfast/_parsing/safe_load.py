@@ -72,7 +72,7 @@ class TensorRef:
 @dataclass(frozen=True, slots=True)
 class DTensorRef:
     local: TensorRef
-    spec: Record  # DTensorSpec stand-in; readers.placements interprets it
+    spec: Record  # DTensorSpec stand-in; geometry.placements interprets it
     # the size and stride the DTensor itself was pickled with (torch's wrapper subclass), which
     # its spec's tensor_meta must repeat (rank_files checks); None where no such size was read
     shape: tuple[int, ...] | None = None

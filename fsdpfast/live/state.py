@@ -3,7 +3,7 @@
 Every rank computes the same plan from metadata alone (names, global shapes, dtypes), through
 the same normalisation and layout as an offline merge, so the files, headers and offsets are
 the ones a merge of the same model's checkpoint writes. What each rank then writes of a tensor
-is its local piece, placed as readers.placements places a rank file's DTensor:
+is its local piece, placed as geometry.placements places a rank file's DTensor:
 * sharded on dim 0 (FSDP2's default): the rank's rows, one contiguous run;
 * sharded on another dim (FSDP2 with shard_placement_fn), or on two (FSDP2 + tensor parallel on a
   dp x tp mesh: `(_StridedShard(0), Shard(0))`, `(Shard(0), Shard(1))`): strided runs, written in
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from ..dtypes import target_dtype
 from ..errors import BadInput
+from ..geometry.placements import choose_reading, live_layout
 from ..plan.model import MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
-from ..readers.placements import choose_reading, live_layout
 from .fsdp1 import FlatRun
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
@@ -95,7 +95,7 @@ class LocalPiece:
 
 
 def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]:
-    """A DTensor's placements as (kind, dim, split factor), as readers.placements reads them; refused
+    """A DTensor's placements as (kind, dim, split factor), as geometry.placements reads them; refused
     when one is not a piece of the tensor (Partial: unreduced sums) or is unknown."""
     kinds = []
     for p in value.placements:
@@ -117,7 +117,7 @@ def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]
 def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     """What this rank writes of `value`, or None (another rank writes it, or it holds none).
 
-    A DTensor's piece is placed by its placements as readers.placements reads rank files (nested
+    A DTensor's piece is placed by its placements as geometry.placements reads rank files (nested
     torch.chunk pieces, _StridedShard in torch's shard order): rows of a tensor sharded on dim 0,
     strided runs of one sharded on another dim (or on two dims, FSDP2 + tensor parallel). Copies
     are written once: by the replica at coordinate 0 of each Replicate mesh dim, and, for a tensor
@@ -150,7 +150,7 @@ def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
 def _piece_coordinate(mesh) -> tuple[int, ...] | None:
     """Where this rank's pieces sit: its rank in each mesh dim's process group (FSDP2 shards by it and
     full_tensor() gathers by it), which is its mesh coordinate only where the mesh lists the group's
-    ranks in increasing order (readers.mesh_ranks); None if this rank is not in the mesh."""
+    ranks in increasing order (geometry.mesh_ranks); None if this rank is not in the mesh."""
     if mesh.get_coordinate() is None:
         return None
     return tuple(mesh.get_local_rank(dim) for dim in range(mesh.ndim))

@@ -108,7 +108,7 @@ class MergePlan:
     # The layout options the plan was read with, given or found (a DeepSpeed tag, FSDP1's wrapping):
     # recorded in the manifest so that verify --against reads the same plan again. Read-only.
     options: dict = field(default_factory=dict)
-    copies: tuple[Copy, ...] = ()  # checked by plan.copies before any byte moves
+    copies: tuple[Copy, ...] = ()  # checked by checks.copies before any byte moves
     # The sub-folder of the given folder that holds the model, where a framework put it there
     # (readers.framework_folders); None: the folder given.
     model_folder: str | None = None

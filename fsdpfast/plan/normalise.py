@@ -1,15 +1,18 @@
-"""Turn a reader's plan into what gets written: clean names, tied weights once, target dtypes."""
+"""Turn a reader's plan into what gets written: clean names, tied weights once, target dtypes.
+
+Metadata only: whether two tied names hold the same bytes is asked of the caller's
+`check_tied_bytes` (checks.ties), which reads them.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..dtypes import TARGET_ALIASES, target_dtype
 from ..errors import BadInput, ModelMismatch, option
 from ..hf.config import load_config
-from ..io.sources import SourceFiles
-from ..io.tensor_bytes import first_difference
 from .model import MergePlan, TensorPlan
 from .model_check import ExpectedModel, match_names
 
@@ -18,6 +21,9 @@ _WRAPPER_COMPONENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped
 # Output and input embedding names that `tie_word_embeddings` ties.
 _OUTPUT_EMBEDDINGS = ("lm_head.weight", "predictions.decoder.weight", "embed_out.weight")
 _INPUT_EMBEDDINGS = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight", "embed_in.weight", "shared.weight")
+
+# (plan, kept, other): refuses the tie if the checkpoint holds different bytes under the two names.
+TiedBytesCheck = Callable[[MergePlan, TensorPlan, TensorPlan], None]
 
 
 def clean_name(name: str) -> str:
@@ -35,18 +41,24 @@ def parse_dtype(wanted: str | None) -> str | None:
 
 
 def prepare(
-    plan: MergePlan, dtype: str | None, config_dir: str | None, expected: ExpectedModel | None = None
+    plan: MergePlan,
+    dtype: str | None,
+    config_dir: str | None,
+    expected: ExpectedModel | None = None,
+    *,
+    check_tied_bytes: TiedBytesCheck,
 ) -> MergePlan:
     """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
 
     `expected`: the model config.json describes (model_check), which says which names are tied;
-    without it, config.json's `tie_word_embeddings` does for the embeddings.
+    without it, config.json's `tie_word_embeddings` does for the embeddings. `check_tied_bytes`
+    (checks.ties) compares each tied pair's bytes before the second name is dropped.
     """
     wanted = parse_dtype(dtype)
     tensors = _rename(plan.tensors)
     config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
     pairs = tied_pairs(tensors, expected, config)
-    tensors, notes = _drop_tied(tensors, pairs, plan)
+    tensors, notes = _drop_tied(tensors, pairs, plan, check_tied_bytes)
     tensors = [replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted)) for tensor in tensors]
     return plan.but(tensors=tensors).noted(*notes)
 
@@ -87,30 +99,23 @@ def tied_pairs(tensors: list[TensorPlan], expected: ExpectedModel | None, config
 
 
 def _drop_tied(
-    tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan
+    tensors: list[TensorPlan], pairs: list[tuple[str, str]], plan: MergePlan, check_tied_bytes: TiedBytesCheck
 ) -> tuple[list[TensorPlan], list[str]]:
-    """Write each tied name once, after checking that the checkpoint holds the same bytes under both;
+    """Write each tied name once, after `check_tied_bytes` has found the same bytes under both;
     one storage under two names that transformers will not re-tie is written under both (said in
     the notes returned)."""
     by_name = {t.name: t for t in tensors}
     dropped, aliases, notes = set(), {}, []
-    with SourceFiles(plan.sources) as sources:
-        for kept, other in pairs:
-            a, b = by_name[kept], by_name[other]
-            if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
-                raise ModelMismatch(
-                    f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
-                    f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})"
-                )
-            where = first_difference(a, b, sources)
-            if where is not None:
-                raise ModelMismatch(
-                    f"config.json ties {other} to {kept} (transformers would load {kept} under both names), "
-                    f"but the checkpoint's two differ from element {where} on; if they were trained untied, "
-                    f"set tie_word_embeddings to false in config.json ({option('config', meta='DIR')})"
-                )
-            aliases.setdefault(kept, []).append(other)
-            dropped.add(other)
+    for kept, other in pairs:
+        a, b = by_name[kept], by_name[other]
+        if (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
+            raise ModelMismatch(
+                f"config.json ties {other} to {kept}, but the checkpoint holds {b.source_dtype} {list(b.shape)} "
+                f"and {a.source_dtype} {list(a.shape)}; the config does not describe this model ({option('config', meta='DIR')})"
+            )
+        check_tied_bytes(plan, a, b)
+        aliases.setdefault(kept, []).append(other)
+        dropped.add(other)
     tied_names = {name for pair in pairs for name in pair}
     # (shape, dtype, first extent) -> [(extents, first name)]: whole extents are compared only where
     # the first ones agree (a tensor of 1,024 ranks has a thousand)

@@ -16,9 +16,9 @@ from math import prod
 from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef, safe_unpickle
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
+from ..geometry.placements import read_layout
 from ..plan.model import MergePlan
 from .discover import complete_ranks, rank_files
-from .placements import read_layout
 from .rank_files import RankState, load_rank_states, plan_from_ranks, plan_replicated, whole_state_dict
 from .reader import Reader
 from .sharded_tensors import plan_sharded, recorded_world

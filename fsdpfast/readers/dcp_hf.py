@@ -20,9 +20,9 @@ import os
 import re
 from math import prod
 
-from .._parsing.boxes import box_extents, first_overlap
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from ..errors import BadInput, option
+from ..geometry.boxes import box_extents, first_overlap
 from ..hf.config import load_config
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .reader import Reader

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 from math import prod
 
-from .._parsing.flat_runs import FlatRuns
 from .._parsing.safe_load import TensorRef, as_dims, is_count
 from ..errors import BadInput, option
+from ..geometry.flat_runs import FlatRuns
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
 from .deepspeed_saves import check_one_save

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from .._parsing.flat_runs import FlatRuns
 from .._parsing.safe_load import Record, ShardedTensorRef, TensorRef, as_dims, safe_unpickle
 from .._parsing.torch_zip import TorchZip
 from ..dtypes import DTYPES, itemsize
 from ..errors import BadInput, option
+from ..geometry.flat_runs import FlatRuns
+from ..geometry.placements import chunk_span
 from ..plan.model import MergePlan, TensorPlan
 from .discover import complete_ranks
-from .placements import chunk_span
 from .rank_files import RankState, load_rank_states, plan_replicated
 from .reader import Reader, ReaderOption
 from .storage_sources import StorageSources

@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from math import prod
 
-from .._parsing.boxes import window_extents
 from ..errors import BadInput, option
+from ..geometry.boxes import window_extents
 from ..hf.config import load_config
 from ..plan.model import MergePlan, TensorPlan
 from . import dcp, megatron_checks, megatron_config

@@ -11,12 +11,12 @@ every rank (same shape, same bytes) are accepted; anything else is refused, not 
 
 from __future__ import annotations
 
-from .._parsing.boxes import box_extents
 from ..errors import BadInput, option
+from ..geometry.boxes import box_extents
+from ..geometry.local_pieces import local_piece, local_source, whole_copies
+from ..geometry.placements import chunk_span
 from ..plan.model import Copy, TensorPlan
 from ..plan.model_check import load_expected_model, match_names
-from .local_pieces import local_piece, local_source, whole_copies
-from .placements import chunk_span
 from .storage_sources import StorageSources
 
 

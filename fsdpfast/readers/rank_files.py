@@ -20,11 +20,11 @@ from .._parsing.pickle_twins import Twins
 from .._parsing.safe_load import DTensorRef, ShardedTensorRef, TensorRef
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
+from ..geometry.local_pieces import local_source as _local_source
+from ..geometry.local_pieces import replica_copies, whole_copies
+from ..geometry.placements import DTensorLayout, choose_reading, read_layout
 from ..plan.columns import RecordsBuilder
 from ..plan.model import Extent, MergePlan, TensorPlan
-from .local_pieces import local_source as _local_source
-from .local_pieces import replica_copies, whole_copies
-from .placements import DTensorLayout, choose_reading, read_layout
 from .plain_pieces import plan_plain_tensors
 from .storage_sources import StorageSources
 

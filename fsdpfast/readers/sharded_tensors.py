@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from math import prod
 
-from .._parsing.boxes import box_extents
 from .._parsing.safe_load import Record, ShardedTensorRef, TensorRef, as_dims
 from ..dtypes import DTYPES
 from ..errors import BadInput
+from ..geometry.boxes import box_extents
 from ..plan.model import Extent, TensorPlan
 from .storage_sources import StorageSources
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from itertools import product
 from math import prod
 
-from .._parsing.boxes import box_extents
 from .._parsing.safe_load import Record, TensorRef, as_dims, is_count
 from ..errors import BadInput
+from .boxes import box_extents
 from .mesh_ranks import mesh_place
 
 Runs = tuple[tuple[int, int], ...]  # (global start, length) ranges, in the order the local piece holds them
@@ -58,7 +58,7 @@ class DTensorLayout:
     mesh_world: int | None = None  # ranks in the whole mesh this one is part of (a sub-mesh's root), if recorded
     global_stride: tuple[int, ...] | None = None  # the spec's, where recorded as whole numbers
     # the rank's coordinate in the mesh tensor, where it is not `coordinate` (a mesh whose ranks do not
-    # increase along a dim: readers.mesh_ranks)
+    # increase along a dim: geometry.mesh_ranks)
     mesh_coordinate: tuple[int, ...] | None = None
 
     def describe(self) -> str:

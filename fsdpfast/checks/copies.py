@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from ..dtypes import itemsize
 from ..errors import BadInput
-from ..io.sources import SourceFiles
-from ..io.tensor_bytes import first_difference, read_window
-from .model import Copy, MergePlan
+from ..io.sources import Source, SourceFiles
+from ..plan.model import Copy, MergePlan
+from .tensor_bytes import first_difference, read_window
 
 SAMPLE_BYTES = 64 << 10  # bytes compared at each of a large copy's three places during a merge
 
@@ -50,7 +50,7 @@ def _is_sampled(copy: Copy) -> bool:
     return copy.kept.numel * itemsize(copy.kept.source_dtype) > 3 * SAMPLE_BYTES
 
 
-def _sampled_difference(copy: Copy, sources: SourceFiles) -> int | None:
+def _sampled_difference(copy: Copy, sources: Source) -> int | None:
     a, b = copy.kept, copy.other
     if not _is_sampled(copy) or (a.shape, a.source_dtype) != (b.shape, b.source_dtype):
         return first_difference(a, b, sources)

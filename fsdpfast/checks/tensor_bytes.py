@@ -1,10 +1,11 @@
-"""Read a planned tensor's bytes a window at a time, and compare two planned tensors.
+"""Read a planned tensor's bytes a window at a time from a Source, and compare two planned tensors.
 
-Planning sometimes has to look at data, not only metadata: two names that config.json ties must
-hold the same bytes before one is dropped, and copies that every rank holds (buffers, HSDP
-replicas, whole-model saves) must agree before one is read. These reads go through the plan's
-own extents, in the source dtype, a window of elements at a time, so memory stays bounded
-whatever the tensor's size. Pure Python over memory-mapped sources: no torch, no native module.
+The checks sometimes have to look at data, not only metadata: two names that config.json ties
+must hold the same bytes before one is dropped (checks.ties), and copies that every rank holds
+(buffers, HSDP replicas, whole-model saves) must agree before one is read (checks.copies). These
+reads go through the plan's own extents, in the source dtype, a window of elements at a time, so
+memory stays bounded whatever the tensor's size. Pure Python over the Source's byte views: no
+torch, no native module.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..dtypes import itemsize
+from ..io.sources import Source
 from ..plan.model import Extent, TensorPlan
-from .sources import SourceFiles
 
 WINDOW_BYTES = 16 << 20  # bytes of one tensor held at once
 
@@ -35,7 +36,7 @@ def runs_in_window(extent: Extent, lo: int, hi: int) -> Iterator[tuple[int, int,
             yield extent.src_offset + run * src_stride + (start - dst), start, end - start
 
 
-def read_window(tensor: TensorPlan, lo: int, hi: int, sources: SourceFiles) -> bytearray:
+def read_window(tensor: TensorPlan, lo: int, hi: int, sources: Source) -> bytearray:
     """Elements [lo, hi) of the tensor (row-major), in its source dtype."""
     size = itemsize(tensor.source_dtype)
     out = bytearray((hi - lo) * size)
@@ -50,7 +51,7 @@ def read_window(tensor: TensorPlan, lo: int, hi: int, sources: SourceFiles) -> b
     return out
 
 
-def first_difference(a: TensorPlan, b: TensorPlan, sources: SourceFiles) -> int | None:
+def first_difference(a: TensorPlan, b: TensorPlan, sources: Source) -> int | None:
     """The first element at which two tensors of one shape and dtype differ, or None if they are equal."""
     if a.shape != b.shape or a.source_dtype != b.source_dtype:
         return 0

@@ -1,13 +1,14 @@
-"""A rank's local piece of a tensor, and the pieces that ranks hold twice (plan.copies compares them)."""
+"""A rank's local piece of a tensor, and the pieces that ranks hold twice (checks.copies compares them)."""
 
 from __future__ import annotations
 
 from math import prod
+from typing import Protocol
 
 from .._parsing.safe_load import TensorRef
+from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
 from ..plan.model import Copy, Extent, TensorPlan
-from .storage_sources import StorageSources
 
 WHOLE_COPIES_DIFFER = (
     "every rank holds this tensor whole, so the copies must agree: the rank files come from "
@@ -19,7 +20,13 @@ REPLICAS_DIFFER = (
 )
 
 
-def local_source(state, name: str, local: TensorRef, sources: StorageSources) -> tuple[int, int]:
+class SourceIndex(Protocol):
+    """Where a stored tensor's bytes are among the plan's source buffers (readers.storage_sources)."""
+
+    def index(self, path: str, tensor: TensorRef, archive: TorchZip | None = None) -> int: ...
+
+
+def local_source(state, name: str, local: TensorRef, sources: SourceIndex) -> tuple[int, int]:
     """(source buffer, element offset) of a rank's contiguous local piece."""
     known = _ROW_MAJOR.get(local.shape)
     if known != local.stride:
@@ -37,7 +44,7 @@ def local_source(state, name: str, local: TensorRef, sources: StorageSources) ->
 _ROW_MAJOR: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> a stride seen contiguous with it
 
 
-def local_piece(state, name: str, local: TensorRef, sources: StorageSources) -> TensorPlan:
+def local_piece(state, name: str, local: TensorRef, sources: SourceIndex) -> TensorPlan:
     """The local piece as a tensor of its own (its local shape), for comparing copies."""
     return piece_plan(name, local.shape, local.dtype, *local_source(state, name, local, sources))
 
@@ -48,7 +55,7 @@ def piece_plan(name: str, shape: tuple[int, ...], dtype: str, source: int, offse
     return TensorPlan(name, tuple(shape), dtype, dtype, [Extent(source, offset, numel, 0)] if numel else [])
 
 
-def whole_copies(name: str, pieces, sources: StorageSources, problem: str = WHOLE_COPIES_DIFFER) -> list[Copy]:
+def whole_copies(name: str, pieces, sources: SourceIndex, problem: str = WHOLE_COPIES_DIFFER) -> list[Copy]:
     """Every other rank's copy of a tensor each rank holds whole, against the first rank's (the one read)."""
     first_state, first = pieces[0]
     kept = local_piece(first_state, name, first, sources)
@@ -67,30 +74,30 @@ def replica_copies(name: str, pieces, layouts, located) -> list[Copy]:
     primary, replicas = {}, []
     for (state, value), layout, source, offset in zip(pieces, layouts, *located):
         shard = tuple(c for c, (kind, _, _) in zip(layout.coordinate, layout.placements) if kind != "replicate")
-        piece = (state, value, source, offset)
+        piece = (value, source, offset)
         if layout.is_primary_replica():
-            primary[shard] = piece
+            primary[shard] = (state, piece)
         else:
-            replicas.append((shard, piece, layout.coordinate))
+            replicas.append((shard, state, piece, layout.coordinate))
     copies = []
-    for shard, piece, coordinate in replicas:
+    for shard, state, piece, coordinate in replicas:
         if shard not in primary:
             continue  # coverage of the primary replica is checked with the tensor's plan
-        kept = primary[shard]
+        kept_state, kept = primary[shard]
         copies.append(
             Copy(
                 name,
                 _piece_plan(name, *kept),
                 _piece_plan(name, *piece),
-                f"the primary replica's piece ({kept[0].path})",
-                f"the piece at mesh coordinate {list(coordinate)} ({piece[0].path})",
+                f"the primary replica's piece ({kept_state.path})",
+                f"the piece at mesh coordinate {list(coordinate)} ({state.path})",
                 REPLICAS_DIFFER,
             )
         )
     return copies
 
 
-def _piece_plan(name: str, state, value, source: int, offset: int) -> TensorPlan:
+def _piece_plan(name: str, value, source: int, offset: int) -> TensorPlan:
     return piece_plan(name, value.shape, value.dtype, source, offset)
 
 
