@@ -16,7 +16,6 @@ from dataclasses import asdict
 from . import __version__, readers
 from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, BadInput, FsdpfastError, command_line_messages
 from .open_files import out_of_files
-from .wording import count, size
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -164,18 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
     inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
-    inspect.add_argument(
-        "--lora-alpha",
-        type=float,
-        default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
-    )
-    inspect.add_argument(
-        "--lora-r",
-        type=int,
-        default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
-    )
+    _add_lora_options(inspect, _LORA_NUMBERS)
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
     verify = verbs.add_parser(
@@ -244,42 +232,51 @@ def _add_layout_options(verb, purpose: str = "") -> None:
         verb.add_argument(opt.flag, default=None, help=f"{purpose}{reader.name}: {opt.help}", **kinds[opt.kind])
 
 
-def _add_lora_options(verb) -> None:
-    verb.add_argument(
-        "--merge-lora",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="ADAPTERS",
-        help="PEFT LoRA: write one model with the adapter fused in (W + alpha/r * B @ A, as peft's merge_and_unload) "
-        "instead of the base model and OUT/lora_adapter; several adapters: name them in order, e.g. default,second",
-    )
-    verb.add_argument(
-        "--lora-alpha",
-        type=float,
-        default=None,
-        help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
-    )
-    verb.add_argument(
-        "--lora-r",
-        type=int,
-        default=None,
-        help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the lora_A shapes)",
-    )
-    verb.add_argument(
-        "--base",
-        metavar="HF_DIR",
-        default=None,
-        help="PEFT LoRA-only checkpoint (save_lora_only): the base model folder; "
-        "writes the fused model and OUT/lora_adapter",
-    )
+_LORA_NUMBERS = ("--lora-alpha", "--lora-r")  # what inspect takes of the LoRA flags
+
+
+def _add_lora_options(verb, only: tuple[str, ...] = ()) -> None:
+    """The PEFT LoRA flags (all of them, or `only` those named)."""
+    flags = {
+        "--merge-lora": dict(
+            nargs="?",
+            const=True,
+            default=None,
+            metavar="ADAPTERS",
+            help="PEFT LoRA: write one model with the adapter fused in (W + alpha/r * B @ A, as peft's "
+            "merge_and_unload) instead of the base model and OUT/lora_adapter; several adapters: name them "
+            "in order, e.g. default,second",
+        ),
+        "--lora-alpha": dict(
+            type=float,
+            default=None,
+            help="PEFT LoRA: the adapters' lora_alpha, where the checkpoint does not record it or its files disagree",
+        ),
+        "--lora-r": dict(
+            type=int,
+            default=None,
+            help="PEFT LoRA: the adapters' rank r (default: recorded, else the lora_A shapes; it must fit the "
+            "lora_A shapes)",
+        ),
+        "--base": dict(
+            metavar="HF_DIR",
+            default=None,
+            help="PEFT LoRA-only checkpoint (save_lora_only): the base model folder; "
+            "writes the fused model and OUT/lora_adapter",
+        ),
+    }
+    for flag, settings in flags.items():
+        if not only or flag in only:
+            verb.add_argument(flag, **settings)
 
 
 def _lora_options(args) -> dict:
-    alpha = args.lora_alpha
+    """The LoRA flags the verb has, by their keyword names."""
+    lora = {name: getattr(args, name) for name in ("merge_lora", "lora_alpha", "lora_r", "base") if hasattr(args, name)}
+    alpha = lora.get("lora_alpha")
     if alpha is not None and alpha == int(alpha):
-        alpha = int(alpha)  # adapter_config.json says 16, as peft writes it, not 16.0
-    return {"merge_lora": args.merge_lora, "lora_alpha": alpha, "lora_r": args.lora_r, "base": args.base}
+        lora["lora_alpha"] = int(alpha)  # adapter_config.json says 16, as peft writes it, not 16.0
+    return lora
 
 
 def _layout_options(args) -> dict:
@@ -288,10 +285,10 @@ def _layout_options(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     status = _main(argv)
-    from . import group
+    from .pipeline import processes
 
-    if group.started_here():  # torchrun: leave without the interpreter's shutdown (see group.leave)
-        group.leave(status)
+    if processes.started_here():  # torchrun: leave without the interpreter's shutdown (see processes.leave)
+        processes.leave(status)
     return status
 
 
@@ -402,13 +399,14 @@ def _merge_logged(args, said: set[str]) -> int:
         handler.addFilter(lambda record: record.levelno < logging.WARNING)  # _WarningLines says those
         logging.getLogger("fsdpfast").addHandler(handler)
         logging.getLogger("fsdpfast").setLevel(logging.INFO)
-    from . import group
+    from .pipeline import processes as group
+    from .pipeline.report import DryRun
 
     if args.dry_run:
         if group.launched_by_torchrun() and group.this_rank() != 0:
             return 0  # the plan is rank 0's to print; nothing is written anyway
         plan = dry_run(args.checkpoint, args.out, **_plan_options(args))
-        _emit(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
+        _emit(json.dumps(plan, indent=2) if args.json else DryRun(**plan).summary())
         _warn(plan["warnings"])
         return 0
     several = group.launched_by_torchrun()  # one of several processes: rank 0 alone prints the report
@@ -446,24 +444,6 @@ def _warn(warnings: list[str]) -> None:
         print(f"fsdpfast: warning: {warning}", file=sys.stderr)
 
 
-def _plan_text(plan: dict) -> str:
-    tensors = sum(len(f["tensors"]) for f in plan["files"])
-    lines = [
-        f"dry run: {plan['checkpoint']} [{plan['layout']}, {count(plan['world_size'], 'rank')}] -> {plan['out_dir']}: "
-        f"{count(tensors, 'tensor')}, {size(plan['total_bytes'])} in {count(len(plan['files']), 'file')}; nothing written"
-    ]
-    for f in plan["files"]:
-        lines.append(f"{f['name']}  {f['bytes']:,d} B (header {f['header_bytes']:,d} B)")
-        width = max((len(t["name"]) for t in f["tensors"]), default=0)
-        lines += [
-            f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} at {t['offset']:>12,d}  "
-            f"{t['bytes']:>14,d} B"
-            for t in f["tensors"]
-        ]
-    lines += [f"note: {note}" for note in plan["notes"]]
-    return "\n".join(lines)
-
-
 def _verify(args) -> int:
     from .verify import verify
 
@@ -485,70 +465,15 @@ def _verify(args) -> int:
 
 def _inspect(args) -> int:
     from .api import inspect
+    from .pipeline.report import Inspection
 
-    alpha = (
-        int(args.lora_alpha)
-        if args.lora_alpha is not None and args.lora_alpha == int(args.lora_alpha)
-        else args.lora_alpha
-    )
     found = inspect(
         args.checkpoint,
         layout=args.layout,
         config=args.config,
-        lora_alpha=alpha,
-        lora_r=args.lora_r,
         allow_extra_tensors=args.allow_extra_tensors,
+        **_lora_options(args),
         **_layout_options(args),
     )
-    if args.json:
-        _emit(json.dumps(found, indent=2))
-        return 0
-    inside = f" (the model in {found['model_folder']}/)" if found["model_folder"] else ""
-    lines = [
-        f"{found['checkpoint']}{inside}: layout {found['layout']}, {count(found['world_size'], 'rank')}, "
-        f"{count(found['total_tensors'], 'tensor')}, {size(found['total_bytes'])}, {count(len(found['source_files']), 'file')}"
-    ]
-    width = max((len(t["name"]) for t in found["tensors"]), default=0)
-    for t in found["tensors"]:
-        tied = f"  (also {', '.join(t['tied'])})" if t["tied"] else ""
-        lines.append(f"  {t['name']:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<18} {t['bytes']:>14,d} B{tied}")
-    for adapter in found["adapters"]:
-        alpha = adapter["lora_alpha"] if adapter["lora_alpha"] is not None else "missing (give --lora-alpha)"
-        targets = adapter["target_modules"]
-        lines.append(
-            f"adapter {adapter['adapter']} -> {adapter['folder']}: r {adapter['r']}, lora_alpha {alpha}, "
-            f"{adapter['modules']} modules ({', '.join(targets) if isinstance(targets, list) else targets}), "
-            f"{adapter['tensors']} tensors, {adapter['bytes']:,d} B{', DoRA' if adapter['use_dora'] else ''}"
-        )
-    lines += [f"note: {note}" for note in found["notes"]]
-    lines += [f"warning: {warning}" for warning in found["warnings"]]
-    lines += _assumed_lines(found["assumed"])
-    _emit("\n".join(lines))
+    _emit(json.dumps(found, indent=2) if args.json else Inspection(**found).summary())
     return 0
-
-
-def _assumed_lines(assumed: dict) -> list[str]:
-    """fsdp1-flat: the model, wrap classes, units and each unit's parameter order that were assumed."""
-    if not assumed.get("units"):
-        return []
-    lines = [
-        f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
-        f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"
-    ]
-    for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (readers.fsdp1_peft)
-        targets, others = adapter["target_modules"], len(adapter["rank_pattern"] or {})
-        lines.append(
-            f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}"
-            + (f" ({others} modules otherwise)" if others else "")
-            + (f", {len(targets)} modules" if isinstance(targets, list) else f", target_modules {targets!r}")
-            + f"{', DoRA' if adapter['use_dora'] else ''} ({adapter['source']})"
-        )
-    for unit in assumed["units"]:
-        lines.append(
-            f"  unit {unit['module']} ({unit['class']}): {unit['key']}, {unit['numel']:,} elements, "
-            f"{unit['padding']:,} padding, {count(len(unit['params']), 'parameter')} in this order:"
-        )
-        for param in unit["params"]:
-            tied = f"  (also {', '.join(param['tied'])})" if param["tied"] else ""
-            lines.append(f"    {param['offset']:>12,d}  {param['name']} {tuple(param['shape'])}{tied}")
-    return lines

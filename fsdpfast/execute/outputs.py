@@ -8,7 +8,7 @@ same way, batch after batch:
   at offsets (native);
 - the compare sink (execute.compare): recomputes the pieces and compares them with a written
   output (verify --against).
-Pieces no fast path handles (float64 casts, LoRA weights computed by --merge-lora) are filled
+Pieces no fast path handles (float64 casts, tensors computed from others: execute.computed) are filled
 in memory one at a time by `fill`.
 """
 
@@ -62,15 +62,18 @@ class WindowOutput:
 
 
 def fill(tensor: TensorPlan, destination: memoryview, sources: Source, device: str = "cpu") -> None:
-    """One tensor's bytes into memory: computed (--merge-lora, on `device`) or gathered by the torch engine."""
+    """One tensor's bytes into memory: computed (execute.computed, on `device`) or gathered by the torch engine."""
     if tensor.compute is not None:
-        from ..lora.fuse import compute_into
-
-        compute_into(tensor, destination, sources, device)
+        tensor.compute.compute_into(tensor, destination, sources, device, gather=torch_gather)
     else:
-        from .torch_ref import TorchEngine
+        torch_gather(tensor, destination, sources)
 
-        TorchEngine().execute([(tensor, destination)], sources)
+
+def torch_gather(tensor: TensorPlan, destination: memoryview, sources: Source) -> None:
+    """One tensor gathered and converted by the pure-torch engine (execute.computed.Gather)."""
+    from .torch_ref import TorchEngine
+
+    TorchEngine().execute([(tensor, destination)], sources)
 
 
 def write_through_buffer(file: TargetFile, placed: PlacedTensor, sources: Source, device: str = "cpu") -> int | None:

@@ -15,12 +15,10 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from ..execute.parts import tensor_checksums
-from ..group import MergeGroup
-from ..hf.config_files import with_dtype
 from ..io.local_target import JoinedTarget, LocalTarget
-from ..manifest import build_manifest
-from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, index_json, plan_files
+from ..pipeline.finish import FolderFiles, Provenance, write_small_files
+from ..pipeline.processes import MergeGroup
+from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, plan_files
 from ..plan.normalise import parse_dtype
 from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
@@ -147,21 +145,14 @@ def _make_output(out_dir: str, overwrite: bool, files: list[OutputFile], holding
 
 
 def _finish(target, plan, files, pieces, dtype, config, model, tokenizer, start, processes, out_dir) -> SaveReport:
-    checksums = tensor_checksums(files, settle(files, pieces))
-    if len(files) > 1:
-        target.write_json("model.safetensors.index.json", index_json(files))
-    if config is not None:
-        target.write_json("config.json", with_dtype(config, dtype or _dtype_of(plan)))
     generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "to_dict"):
-        target.write_json("generation_config.json", generation.to_dict())
-    if tokenizer is not None:
-        with target.local_folder() as folder:
-            tokenizer.save_pretrained(folder)
-    flat = {name: crc for f in files for name, crc in checksums[f.name].items()}
-    manifest = build_manifest(out_dir, plan, files, flat, [], "live", dtype)
-    manifest["checkpoint"] = None  # written from a model in memory: no source files to verify --against
-    target.write_manifest(manifest)  # last: it lists every file above, the tokenizer's too
+    beside = FolderFiles(
+        config=config,
+        dtype=dtype or _dtype_of(plan),  # config.json always says the dtype written
+        generation_config=generation.to_dict() if generation is not None and hasattr(generation, "to_dict") else None,
+        tokenizer=tokenizer,
+    )
+    write_small_files(target, plan, files, settle(files, pieces), beside, Provenance(None, [], "live"), dtype)
     target.publish()
     return SaveReport(
         out_dir,

@@ -18,6 +18,7 @@ import math
 import os
 import re
 from collections import Counter
+from dataclasses import replace
 
 from ..errors import BadInput, option
 from ..hf.config import load_config
@@ -42,19 +43,23 @@ def resolve(
     lora_alpha: float | None,
     lora_r: int | None,
     notes: list[str],
-) -> None:
-    """Fill every adapter's `config` (and `problems`); one note per adapter says where each value came from."""
+) -> list[AdapterPlan]:
+    """Each adapter with its `config` (and `problems`); one note per adapter says where each value came from."""
     meta, meta_path = train_meta(folder)
     architecture = _architecture(config_dir)
     folders = config_folders(folder, config_dir)
+    resolved = []
     for adapter in adapters:
         mine = adapter.name == "default" or len(adapters) == 1  # verl's meta is the one adapter's
         recorded, where = recorded_values(
             adapter.name, folders, (meta, meta_path) if mine else ({}, None), lora_r, lora_alpha, notes
         )
         origin = {key: os.path.basename(path) for key, path in where.items()}
-        adapter.config = _config(adapter, recorded, origin, where, architecture)
-        notes.append(f"LoRA adapter {adapter.name} -> {adapter.folder}: {_origins(adapter.config, origin)}")
+        problems: list[str] = []
+        config = _config(adapter, recorded, origin, where, architecture, problems)
+        resolved.append(replace(adapter, config=config, problems=(*adapter.problems, *problems)))
+        notes.append(f"LoRA adapter {adapter.name} -> {adapter.folder}: {_origins(config, origin)}")
+    return resolved
 
 
 # Values that decide the adapter's bytes or its scaling: every file that records one must record the same.
@@ -141,7 +146,9 @@ def pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def _config(adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, architecture: str | None) -> dict:
+def _config(
+    adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, architecture: str | None, problems: list[str]
+) -> dict:
     """adapter_config.json from what is recorded (`where`: each value's file or flag) and the tensors."""
     config = dict(recorded)
     modules = list(adapter.modules.values())
@@ -177,7 +184,7 @@ def _config(adapter: AdapterPlan, recorded: dict, origin: dict, where: dict, arc
             if "lora_alpha" in origin
             else "no lora_alpha is recorded"
         )
-        adapter.problems.append(
+        problems.append(
             f"adapter {adapter.name}: {said} (verl records 0 when it was not set): give the training's --lora-alpha"
         )
         config["lora_alpha"] = None

@@ -3,8 +3,9 @@
 `fuse` is a plan transform: each adapted weight keeps its place in the output (name, shape,
 dtype) and gets a FusedWeight describing what to compute from which tensors; modules_to_save
 copies simply replace the module's tensors (byte placement, nothing computed). Every sink
-(execute.outputs) hands fused tensors to `compute_into`, one batch each (execute.runner): the unmerged weight, lora_A and lora_B are read
-through the pure-torch engine, fused by the extension's torch op (torch.ops.fsdpfast.lora_merge,
+(execute.outputs) hands fused tensors to `FusedWeight.compute_into` (execute.computed), one batch
+each (execute.runner): the unmerged weight, lora_A and lora_B are read through the pure-torch
+engine's gather it is given, fused by the extension's torch op (torch.ops.fsdpfast.lora_merge,
 csrc/lora_merge.cpp: peft's own ATen calls in peft's order), cast to the output dtype like every
 other tensor, and written. Memory holds a few tensors of one weight at a time, never the model.
 
@@ -46,12 +47,20 @@ class FusedWeight:
     base: TensorPlan  # the unmerged tensor (its extents and dtype)
     steps: tuple = ()  # applied in order, as peft merges adapters one after another
 
+    """An execute.computed.Computed: the weight with each step's LoRA update added, as peft merges it."""
+
     def sources(self) -> set[int]:
         """The plan sources computing it reads (released by the runner once it is written)."""
         tensors = [self.base] + [
             t for s in self.steps for t in ((s.lora_bias,) if isinstance(s, BiasStep) else (s.lora_A, s.lora_B))
         ]
         return {e.source for t in tensors for e in t.extents}
+
+    def compute_into(self, tensor: TensorPlan, destination: memoryview, sources, device: str, gather) -> None:
+        import torch
+
+        result = compute(tensor, sources, device, gather)
+        torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
 
 
 def adapter_names(plan: MergePlan, wanted) -> list[str]:
@@ -184,8 +193,8 @@ def device_for(engine_name: str) -> str:
     return "cuda" if engine_name == "cuda" else "cpu"
 
 
-def compute(tensor: TensorPlan, sources, device: str = "cpu"):
-    """The fused tensor, in its target dtype, on the CPU."""
+def compute(tensor: TensorPlan, sources, device: str, gather):
+    """The fused tensor, in its target dtype, on the CPU; its inputs read by `gather` (execute.computed)."""
     import torch
 
     if not _ops.torch_ops():
@@ -194,15 +203,17 @@ def compute(tensor: TensorPlan, sources, device: str = "cpu"):
             f"({_ops.torch_ops_error()}); build the extension"
         )
     fused: FusedWeight = tensor.compute
-    weight = _read(fused.base, sources).to(device)
+    weight = _read(fused.base, sources, gather).to(device)
     for step in fused.steps:
         if isinstance(step, BiasStep):
-            weight = torch.ops.fsdpfast.lora_merge_bias(weight, _read(step.lora_bias, sources).to(device), step.scaling)
+            weight = torch.ops.fsdpfast.lora_merge_bias(
+                weight, _read(step.lora_bias, sources, gather).to(device), step.scaling
+            )
         else:
             weight = torch.ops.fsdpfast.lora_merge(
                 weight,
-                _read(step.lora_A, sources).to(device),
-                _read(step.lora_B, sources).to(device),
+                _read(step.lora_A, sources, gather).to(device),
+                _read(step.lora_B, sources, gather).to(device),
                 step.scaling,
                 step.fan_in_fan_out,
                 step.embedding,
@@ -210,24 +221,13 @@ def compute(tensor: TensorPlan, sources, device: str = "cpu"):
     return weight.cpu().to(getattr(torch, tensor.target_dtype)).contiguous()  # .to(): the cast every engine makes
 
 
-def compute_into(tensor: TensorPlan, destination: memoryview, sources, device: str = "cpu") -> None:
-    import torch
-
-    result = compute(tensor, sources, device)
-    torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
-
-
-def _read(tensor: TensorPlan, sources):
+def _read(tensor: TensorPlan, sources, gather):
     """One checkpoint tensor as it is stored (its own dtype), gathered by the pure-torch engine."""
     import torch
-
-    from ..execute.torch_ref import TorchEngine
 
     dtype = getattr(torch, tensor.source_dtype)
     if not tensor.numel:
         return torch.empty(tensor.shape, dtype=dtype)
     buffer = bytearray(tensor.numel * torch.empty(0, dtype=dtype).element_size())
-    TorchEngine().execute(
-        [(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer))], sources
-    )
+    gather(replace(tensor, target_dtype=tensor.source_dtype, compute=None), memoryview(buffer), sources)
     return torch.frombuffer(buffer, dtype=dtype).reshape(tensor.shape)

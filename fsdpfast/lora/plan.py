@@ -8,6 +8,7 @@ the plan's options, so the manifest lets `verify --against` plan the same output
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
@@ -46,7 +47,7 @@ def read_adapters(
     if base:
         plan = add_base(plan, os.fspath(base))
     notes: list[str] = []
-    resolve(plan.adapters, src, plan.config_dir, lora_alpha, lora_r, notes)
+    plan = plan.but(adapters=resolve(plan.adapters, src, plan.config_dir, lora_alpha, lora_r, notes))
     return plan.noted(*notes)
 
 
@@ -88,10 +89,9 @@ def fuse_chosen(
             plan = plan.but(adapters=())
     if base:
         given["base"] = os.path.abspath(base)
-    for adapter in plan.adapters:  # adapter plans are built here, by lora.split: set once, before anyone reads them
-        options = {**{k: v for k, v in adapter_options.items() if v is not None}, "peft_adapter": adapter.name}
-        adapter.plan = adapter.plan.but(options=options)
-    return plan.but(options={**plan.options, **given})
+    kept = {k: v for k, v in adapter_options.items() if v is not None}
+    adapters = [replace(a, plan=a.plan.but(options={**kept, "peft_adapter": a.name})) for a in plan.adapters]
+    return plan.but(adapters=adapters, options={**plan.options, **given})
 
 
 def _given(merge_lora, lora_alpha, lora_r, base) -> dict:

@@ -46,14 +46,14 @@ class LoraModule:
         return self.lora_A.shape[0]
 
 
-@dataclass
+@dataclass(frozen=True)  # inside the frozen MergePlan: changed only through dataclasses.replace
 class AdapterPlan:
     name: str
     plan: MergePlan  # tensors under peft's saved names; shares the checkpoint plan's sources
-    modules: dict[str, LoraModule] = field(default_factory=dict)
+    modules: dict[str, LoraModule] = field(default_factory=dict)  # read-only once split
     copies: dict[str, TensorPlan] = field(default_factory=dict)  # modules_to_save: model tensor name -> trained copy
-    config: dict = field(default_factory=dict)  # adapter_config.json (lora.config.resolve)
-    problems: list[str] = field(default_factory=list)  # what keeps the folder from being written (a missing alpha)
+    config: dict = field(default_factory=dict)  # adapter_config.json (lora.config.resolve); read-only
+    problems: tuple[str, ...] = ()  # what keeps the folder from being written (a missing alpha)
 
     @property
     def folder(self) -> str:
@@ -78,7 +78,8 @@ def _inner(name: str) -> tuple[list[str], bool]:
 def split(plan: MergePlan) -> MergePlan:
     """The base plan (the model's own names; empty for a LoRA-only checkpoint) with `adapters` set."""
     base: dict[str, TensorPlan] = {}
-    adapters: dict[str, AdapterPlan] = {}
+    adapters: dict[str, AdapterPlan] = {}  # each with its modules and copies; its tensors gathered apart
+    saved: dict[str, list[TensorPlan]] = {}
     for tensor in plan.tensors:
         role, adapter, module, part = _role(*_inner(tensor.name))
         if role == "base":
@@ -93,20 +94,25 @@ def split(plan: MergePlan) -> MergePlan:
             raise BadInput(
                 f"{tensor.name}: adapter name {adapter[:40]!r} is not a plain name (letters, digits, _ or -)"
             )
-        found = adapters.setdefault(
-            adapter, AdapterPlan(adapter, MergePlan(plan.layout, plan.world_size, plan.sources, []))
-        )
+        found = adapters.setdefault(adapter, AdapterPlan(adapter, MergePlan(plan.layout, plan.world_size, (), ())))
+        tensors = saved.setdefault(adapter, [])
         if role == "copy":  # modules_to_save: saved without the adapter name, under the module's own
-            found.copies[f"{module}.{part}"] = _renamed(tensor, f"{PREFIX}{module}.{part}", found)
+            found.copies[f"{module}.{part}"] = _renamed(tensor, f"{PREFIX}{module}.{part}", tensors)
             continue
         entry = found.modules.setdefault(module, LoraModule(module))
-        _place(entry, part, _renamed(tensor, _saved_name(module, part), found), tensor.name)
+        _place(entry, part, _renamed(tensor, _saved_name(module, part), tensors), tensor.name)
     for found in adapters.values():
         for entry in found.modules.values():
             _check_module(entry, found.name)
     return plan.but(
         tensors=[replace(tensor, name=name) for name, tensor in base.items()],
-        adapters=sorted(adapters.values(), key=lambda a: (a.name != "default", a.name)),
+        adapters=sorted(
+            (
+                replace(a, plan=MergePlan(plan.layout, plan.world_size, plan.sources, saved[a.name]))
+                for a in adapters.values()
+            ),
+            key=lambda a: (a.name != "default", a.name),
+        ),
     )
 
 
@@ -143,9 +149,9 @@ def _saved_name(module: str, part: str) -> str:
     return f"{PREFIX}{module}.{part}"
 
 
-def _renamed(tensor: TensorPlan, name: str, adapter: AdapterPlan) -> TensorPlan:
+def _renamed(tensor: TensorPlan, name: str, saved: list[TensorPlan]) -> TensorPlan:
     copy = replace(tensor, name=name, aliases=())
-    adapter.plan = adapter.plan.but(tensors=(*adapter.plan.tensors, copy))
+    saved.append(copy)
     return copy
 
 

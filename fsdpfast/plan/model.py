@@ -65,8 +65,8 @@ class TensorPlan:
     target_dtype: str
     extents: tuple[Extent, ...] | Records
     aliases: tuple[str, ...] = ()  # tied names not written, listed for the report
-    # Set for a tensor computed from others rather than copied (lora.fuse.FusedWeight, --merge-lora): its
-    # extents are the unmerged weight's; the writer computes it, engines never see it.
+    # Set for a tensor computed from others rather than copied (an execute.computed.Computed, set by a plan
+    # transform): its extents are the unchanged tensor's; the writer computes it, engines never see it.
     compute: object | None = None
 
     def __post_init__(self):
@@ -112,7 +112,8 @@ class MergePlan:
     # The sub-folder of the given folder that holds the model, where a framework put it there
     # (readers.framework_folders); None: the folder given.
     model_folder: str | None = None
-    # PEFT adapters split off a LoRA checkpoint (lora.split.AdapterPlan), each written to its own folder.
+    # Plans written to folders of their own inside OUT, set by a plan transform (PEFT adapters:
+    # lora.split.AdapterPlan, each with a `plan` and a `folder`).
     adapters: tuple = ()
 
     def __post_init__(self):

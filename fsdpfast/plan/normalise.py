@@ -50,11 +50,12 @@ def prepare(
 ) -> MergePlan:
     """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
 
-    `expected`: the model config.json describes (model_check), which says which names are tied;
-    without it, config.json's `tie_word_embeddings` does for the embeddings. `check_tied_bytes`
-    (checks.ties) compares each tied pair's bytes before the second name is dropped.
+    `dtype`: parsed (parse_dtype, fsdpfast.options), None keeping each tensor's own. `expected`: the
+    model config.json describes (model_check), which says which names are tied; without it,
+    config.json's `tie_word_embeddings` does for the embeddings. `check_tied_bytes` (checks.ties)
+    compares each tied pair's bytes before the second name is dropped.
     """
-    wanted = parse_dtype(dtype)
+    wanted = dtype
     tensors = _rename(plan.tensors)
     config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
     pairs = tied_pairs(tensors, expected, config)

@@ -10,7 +10,6 @@ import os
 from dataclasses import replace
 
 from .. import _ops
-from ..api import plan_merge  # the one line to repoint when plan_merge moves to the pipeline
 from ..dtypes import CASTABLE, itemsize, target_dtype
 from ..errors import BadInput, ModelMismatch
 from ..execute.compare import CompareSink
@@ -18,6 +17,8 @@ from ..execute.runner import run
 from ..io.sources import SourceFiles
 from ..io.stored import MappedFiles, StoredTensor
 from ..manifest import CHECKSUM
+from ..options import merge_options
+from ..pipeline.plan import plan_merge
 from ..plan.layout import PlacedTensor
 from .report import Mismatch, VerifyReport, compare_names
 
@@ -63,13 +64,11 @@ def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str |
     # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
     # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
+        given = {**recorded, **{name: value for name, value in options.items() if value is not None}}
+        config = report.out_dir if has_config else None
         plan = plan_merge(
-            checkpoint,
-            dtype="keep",
-            layout=layout,
-            config=report.out_dir if has_config else None,
-            full_copy_check=True,
-            **{**recorded, **{name: value for name, value in options.items() if value is not None}},
+            os.fspath(checkpoint),
+            merge_options(dtype="keep", layout=layout, config=config, full_copy_check=True, **given),
         )
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))

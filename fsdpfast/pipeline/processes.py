@@ -1,6 +1,10 @@
 """The processes of one merge (`torchrun ... -m fsdpfast merge`, or `merge(..., group=pg)`) and
 the few messages they exchange.
 
+A merge is three named steps: `plan` (rank 0 plans, lays out and makes the target; every rank
+gets the job), `write` (every rank writes its share; rank 0 gets the checksums) and `finish`
+(rank 0 writes the small files and publishes).
+
 Three exchanges, all object collectives of torch.distributed (gloo; no tensor collectives):
 `lead` runs a step on rank 0 and gives its result (or its failure) to every rank (planning,
 then finishing and publishing); `gather` runs a step on every rank, gives rank 0 all results,
@@ -18,7 +22,7 @@ import datetime
 import os
 from dataclasses import dataclass
 
-from .errors import EXIT_FAILURE, FsdpfastError
+from ..errors import EXIT_FAILURE, FsdpfastError
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a rank waits for the others at one exchange (torch's own default is 30 min)
 
@@ -54,6 +58,18 @@ class MergeGroup:
     @property
     def alone(self) -> bool:
         return self.size == 1
+
+    def plan(self, step, abandon):
+        """Step 1, on rank 0: the job every rank works from (`abandon(job)` removes its target)."""
+        return self.lead(step, abandon=abandon)
+
+    def write(self, step) -> list | None:
+        """Step 2, on every rank: its share of the bytes; every rank's result on rank 0."""
+        return self.gather(step)
+
+    def finish(self, step):
+        """Step 3, on rank 0 once every rank has written: the small files, then publish."""
+        return self.lead(step)
 
     def lead(self, step, abandon=None):
         """`step()` on rank 0; its result on every rank (rank 0's exception is raised there, and

@@ -1,0 +1,110 @@
+"""What the user asked a merge for, parsed and checked once at the edge (the command line or the Python face).
+
+`merge_options(**given)` turns the keyword arguments of `merge`, `dry_run`, `plan_merge` and
+`inspect` (each flag of `fsdpfast merge`) into a frozen MergeOptions: the dtype as a torch name,
+the shard size in bytes, the layout and its options checked against the reader registry. The
+stages below take these values as they are and never parse a string again. `given` keeps the
+values as they were spelled, for the messages that name them (rank_agreement).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import BadInput, option
+from .execute.engines import check_engine_name
+from .plan.layout import DEFAULT_MAX_SHARD_SIZE, parse_size
+from .plan.normalise import parse_dtype
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """PEFT LoRA checkpoints (lora.transform): which adapters to fuse, what the checkpoint does not
+    record, and the base model folder of a LoRA-only checkpoint. None: not given."""
+
+    merge_lora: bool | str | tuple | None = None  # True, or adapter names in order ("a,b" or a list)
+    lora_alpha: float | None = None
+    lora_r: int | None = None
+    base: str | None = None
+
+    def given(self) -> dict:
+        """The flags given, by their keyword names (what a LoRA flag on a plain checkpoint is refused by)."""
+        values = {"merge_lora": self.merge_lora, "lora_alpha": self.lora_alpha, "lora_r": self.lora_r}
+        return {k: v for k, v in {**values, "base": self.base}.items() if v not in (None, False, "")}
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    dtype: str | None = None  # the torch dtype floating tensors are cast to; None keeps each as stored
+    max_shard_bytes: int = 0  # the largest output file (0: not parsed, for a plan that lays out no files)
+    layout: str | None = None  # forced, else detected
+    layout_options: dict = field(default_factory=dict)  # each for one layout (readers.LAYOUT_OPTIONS), given only
+    config_dir: str | None = None  # config.json and tokenizer files to copy (default: found beside the checkpoint)
+    engine: str = "auto"
+    overwrite: bool = False
+    allow_extra_tensors: bool = False
+    full_copy_check: bool = False  # every byte of the copies held twice (verify --against), not a sample
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    given: dict = field(default_factory=dict)  # what decides the output, as given: the same on every process
+
+
+def merge_options(
+    *,
+    dtype: str | None = "keep",
+    max_shard_size: str | int | None = DEFAULT_MAX_SHARD_SIZE,
+    layout: str | None = None,
+    config: str | None = None,
+    overwrite: bool = False,
+    engine: str = "auto",
+    allow_extra_tensors: bool = False,
+    full_copy_check: bool = False,
+    merge_lora=None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    base: str | None = None,
+    **layout_options,
+) -> MergeOptions:
+    """The keyword arguments of the public functions, checked in the order a merge used to meet them."""
+    check_engine_name(engine)
+    wanted = parse_dtype(dtype)
+    _check_layout(layout, layout_options)
+    shard = parse_size(max_shard_size) if max_shard_size is not None else 0
+    lora = LoraOptions(merge_lora, lora_alpha, lora_r, os.fspath(base) if base else base)
+    given = dict(
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        layout=layout,
+        config=config,
+        overwrite=overwrite,
+        engine=engine,
+        allow_extra_tensors=allow_extra_tensors,
+        merge_lora=merge_lora,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        base=base,
+        **layout_options,
+    )
+    return MergeOptions(
+        dtype=wanted,
+        max_shard_bytes=shard,
+        layout=layout,
+        layout_options={name: value for name, value in layout_options.items() if value is not None},
+        config_dir=os.fspath(config) if config else None,
+        engine=engine,
+        overwrite=overwrite,
+        allow_extra_tensors=allow_extra_tensors,
+        full_copy_check=full_copy_check,
+        lora=lora,
+        given=given,
+    )
+
+
+def _check_layout(layout: str | None, layout_options: dict) -> None:
+    from . import readers  # the registry imports every reader: only once options are asked for
+
+    for name, value in layout_options.items():
+        if value is not None and name not in readers.LAYOUT_OPTIONS:
+            raise BadInput(f"unknown layout option {name!r}; known: {', '.join(readers.LAYOUT_OPTIONS)}")
+    if layout is not None and layout not in readers.READERS:
+        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(readers.READERS)}")

@@ -1,0 +1,184 @@
+"""The job of one merge: the plan laid out into files, the engine and the target, and each step run on it.
+
+`prepare` (rank 0) plans, lays out, chooses the engine and makes the target (lock, staging
+folder); every process then works from the same MergeJob: `write_share` writes its share of the
+bytes, `finish` (rank 0) writes the small files (pipeline.finish) and publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..execute.engines import select_engine
+from ..execute.measurements import job_kind
+from ..execute.parts import share_out, tensor_bytes
+from ..execute.writer import execute
+from ..io.local_target import LocalTarget
+from ..io.output_place import check_output_place
+from ..io.sources import rebased
+from ..manifest import check_same_sources, check_unchanged, source_identity
+from ..options import MergeOptions
+from ..plan.layout import OutputFile, plan_files
+from ..plan.model import MergePlan
+from ..plan.transform import ExtraFolder
+from ..progress import Progress
+from ..rank_agreement import check_same_copy, check_same_options, compared_options, content_of
+from .finish import FolderFiles, Provenance, write_small_files, written_names
+from .plan import plan_merge, plan_transforms
+from .processes import MergeGroup, local_processes
+from .report import MergeReport
+
+log = logging.getLogger("fsdpfast")  # -v shows each decision on stderr
+
+
+@dataclass
+class MergeJob:
+    """What every process of a merge works from: the plan, the files (the model's, then each extra
+    folder's), the engine's name, the sources' identity and the target (rank 0's; the others join it
+    by its token); with several processes, rank 0's options and the fingerprints of the files it
+    planned from, for the others to compare."""
+
+    src: str
+    dst: str
+    dtype: str | None
+    plan: MergePlan
+    files: list[OutputFile]
+    extras: list[ExtraFolder]
+    identity: list[dict]
+    engine: object  # the Engine; its name travels to the other ranks, which make their own
+    target: object  # the Target; its token travels
+    token: str = ""
+    options: dict = field(default_factory=dict)  # rank_agreement.compared_options
+    content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
+
+    def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
+        state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
+        state["plan"] = self.plan.but(copies=())  # checked by rank 0 already
+        return state
+
+    def join(self, src: str, dst: str, rank: int, given: dict) -> None:
+        """On another rank: its own view of the sources and the target (the same folders, perhaps
+        mounted elsewhere), checked to be rank 0's, as its options are."""
+        check_same_options(compared_options(given), self.options, rank)
+        self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
+        self.src = src
+        check_same_sources(src, self.identity)
+        check_same_copy(src, self.content, rank)
+        self.target = LocalTarget.join(dst, self.token)
+        self.engine = select_engine(self.engine, threads_share=local_processes())
+
+    def check_sources(self) -> None:
+        check_unchanged(self.src, self.identity)
+
+    @property
+    def all_files(self) -> list[OutputFile]:
+        """Every weights file executed: the extra folders' read the plan's sources too."""
+        return self.files + [extra.placed for extra in self.extras]
+
+
+def lay_out(src: str, dst: str, options: MergeOptions) -> tuple[MergePlan, list[OutputFile], list[ExtraFolder]]:
+    """What merge and dry_run both do first: check the output's place, plan, and lay out the files
+    (none when only extra folders are written: a LoRA-only checkpoint's adapter)."""
+    check_output_place(dst, src, options.config_dir)
+    if options.lora.base:
+        check_output_place(dst, options.lora.base, None)
+    plan = plan_merge(src, options)
+    extras = [extra for t in plan_transforms(src, options) for extra in t.outputs(plan, dst)]
+    files = plan_files(plan, options.max_shard_bytes) if plan.tensors or not extras else []
+    return plan, files, extras
+
+
+def prepare(src: str, dst: str, options: MergeOptions, several: bool) -> MergeJob:
+    """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
+    plan, files, extras = lay_out(src, dst, options)
+    runner = select_engine(options.engine, job_kind(plan.tensors), threads_share=local_processes())
+    _log_plan(plan, files, runner.name)
+    identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
+    compared, content = {}, {}
+    if several:  # for the other ranks to compare theirs with (a few small reads per file)
+        compared, content = compared_options(options.given), content_of(src, (entry["path"] for entry in identity))
+    target = LocalTarget(dst, options.overwrite)
+    return MergeJob(src, dst, options.dtype, plan, files, extras, identity, runner, target, "", compared, content)
+
+
+def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool, given: dict) -> list:
+    """This process's share of the bytes (all of them, alone); the CRC-32C of each piece written."""
+    if processes.rank != 0:
+        job.join(src, dst, processes.rank, given)
+    share = share_out(job.all_files, processes.size)[processes.rank]
+    bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
+    start = time.perf_counter()
+    try:
+        written = execute(
+            job.plan,
+            share,
+            job.target,
+            engine=job.engine,
+            progress=bar.advance,
+            after_file=lambda _: job.check_sources(),
+        )
+    finally:
+        bar.close()
+    log.info(
+        "rank %d wrote %d bytes in %.2f s",
+        processes.rank,
+        sum(part.nbytes for part in share),
+        time.perf_counter() - start,
+    )
+    return written
+
+
+def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeReport:
+    """The small files (index, config, extra folders, manifest), a last look at the sources, then publish."""
+    plan, files, target = job.plan, job.files, job.target
+    beside = FolderFiles(
+        config_dir=plan.config_dir if files else None,
+        config=plan.built_config if files and not plan.config_dir else None,
+        dtype=job.dtype,
+        extras=job.extras,
+    )
+    source = Provenance(job.src, job.identity, job.engine.name)
+    done = write_small_files(target, plan, files, pieces, beside, source, job.dtype)
+    job.check_sources()
+    target.publish()
+    return MergeReport(
+        out_dir=job.dst,
+        layout=plan.layout,
+        world_size=plan.world_size,
+        engine=job.engine.name,
+        tensors=len(plan.tensors) + sum(len(extra.plan.tensors) for extra in job.extras),
+        bytes_written=sum(p.nbytes for f in job.all_files for p in f.tensors),
+        files=written_names(files, job.extras),
+        seconds=time.perf_counter() - start,
+        tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
+        copied=done.copied,
+        notes=list(plan.notes) + done.notes,
+        warnings=[*plan.warnings, *target.warnings],
+        adapters=done.extras,
+        processes=processes,
+    )
+
+
+def _log_plan(plan: MergePlan, files: list[OutputFile], engine: str) -> None:
+    log.info(
+        "layout %s, world size %d, %d tensors from %d source files",
+        plan.layout,
+        plan.world_size,
+        len(plan.tensors),
+        len({s.path for s in plan.sources}),
+    )
+    log.info("engine %s", engine)
+    for f in files:
+        log.info("file %s: %d tensors, %d bytes", f.name, len(f.tensors), f.size)
+        for p in f.tensors:
+            log.info(
+                "  %s -> %s at byte %d (%d bytes, %s -> %s)",
+                p.tensor.name,
+                f.name,
+                p.offset,
+                p.nbytes,
+                p.tensor.source_dtype,
+                p.tensor.target_dtype,
+            )
