@@ -52,7 +52,7 @@ def test_parser_raises_only_clean_errors(seeds, tmp_path, target):
 
 @pytest.fixture(scope="module")
 def fsdp1_seed(tmp_path_factory) -> str:
-    from test_fsdp1_flat import SPECS
+    from corpus import FSDP1_SPECS as SPECS
 
     from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from corpus import assert_merge_is_the_model, specs_read_by
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
+from refusals import cli_refuses
 from safetensors import safe_open
-from test_bad_input import cli_refuses
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
 import fsdpfast
@@ -184,3 +185,8 @@ def test_header_metadata_is_what_torch_writes(checkpoints):
         info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
         assert set(info) == set(f.keys())
         assert info["model.embed_tokens.weight"]["saved_offsets"] == [51, 0]
+
+
+@pytest.mark.parametrize("name", specs_read_by("dcp-hf"))
+def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
+    assert_merge_is_the_model(checkpoints, tmp_path, name)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bit_exact, bits, read_merged
+from refusals import cli_refuses
 from safetensors import safe_open
-from test_bad_input import cli_refuses
 
 import fsdpfast
 from fsdpfast.execute.engines import select_engine

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_tokenizer
 from safetensors.torch import load_file
 
 import fsdpfast
@@ -105,15 +106,6 @@ def test_tied_names_on_one_parameter_are_written_once(tmp_path):
     report = fsdpfast.save_pretrained(model, tmp_path / "out")
     assert report.tied == {"model.embed_tokens.weight": ["lm_head.weight"]}
     assert "lm_head.weight" not in tensors_of(tmp_path / "out")
-
-
-def tiny_tokenizer():
-    """A real fast tokenizer (two words), whose save_pretrained writes its files into the output."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabulary), unk_token="<unk>")
 
 
 def test_overwrite_replaces_a_live_save_but_not_what_was_added_to_it(tmp_path):

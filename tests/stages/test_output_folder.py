@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_bit_exact, load_reference, read_merged
-from test_bad_input import leftovers, run_cli, the_error_line, tree_digest
+from refusals import leftovers, run_cli, the_error_line, tree_digest
 
 import fsdpfast
 import fsdpfast.api as api
@@ -383,7 +383,7 @@ def test_overwrite_replaces_every_file_an_earlier_merge_wrote(checkpoints, tmp_p
 
 def test_overwrite_replaces_a_live_saves_folder(checkpoints, tmp_path):
     """save_pretrained's folder (its tokenizer's files too) is an earlier output like a merge's."""
-    from test_save_pretrained_refusals import tiny_tokenizer
+    from helpers import tiny_tokenizer
 
     from fsdpfast.testing.examples import CheckpointSpec, build_model
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 from merge_processes import Ranks, left_beside, same_output
-from test_bad_input import edit_state_dict, tree_digest
+from refusals import edit_state_dict, tree_digest
 
 import fsdpfast
 from fsdpfast import _ops

@@ -1,4 +1,5 @@
-"""Merged output equals the unsharded model bit for bit, for every world size and mesh."""
+"""fsdp-ranks (verl's `model_world_size_W_rank_R.pt`): merged output equals the unsharded model bit for bit,
+for every world size and mesh (the corpus's other layouts: their readers' test files)."""
 
 from __future__ import annotations
 
@@ -6,27 +7,15 @@ import os
 
 import pytest
 import torch
-from conftest import MERGE_OPTIONS, SPECS
+from corpus import assert_merge_is_the_model, specs_read_by
 from helpers import assert_bit_exact, load_reference, read_index, read_merged, transformers_logits
 
 import fsdpfast
 
-ALL = sorted(SPECS, key=lambda n: (SPECS[n][0], n))
 
-
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", specs_read_by("fsdp-ranks"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
-    spec, folder = checkpoints.get(name)
-    reference, tied = load_reference(spec.reference_path(checkpoints.root))
-    out = tmp_path / "merged"
-    report = fsdpfast.merge(folder, out, **MERGE_OPTIONS.get(name, {}))
-    assert_bit_exact(read_merged(out), reference, tied=tied)
-    assert report.tensors == len(reference) - len(tied)
-    assert sorted(n for names in report.tied.values() for n in names) == sorted(tied)
-    assert report.world_size == SPECS[name][0]
-    logits = transformers_logits(str(out), spec.model, spec.dtype)
-    expected = torch.load(spec.logits_path(checkpoints.root), weights_only=True)
-    assert torch.equal(logits, expected), (logits - expected).abs().max()
+    assert_merge_is_the_model(checkpoints, tmp_path, name)
 
 
 @pytest.mark.parametrize("name", ["w2-llama", "w3-bert-dim1", "w4-bf16", "w8-hsdp-bert"])
@@ -95,15 +84,6 @@ def test_split_output_has_index_and_loads(checkpoints, tmp_path, max_shard_size)
     assert report.files[-1] == "model.safetensors.index.json"
     logits = transformers_logits(str(out), spec.model)
     assert torch.equal(logits, torch.load(spec.logits_path(checkpoints.root), weights_only=True))
-
-
-def test_guide_layout_reports_what_else_the_files_hold(checkpoints, tmp_path):
-    spec, folder = checkpoints.get("w2-guide")
-    report = fsdpfast.merge(folder, tmp_path / "merged")
-    assert report.layout == "guide-ranks"
-    text = " ".join(report.notes)
-    assert "optimizer_state" in text and "tensors" in text
-    assert "metadata" in text and "world_size=2" in text
 
 
 def test_cli_merge_prints_report_and_exits_zero(checkpoints, tmp_path):

@@ -6,10 +6,7 @@ with real torch (torch.load / torch.save) or by cutting and flipping bytes of it
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
 import shutil
 import struct
 import subprocess
@@ -23,114 +20,29 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 from helpers import copy_checkpoint, rank_file
+from refusals import (
+    K_PROJ,
+    Q_PROJ,
+    api_refuses,
+    assert_mentions,
+    cli_refuses,
+    edit_state_dict,
+    leftovers,
+    load_state_dict,
+    run_cli,
+    the_error_line,
+    tree_digest,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdpfast
-from fsdpfast.errors import EXIT_BAD_INPUT, BadInput
+from fsdpfast.errors import BadInput
 
 # Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
 pytestmark = pytest.mark.slow
 
-Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64) in the llama examples
-K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # (32, 64)
-DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"  # (64, 88)
-
-
-# --- running a merge and checking the refusal -------------------------------------------------
-
-
-def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fsdpfast", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def tree_digest(path: Path) -> dict[str, str]:
-    """sha256 of every file under `path` (or of `path` itself), keyed by relative path."""
-    path = Path(path)
-    if path.is_file():
-        return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
-    if not path.exists():
-        return {}
-    return {
-        str(file.relative_to(path)): hashlib.sha256(file.read_bytes()).hexdigest()
-        for file in sorted(path.rglob("*"))
-        if file.is_file()
-    }
-
-
-def leftovers(out: Path) -> list[str]:
-    """OUT_DIR itself, or a hidden staging / old-copy folder beside it, if any was left."""
-    siblings = os.listdir(out.parent) if out.parent.is_dir() else []
-    found = [name for name in siblings if name.startswith((f".{out.name}.fsdpfast-", f".{out.name}.old-"))]
-    return found + ([out.name] if os.path.lexists(out) else [])
-
-
-def the_error_line(result: subprocess.CompletedProcess) -> str:
-    """The one `fsdpfast: error: ...` line of a refused run (exit 2, nothing else printed)."""
-    lines = result.stderr.splitlines()
-    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}:\n{result.stderr}"
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
-    assert lines[0].startswith("fsdpfast: error: "), lines[0]
-    assert result.stdout == ""
-    return lines[0]
-
-
-def assert_mentions(line: str, mentions) -> None:
-    for text in mentions:
-        assert str(text) in line, f"{text!r} not in {line!r}"
-
-
-def cli_refuses(src, out: Path, *options, mentions=()) -> str:
-    """Run `fsdpfast merge SRC --out OUT [options]` and check the whole refusal contract."""
-    before = tree_digest(src)
-    line = the_error_line(run_cli("merge", src, "--out", out, *options))
-    assert_mentions(line, mentions)
-    assert not leftovers(out), leftovers(out)
-    assert tree_digest(src) == before, "the checkpoint was modified"
-    return line
-
-
-def api_form(mention):
-    """How the Python API names what the command line calls `--tag` (`the tag argument`) or `--tag 'x'` (`tag='x'`)."""
-    found = re.fullmatch(r"--([a-z][a-z-]*)(?: ('.*'))?", mention) if isinstance(mention, str) else None
-    if not found:
-        return mention
-    name = found.group(1).replace("-", "_")
-    return f"{name}={found.group(2)}" if found.group(2) else f"the {name} argument"
-
-
-def api_refuses(src, out: Path, mentions=(), **options) -> str:
-    """fsdpfast.merge raises BadInput with a one-line message; nothing written, nothing changed.
-    The message names options as the API takes them (`mentions` may name them as flags)."""
-    before = tree_digest(src)
-    with pytest.raises(BadInput) as caught:
-        fsdpfast.merge(src, out, **options)
-    message = str(caught.value)
-    assert "\n" not in message, message
-    assert "--" not in message, message
-    assert_mentions(message, [api_form(m) for m in mentions])
-    assert not leftovers(out), leftovers(out)
-    assert tree_digest(src) == before, "the checkpoint was modified"
-    return message
-
 
 # --- damaging a private copy of a real checkpoint ---------------------------------------------
-
-
-def edit_state_dict(path: Path, edit: Callable[[dict], None]) -> None:
-    """Load a rank file with torch, let `edit` change its state dict in place, save it with torch."""
-    whole = torch.load(path, weights_only=True)
-    edit(whole["state_dict"] if "state_dict" in whole else whole)
-    torch.save(whole, path)
-
-
-def load_state_dict(path: Path) -> dict:
-    whole = torch.load(path, weights_only=True)
-    return whole["state_dict"] if "state_dict" in whole else whole
 
 
 def zip_member_span(path: Path, suffix: str) -> tuple[int, int]:
@@ -267,25 +179,6 @@ def add_guide_layout_files(folder: Path, checkpoints) -> list:
     return [folder, "--layout", "fsdp-ranks", "guide-ranks"]
 
 
-def remove_last_guide_rank(folder: Path, checkpoints) -> list:
-    # The metadata's world_size tells how many ranks there should be, so the missing one is named.
-    missing = rank_file(folder, 1)
-    missing.unlink()
-    return [missing, "is missing", "2 ranks"]
-
-
-def swap_in_a_local_piece_of_another_shape(folder: Path, checkpoints) -> list:
-    victim = rank_file(folder, 1)
-    edit_state_dict(victim, lambda state: state.update({Q_PROJ: state[DOWN_PROJ]}))
-    return [victim, Q_PROJ, "[32, 88]"]
-
-
-def cast_a_local_piece_to_bf16(folder: Path, checkpoints) -> list:
-    victim = rank_file(folder, 1)
-    edit_state_dict(victim, lambda state: state.update({Q_PROJ: state[Q_PROJ].to(torch.bfloat16)}))
-    return [victim, Q_PROJ, "bfloat16"]
-
-
 @dataclass(frozen=True)
 class Damage:
     base: str  # the real checkpoint that is copied, then damaged
@@ -311,9 +204,6 @@ DAMAGES = {
     "fsdp_config world_size a list": Damage("w2-llama", write_fsdp_config([2])),
     "fsdp_config not JSON": Damage("w2-llama", write_unreadable_fsdp_config),
     "two layouts": Damage("w2-llama", add_guide_layout_files),
-    "guide: last rank missing": Damage("w2-guide", remove_last_guide_rank),
-    "guide: piece shapes disagree": Damage("w2-guide-local", swap_in_a_local_piece_of_another_shape),
-    "guide: piece dtypes disagree": Damage("w2-guide-local", cast_a_local_piece_to_bf16),
 }
 DAMAGE_CASES = [pytest.param(name, id=name) for name in DAMAGES]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bit_exact, copy_checkpoint, read_merged
-from test_bad_input import api_refuses, cli_refuses
+from refusals import api_refuses, cli_refuses
 from test_unsafe_pickles import payload_bytes, rewrite_data_pkl
 
 import fsdpfast

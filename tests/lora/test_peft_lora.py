@@ -20,7 +20,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 from helpers import CheckpointsByWorld, read_merged
 from peft_checks import adapter_folder, assert_same, peft_logits, untied
-from test_bad_input import api_refuses, cli_refuses, edit_state_dict
+from refusals import api_refuses, cli_refuses, edit_state_dict
 
 import fsdpfast
 from fsdpfast.errors import BadInput
@@ -461,7 +461,7 @@ def test_a_lora_only_adapter_for_a_module_the_model_lacks(lora, tmp_path):
 
 def test_overwrite_replaces_the_adapter_folders_and_nothing_added_to_them(lora, tmp_path):
     """An earlier merge's adapter folders (nested: lora_adapter/second) are its own; a file put in one is not."""
-    from test_bad_input import run_cli, the_error_line, tree_digest
+    from refusals import run_cli, the_error_line, tree_digest
 
     _, folder = lora.get("two-adapters")
     ref = lora.reference("two-adapters")

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes .metadata pickle
 from helpers import copy_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_bad_input import cli_refuses
+from refusals import cli_refuses
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdpfast import _ops

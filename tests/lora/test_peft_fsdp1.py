@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import CheckpointsByWorld, bits, read_merged
 from peft_checks import adapter_folder, assert_same, peft_logits
-from test_bad_input import cli_refuses
+from refusals import cli_refuses
 
 import fsdpfast
 from fsdpfast.lora.split import lora_role

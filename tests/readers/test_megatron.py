@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bit_exact, read_merged
+from refusals import api_refuses, cli_refuses, run_cli
 from safetensors.torch import load_file
-from test_bad_input import api_refuses, cli_refuses, run_cli
 
 import fsdpfast
 

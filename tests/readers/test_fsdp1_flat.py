@@ -15,32 +15,14 @@ import sys
 
 import pytest
 import torch
+from corpus import DECODER_AND_MLP
+from corpus import FSDP1_SPECS as SPECS
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, read_merged
 
 import fsdpfast
 from fsdpfast._parsing.safe_load import safe_unpickle
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
-from fsdpfast.testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints
-
-DECODER_AND_MLP = ("LlamaDecoderLayer", "LlamaMLP")
-# name -> (world size, spec). 3 ranks split every flat parameter unevenly; use_orig_params
-# adds alignment padding (4 fp32 / 8 bf16 elements) and the padding to the world size.
-SPECS = {
-    spec.name: (world, spec)
-    for world, spec in [
-        (2, Fsdp1Spec("w2-llama", seed=21)),
-        (2, Fsdp1Spec("w2-tied-orig", model="llama-tied", use_orig_params=True, seed=22)),
-        (2, Fsdp1Spec("w2-verl-names", file_name="model_world_size_2_rank_{rank}.pt", seed=23)),
-        (2, Fsdp1Spec("w2-root-only", wrap=("none",), seed=31)),
-        (3, Fsdp1Spec("w3-orig", use_orig_params=True, seed=24)),
-        (3, Fsdp1Spec("w3-tied", model="llama-tied", seed=25)),
-        (3, Fsdp1Spec("w3-mlp-units", wrap=DECODER_AND_MLP, seed=26)),
-        (3, Fsdp1Spec("w3-bert-orig", model="bert", wrap=("BertLayer",), use_orig_params=True, seed=27)),
-        (3, Fsdp1Spec("w3-bf16-orig", dtype="bfloat16", use_orig_params=True, seed=28)),
-        (4, Fsdp1Spec("w4-orig", use_orig_params=True, seed=29)),
-        (4, Fsdp1Spec("w4-bert", model="bert", wrap=("BertLayer",), seed=30)),
-    ]
-}
+from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 
 
 class Fsdp1Checkpoints(CheckpointsByWorld):

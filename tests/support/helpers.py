@@ -193,3 +193,12 @@ def assert_nothing_published(folder, world: int, failed_rank: int) -> None:
     assert f"rank {failed_rank}" in results[0]["error"] and "nothing was published" in results[0]["error"], results[0]
     assert not (Path(folder) / "live").exists()
     assert not [p for p in Path(folder).iterdir() if p.name.startswith(".live")], list(Path(folder).iterdir())
+
+
+def tiny_tokenizer():
+    """A real fast tokenizer (two words), whose save_pretrained writes its files into the output."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabulary), unk_token="<unk>")

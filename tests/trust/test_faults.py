@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
-from test_bad_input import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
+from refusals import assert_mentions, cli_refuses, leftovers, run_cli, the_error_line, tree_digest
 
 import fsdpfast
 from fsdpfast.cli import main

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CheckpointsByWorld, assert_bit_exact, load_reference, rank_file, read_merged
-from test_bad_input import api_refuses, cli_refuses, run_cli
+from refusals import api_refuses, cli_refuses, run_cli
 
 import fsdpfast
 from fsdpfast.readers.rank_files import UNORDERED_MESH_NOTE

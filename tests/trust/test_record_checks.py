@@ -22,7 +22,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 from fuzz_parsers import _assert_same
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, rank_file, read_merged
-from test_bad_input import K_PROJ, Q_PROJ, api_refuses, cli_refuses, edit_state_dict
+from refusals import K_PROJ, Q_PROJ, api_refuses, cli_refuses, edit_state_dict
 
 import fsdpfast
 from fsdpfast import _ops

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from corpus import assert_merge_is_the_model, specs_read_by
 from helpers import copy_checkpoint, load_reference, read_merged
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -15,7 +16,7 @@ import fsdpfast
 from fsdpfast.errors import BadInput
 
 # torch's dcp_to_torch_save reads torch.save-serialised .distcp files only; the safetensors kind
-# ("w3-dcp-safetensors") is checked against the unsharded model in test_merge_fsdp2 like every spec.
+# ("w3-dcp-safetensors") is checked against the unsharded model like every spec (below).
 ORACLE_SPECS = ["w2-dcp", "w3-dcp-nested-bert-dim1", "w4-dcp-hsdp-tied-bf16"]
 
 
@@ -112,3 +113,8 @@ def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
     assert len(text) == size  # the renamed header still fits in place
     shard.write_bytes(raw[:8] + text + raw[8 + size :])
     assert f"holds no tensor {victim}" in _refused(folder, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", specs_read_by("dcp"))
+def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
+    assert_merge_is_the_model(checkpoints, tmp_path, name)

@@ -20,7 +20,7 @@ import torch
 from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_bad_input import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
+from refusals import api_refuses, cli_refuses, edit_state_dict, run_cli, the_error_line
 
 import fsdpfast
 from fsdpfast.errors import BadInput

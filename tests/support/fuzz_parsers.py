@@ -64,7 +64,7 @@ from fsdpfast.manifest import MANIFEST_NAME
 from fsdpfast.readers import dcp
 
 HANG_SECONDS = 20
-# The checkpoints the seeds come from (conftest.py names; all but one written by 2 ranks).
+# The checkpoints the seeds come from (corpus.py names; all but one written by 2 ranks).
 SEED_CHECKPOINTS = ["w2-llama", "w2-guide", "w2-dcp", "w3-dcp-safetensors"]
 # The readers' own targets: target -> (seed checkpoint, the file in it that is fuzzed).
 DEEPSPEED_SEED = "ds-w2-z2-bf16-frozen-tags"  # tests/deepspeed_checkpoints.py; its tag folder is the seed
@@ -583,7 +583,7 @@ def install_hang_alarm() -> None:
 
 def write_seed_checkpoints(root: str) -> dict[str, str]:
     sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import SPECS
+    from corpus import SPECS
 
     from fsdpfast.testing.examples import write_checkpoints
 
@@ -600,7 +600,7 @@ def write_reader_seeds(root: str) -> dict[str, str]:
     """target -> the folder of its seed checkpoint, for the readers' own targets (but dcp-hf, written above)."""
     import importlib.util
 
-    from test_fsdp1_flat import SPECS as FSDP1_SPECS
+    from corpus import FSDP1_SPECS
 
     from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 

@@ -4,14 +4,13 @@ Checkpoints come from the frameworks' own saving code on gloo ranks (fsdpfast.te
 accelerate 1.15 (`Accelerator.save_state`, `save_fsdp_model`), torchtitan's `CheckpointManager`,
 and a Hugging Face Trainer's `checkpoint-N/` written by the calls the Trainer makes under FSDP (the
 Trainer selects FSDP only on an accelerator). verl's step folder is built from verl's rank files
-(tests/conftest.py writes them with the torch.save call verl's FSDPCheckpointManager makes); verl
+(tests/support/corpus.py names them; written with the torch.save call verl's FSDPCheckpointManager makes); verl
 itself is too heavy for CI. Every merge is compared with the full state dict gathered in the
 writing process, and with the framework's own converter where one exists.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,60 +19,12 @@ import sys
 
 import pytest
 import torch
-from helpers import CheckpointsByWorld, assert_bit_exact, bits, load_reference, read_merged
+from framework_checkpoints import needs_accelerate, needs_torchtitan
+from helpers import assert_bit_exact, bits, load_reference, read_merged
 
 import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.manifest import read_manifest
-
-HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
-HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
-needs_accelerate = pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate (the test extra) is not installed")
-needs_torchtitan = pytest.mark.skipif(not HAVE_TORCHTITAN, reason="torchtitan (installed by .ci/run) is not installed")
-
-
-def _specs():
-    from fsdpfast.testing.framework_examples import FrameworkSpec
-
-    specs = []
-    if HAVE_ACCELERATE:
-        specs += [
-            (2, FrameworkSpec("acc-state", "accelerate-state", seed=41)),
-            (3, FrameworkSpec("acc-state-fsdp1", "accelerate-state", fsdp_version=1, seed=42)),
-            (2, FrameworkSpec("acc-two-models", "accelerate-two-models", seed=43)),
-            (2, FrameworkSpec("acc-ranks", "accelerate-ranks", seed=45)),
-            (3, FrameworkSpec("acc-ranks-fsdp1", "accelerate-ranks", fsdp_version=1, seed=46)),
-            (2, FrameworkSpec("trainer", "trainer-checkpoint", seed=47)),
-            (
-                2,
-                FrameworkSpec(
-                    "trainer-local-fsdp1",
-                    "trainer-checkpoint",
-                    fsdp_version=1,
-                    state_dict_type="LOCAL_STATE_DICT",
-                    seed=48,
-                ),
-            ),
-        ]
-    if HAVE_TORCHTITAN:
-        specs.append((3, FrameworkSpec("torchtitan", "torchtitan", seed=49)))
-    return {spec.name: (world, spec) for world, spec in specs}
-
-
-class FrameworkCheckpoints(CheckpointsByWorld):
-    def __init__(self, root: str):
-        from fsdpfast.testing.framework_examples import write_framework_checkpoints
-
-        super().__init__(root, _specs(), write_framework_checkpoints, lambda spec, root: spec.folder(root))
-
-    def reference(self, name: str, model: int = 0):
-        spec = self.get(name)[0]
-        return load_reference(spec.reference_path(self.root, model))
-
-
-@pytest.fixture(scope="module")
-def frameworks(tmp_path_factory) -> FrameworkCheckpoints:
-    return FrameworkCheckpoints(str(tmp_path_factory.mktemp("frameworks")))
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
@@ -159,28 +110,6 @@ def test_two_accelerate_models_are_named_and_each_merges(frameworks, tmp_path):
         reference, tied = frameworks.reference("acc-two-models", index)
         assert_bit_exact(read_merged(out), reference, tied=tied)
         assert any(note.startswith(f"config.json from {folder}") for note in report.notes)  # the folder above
-
-
-@needs_accelerate
-@pytest.mark.parametrize("name", ["acc-ranks", "acc-ranks-fsdp1"])
-def test_accelerate_rank_files_without_dcp(frameworks, tmp_path, name):
-    spec, folder = frameworks.get(name)
-    out = tmp_path / "merged"
-    report = fsdpfast.merge(folder, out)
-    assert report.layout == "accelerate-ranks"
-    reference, tied = frameworks.reference(name)
-    assert_bit_exact(read_merged(out), reference, tied=tied)
-    kind = "FSDP2 DTensors" if spec.fsdp_version == 2 else "FSDP1 ShardedTensors"
-    assert report.notes[0].startswith(f"accelerate SHARDED_STATE_DICT rank files of model 0 ({kind}")
-    assert any("optimizer_0_rank0.bin" in note for note in report.notes)
-    assert fsdpfast.verify(out, against=folder).ok
-    # a missing last rank is named: the world size comes from the files' own records
-    damaged = shutil.copytree(folder, tmp_path / "damaged")
-    last = max(
-        int(f.split("rank")[1].split(".")[0]) for f in os.listdir(damaged) if f.startswith("pytorch_model_fsdp_0_rank")
-    )
-    (damaged / f"pytorch_model_fsdp_0_rank{last}.bin").unlink()
-    assert f"pytorch_model_fsdp_0_rank{last}.bin is missing" in _refused("merge", damaged, "--out", tmp_path / "out")
 
 
 @needs_accelerate
