@@ -29,3 +29,14 @@ def checkpoints(tmp_path_factory) -> CheckpointsByWorld:
     return CheckpointsByWorld(
         str(tmp_path_factory.mktemp("checkpoints")), SPECS, write_checkpoints, lambda spec, root: spec.folder(root)
     )
+
+
+def pytest_collection_modifyitems(items):
+    """Markers a test's parameters decide: a run of the torch or cuda engine calls the extension's torch
+    ops (`torch_ops`), one on a CUDA device needs a GPU (`gpu`)."""
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if params.get("engine") in ("torch", "cuda"):
+            item.add_marker(pytest.mark.torch_ops)
+        if params.get("device") == "cuda" or params.get("engine") == "cuda":
+            item.add_marker(pytest.mark.gpu)

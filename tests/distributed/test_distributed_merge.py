@@ -38,9 +38,10 @@ from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 from fsdpfast.testing.examples import CheckpointSpec, _free_port, write_checkpoints
 
-pytestmark = pytest.mark.skipif(
-    not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module"
-)
+pytestmark = [
+    pytest.mark.skipif(not _ops.native_cpu(), reason="split tensors' checksums are combined by the native module"),
+    pytest.mark.distributed,
+]
 
 SHARD = "1MB"
 SPECS = {

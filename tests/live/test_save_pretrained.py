@@ -22,6 +22,8 @@ from helpers import (
 
 from fsdpfast.testing.live_examples import LiveSpec, save_live
 
+pytestmark = [pytest.mark.distributed]
+
 SPECS = {
     2: [
         LiveSpec("w2-fp32", seed=31),

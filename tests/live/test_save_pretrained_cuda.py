@@ -20,7 +20,12 @@ from helpers import live_outcomes, read_merged
 import fsdpfast
 from fsdpfast.testing.live_examples import LiveSpec, save_live
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible"),
+    pytest.mark.distributed,
+    pytest.mark.gpu,
+    pytest.mark.torch_ops,
+]
 
 RUNS = {  # (world size, backend): specs
     (1, "nccl"): [

@@ -24,6 +24,8 @@ from fsdpfast.testing.examples import CheckpointSpec, build_model
 from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec
 from fsdpfast.testing.live_refusal_examples import LiveCase, save_cases
 
+pytestmark = [pytest.mark.distributed]
+
 WORLD = 2
 CASES = [
     LiveCase("fsdp2-untied", "fsdp2-untied", seed=51),

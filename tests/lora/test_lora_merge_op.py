@@ -14,7 +14,10 @@ import torch
 from fsdpfast import _ops
 
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.skipif(not _ops.torch_ops(), reason=f"fsdpfast torch ops not built: {_ops.torch_ops_error()}")
+pytestmark = [
+    pytest.mark.skipif(not _ops.torch_ops(), reason=f"fsdpfast torch ops not built: {_ops.torch_ops_error()}"),
+    pytest.mark.torch_ops,
+]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _ops.native_cuda_built() else [])
 

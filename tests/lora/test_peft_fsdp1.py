@@ -26,6 +26,8 @@ from fsdpfast.lora.split import lora_role
 from fsdpfast.testing.peft_examples import PeftSpec, lora_config
 from fsdpfast.testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 
+pytestmark = [pytest.mark.distributed]
+
 pytest.importorskip("peft")
 
 # name -> (world size, spec). World 3 pads every flat parameter unevenly (and the 16-byte alignment of use_orig_params).
@@ -100,6 +102,7 @@ def test_base_model_and_adapter_folder(fsdp1_lora, tmp_path, name):
     assert check.ok, check.summary()
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("name", SPECS)
 def test_merge_lora_equals_merge_and_unload(fsdp1_lora, tmp_path, name):
     _, folder = fsdp1_lora.get(name)
@@ -177,6 +180,7 @@ def _save_adapter_config(spec: PeftSpec, folder, **fields) -> None:
     lora_config(spec, **fields).save_pretrained(str(folder))
 
 
+@pytest.mark.torch_ops
 def test_lora_alpha_the_two_files_disagree_on_is_refused(fsdp1_lora, tmp_path):
     spec, _ = fsdp1_lora.get("orig-w2")
     folder = fsdp1_lora.copy("orig-w2", tmp_path)
@@ -224,6 +228,7 @@ def test_without_views_r_the_two_files_disagree_on_is_refused(fsdp1_lora, tmp_pa
     assert_same(read_merged(tmp_path / "settled" / "lora_adapter"), ref["adapters"]["default"])
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("flags", [[], ["--merge-lora"]])
 def test_an_adapter_for_a_module_the_model_lacks_is_refused(fsdp1_lora, tmp_path, flags):
     """config.json of one layer fewer: the files' layer-1 adapters are for modules that model lacks."""

@@ -31,6 +31,8 @@ from fsdpfast.testing.peft_examples import (
     write_peft_deepspeed_checkpoints,
 )
 
+pytestmark = [pytest.mark.distributed]
+
 peft = pytest.importorskip("peft")
 
 DORA_SECOND = dict(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj"], use_dora=True)
@@ -153,6 +155,7 @@ def test_lora_only_checkpoint_writes_the_adapter_alone(lora, tmp_path):
         assert fsdpfast.verify(out, against=folder).ok
 
 
+@pytest.mark.torch_ops
 def test_lora_only_with_base_writes_the_fused_model_and_the_adapter(lora, tmp_path):
     spec, folder = lora.get("verl-lora-only")
     ref = lora.reference("verl-lora-only")
@@ -170,6 +173,7 @@ def test_lora_only_with_base_writes_the_fused_model_and_the_adapter(lora, tmp_pa
         fsdpfast.merge(folder, tmp_path / "no-base", merge_lora=True)
 
 
+@pytest.mark.torch_ops
 def test_alpha_is_never_silently_zero(lora, tmp_path):
     folder = lora.copy("verl", tmp_path)
     os.remove(os.path.join(folder, "lora_train_meta.json"))
@@ -198,6 +202,7 @@ def test_inferred_values_are_said(lora, tmp_path):
     assert (config["r"], config["lora_alpha"], config["task_type"]) == (8, 16, "CAUSAL_LM")
 
 
+@pytest.mark.torch_ops
 def test_several_adapters_are_fused_only_by_name(lora, tmp_path):
     _, folder = lora.get("two-adapters")
     with pytest.raises(BadInput, match="--merge-lora default,second"):
@@ -209,6 +214,7 @@ def test_several_adapters_are_fused_only_by_name(lora, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.torch_ops
 def test_flags_on_a_plain_checkpoint_are_refused(tmp_path):
     folder = tmp_path / "plain"
     folder.mkdir()
@@ -217,6 +223,7 @@ def test_flags_on_a_plain_checkpoint_are_refused(tmp_path):
         fsdpfast.merge(folder, tmp_path / "out", merge_lora=True)
 
 
+@pytest.mark.torch_ops
 def test_damaged_fused_weight_is_found(lora, tmp_path):
     from fsdpfast.io.stored import read_folder
 
@@ -232,6 +239,7 @@ def test_damaged_fused_weight_is_found(lora, tmp_path):
         assert [m.tensor for m in check.mismatches] == [name]
 
 
+@pytest.mark.torch_ops
 def test_command_line(lora, tmp_path):
     spec, folder = lora.get("two-adapters")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -265,6 +273,7 @@ def test_command_line(lora, tmp_path):
     ]
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("flags", [[], ["--merge-lora", "default"]])
 def test_processes_write_the_single_process_merge(lora, tmp_path, flags):
     """Under torchrun the base model, the adapter folders and the fused weights are shared out as any
@@ -313,6 +322,7 @@ def _rename_module(folder, old: str, new: str) -> None:
         )
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("name", [n for n in ("verl", "guide", "dcp-hf", "deepspeed-zero2") if n in SPECS])
 def test_lora_alpha_the_two_files_disagree_on_is_refused(lora, tmp_path, name):
     """verl's lora_train_meta.json says one lora_alpha, peft's adapter_config.json 32: neither wins; --lora-alpha
@@ -331,6 +341,7 @@ def test_lora_alpha_the_two_files_disagree_on_is_refused(lora, tmp_path, name):
     assert_same(fused, untied(lora.reference(name)["merged"], fused))
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("name", ["verl", "dcp-hf"])
 def test_files_that_agree_merge_as_peft_saved_them(lora, tmp_path, name):
     """The look-alike: adapter_config.json beside lora_train_meta.json, the same alpha and r in both."""
@@ -361,6 +372,7 @@ def test_r_the_files_disagree_on_is_refused(lora, tmp_path):
     assert_same(read_merged(tmp_path / "settled" / "lora_adapter"), lora.reference("verl")["adapters"]["default"])
 
 
+@pytest.mark.torch_ops
 def test_a_recorded_r_the_tensors_contradict_is_refused(lora, tmp_path):
     """r 4 recorded, every lora_A of rank 8: the record is another training's (its alpha too), not half-trusted."""
     spec, _ = lora.get("verl")
@@ -375,6 +387,7 @@ def test_a_recorded_r_the_tensors_contradict_is_refused(lora, tmp_path):
     api_refuses(folder, tmp_path / "out", mentions=["lora_r=8"])
 
 
+@pytest.mark.torch_ops
 def test_rank_pattern_is_checked_against_the_tensors(lora, tmp_path):
     """The rank-pattern checkpoint merges as peft saved it (the parametrized tests); a rank_pattern that
     gives v_proj another rank than its lora_A is refused naming it."""
@@ -419,6 +432,7 @@ def test_an_adapter_config_fsdpfast_cannot_read_as_recorded_is_refused(lora, tmp
     cli_refuses(folder, tmp_path / "out", mentions=mentions)
 
 
+@pytest.mark.torch_ops
 @pytest.mark.parametrize("flags", [[], ["--merge-lora"]])
 def test_an_adapter_for_a_module_the_model_lacks_is_refused(lora, tmp_path, flags):
     """peft would drop such tensors on load without a word: refused, written or fused, naming the module."""
@@ -459,6 +473,7 @@ def test_a_lora_only_adapter_for_a_module_the_model_lacks(lora, tmp_path):
     )
 
 
+@pytest.mark.torch_ops
 def test_overwrite_replaces_the_adapter_folders_and_nothing_added_to_them(lora, tmp_path):
     """An earlier merge's adapter folders (nested: lora_adapter/second) are its own; a file put in one is not."""
     from refusals import run_cli, the_error_line, tree_digest

@@ -13,6 +13,8 @@ from refusals import cli_refuses
 
 import fsdpfast
 
+pytestmark = [pytest.mark.distributed]
+
 
 @needs_accelerate
 @pytest.mark.parametrize("name", ["acc-ranks", "acc-ranks-fsdp1"])

@@ -21,6 +21,8 @@ from helpers import assert_bit_exact, bits, read_merged
 import fsdpfast
 from fsdpfast.testing.deepspeed_examples import FROZEN
 
+pytestmark = [pytest.mark.distributed]
+
 BUFFER = "fsdpfast_probe_buffer"
 
 

@@ -26,6 +26,8 @@ import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.manifest import read_manifest
 
+pytestmark = [pytest.mark.distributed]
+
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fsdpfast", *map(str, args)], capture_output=True, text=True)

@@ -24,6 +24,8 @@ from fsdpfast._parsing.safe_load import safe_unpickle
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
 from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 
+pytestmark = [pytest.mark.distributed]
+
 
 class Fsdp1Checkpoints(CheckpointsByWorld):
     def __init__(self, root: str):
@@ -357,6 +359,8 @@ def test_getattr_only_for_sharded_tensor_state():
             safe_unpickle(payload, "evil.pkl")
 
 
+@pytest.mark.torch_ops
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="checks real FSDP1 on a GPU; the CPU runs above use real FSDP1 too"
 )

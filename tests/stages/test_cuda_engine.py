@@ -11,7 +11,11 @@ from fsdpfast import _ops
 from fsdpfast.io.sources import SourceFiles
 from fsdpfast.plan.model import Extent, SourceBuffer, TensorPlan
 
-pytestmark = pytest.mark.skipif(not _ops.native_cuda(), reason="needs the CUDA ops and a GPU")
+pytestmark = [
+    pytest.mark.skipif(not _ops.native_cuda(), reason="needs the CUDA ops and a GPU"),
+    pytest.mark.gpu,
+    pytest.mark.torch_ops,
+]
 
 
 def device_convert(x: torch.Tensor, to: torch.dtype) -> torch.Tensor:

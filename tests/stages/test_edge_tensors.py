@@ -77,6 +77,7 @@ def odd_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["ranks", "dcp"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_zero_size_scalar_and_unicode_tensors_merge_bit_exact(odd_checkpoint, tmp_path, layout, engine):

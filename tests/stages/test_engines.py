@@ -16,6 +16,8 @@ from fsdpfast import _ops
 from fsdpfast.execute.engines import available_engines, select_engine
 from fsdpfast.manifest import MANIFEST_NAME
 
+pytestmark = [pytest.mark.torch_ops]
+
 OTHER_ENGINES = [e for e in available_engines() if e != "torch"]
 
 

@@ -12,7 +12,10 @@ import torch
 
 from fsdpfast import _ops
 
-pytestmark = pytest.mark.skipif(not _ops.torch_ops(), reason=f"torch ops not built: {_ops.torch_ops_error()}")
+pytestmark = [
+    pytest.mark.skipif(not _ops.torch_ops(), reason=f"torch ops not built: {_ops.torch_ops_error()}"),
+    pytest.mark.torch_ops,
+]
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = [(a, b) for a in FLOATS for b in FLOATS if a is not b]

@@ -74,6 +74,7 @@ def test_crc32c_known_answer_and_continuation():
     assert _ops.crc32c(data[40_001:], _ops.crc32c(data[:40_001])) == whole
 
 
+@pytest.mark.torch_ops
 @needs_native
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, chunk_bytes):
@@ -329,6 +330,7 @@ def test_verify_of_a_folder_that_is_not_a_merge_is_one_line(tmp_path):
     assert result.returncode == EXIT_BAD_INPUT and result.stderr.count("\n") == 1 and ".safetensors" in result.stderr
 
 
+@pytest.mark.torch_ops
 @needs_native
 def test_a_later_merge_is_checked_against_an_earlier_manifest(checkpoints, tmp_path):
     """Split differently and by another engine, a re-merge of the same checkpoint matches the old

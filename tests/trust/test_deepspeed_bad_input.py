@@ -22,7 +22,7 @@ import fsdpfast
 from fsdpfast.errors import UnsafeCheckpoint
 
 # Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 Z2 = "ds-w2-z2-bf16-frozen-tags"  # root: latest -> global_step2, and an older tag `first`
 Z3 = "ds-w2-z3-fp32-tied-frozen"

@@ -20,6 +20,8 @@ from fuzz_parsers import (
     strategies,
 )
 
+pytestmark = [pytest.mark.distributed]
+
 EXAMPLES = {
     "unpickle": 300,
     "pickle_opcodes": 300,
