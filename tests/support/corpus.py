@@ -47,7 +47,7 @@ _add(
 )
 _add(4, CheckpointSpec("w4-bf16", dtype="bfloat16", seed=10))
 _add(4, CheckpointSpec("w4-hsdp-bert-dim1", model="bert", hsdp=True, shard_dim=1, seed=11))
-# Plain tensors in several ranks' files, and files of two steps (tests/test_rank_checks.py).
+# Plain tensors in several ranks' files, and files of two steps (tests/trust/test_rank_checks.py).
 _add(2, CheckpointSpec("w2-guide-local-buffer", layout="guide-ranks-local", buffer=True, architecture=True, seed=21))
 _add(
     3,

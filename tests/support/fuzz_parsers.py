@@ -1,7 +1,7 @@
 """Fuzz every metadata parser the readers use: only fsdpfast's own errors may come out.
 
-    python tests/fuzz_parsers.py --minutes 10          # the long run (docs/guarantees.md: the fuzz record)
-    python -m pytest -q tests/test_fuzz.py             # the short run, part of the suite and CI
+    python tests/support/fuzz_parsers.py --minutes 10          # the long run (docs/guarantees.md: the fuzz record)
+    python -m pytest -q tests/trust/test_fuzz.py             # the short run, part of the suite and CI
 
 Targets, each fed by hypothesis from real files (mutated: bits flipped, bytes set, inserted,
 deleted, cut, spliced between files, little-endian integers replaced by edge values) or built
@@ -67,8 +67,8 @@ HANG_SECONDS = 20
 # The checkpoints the seeds come from (corpus.py names; all but one written by 2 ranks).
 SEED_CHECKPOINTS = ["w2-llama", "w2-guide", "w2-dcp", "w3-dcp-safetensors"]
 # The readers' own targets: target -> (seed checkpoint, the file in it that is fuzzed).
-DEEPSPEED_SEED = "ds-w2-z2-bf16-frozen-tags"  # tests/deepspeed_checkpoints.py; its tag folder is the seed
-FSDP1_SEED = "w2-tied-orig"  # tests/test_fsdp1_flat.py: use_orig_params views, tied weights, alignment padding
+DEEPSPEED_SEED = "ds-w2-z2-bf16-frozen-tags"  # tests/support/deepspeed_checkpoints.py; its tag folder is the seed
+FSDP1_SEED = "w2-tied-orig"  # tests/readers/test_fsdp1_flat.py: use_orig_params views, tied weights, alignment padding
 READER_TARGETS = {
     "deepspeed_optim": (DEEPSPEED_SEED, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
     "fsdp1_rank": (FSDP1_SEED, "pytorch_model_fsdp_rank0.bin"),

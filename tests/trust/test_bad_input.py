@@ -291,7 +291,7 @@ def test_existing_output_folder_is_refused_and_left_untouched(checkpoints, tmp_p
 def test_existing_output_folder_is_replaced_with_overwrite(checkpoints, tmp_path, earlier):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
-    if earlier == "an earlier merge":  # files added to it are refused (tests/test_output_folder.py)
+    if earlier == "an earlier merge":  # files added to it are refused (tests/stages/test_output_folder.py)
         fsdpfast.merge(folder, out, dtype="bf16")
     else:
         out.mkdir()
@@ -342,7 +342,7 @@ def test_existing_output_file_is_not_replaced_even_with_overwrite(checkpoints, t
 
 
 def test_output_parent_that_is_a_file(checkpoints, tmp_path):
-    # missing parents are created (tests/test_output_folder.py); a file in the way is not replaced
+    # missing parents are created (tests/stages/test_output_folder.py); a file in the way is not replaced
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     (tmp_path / "no").write_text("a file")
     out = tmp_path / "no" / "such" / "merged"

@@ -1,6 +1,6 @@
 """The short fuzz run: every metadata parser on a few hundred mutated real files (fuzz_parsers.py).
 
-Derandomized, so a failure here reproduces; the long run (`python tests/fuzz_parsers.py
+Derandomized, so a failure here reproduces; the long run (`python tests/support/fuzz_parsers.py
 --minutes N`) explores with fresh seeds.
 """
 

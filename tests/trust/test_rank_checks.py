@@ -3,7 +3,7 @@
 Plain to_local() pieces (which do not record the dimension they were split along), buffers every
 rank holds whole, DDP and full-state-dict saves, file names that disagree with the ranks the files
 record, files of two training steps, HSDP replicas that differ, two spellings of one rank, and a
-stale .distcp file. Every checkpoint is written by real gloo ranks (conftest.py) and altered with
+stale .distcp file. Every checkpoint is written by real gloo ranks (tests/support/corpus.py names them) and altered with
 torch in a private copy; each case merges bit-exact or is refused in one line (exit 2, nothing
 written), and `verify --against` runs the same checks.
 """
