@@ -182,6 +182,7 @@ def build_tiny(tmp_path: Path, cuda: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_failed_cuda_compile_falls_back_to_the_cpu_ops(tmp_path):
     result = build_tiny(tmp_path, "auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -233,6 +234,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _ops.native_cpu(), reason="the native extension is not built")
 def test_a_build_for_another_torch_still_merges_with_the_cpu_engine(checkpoints, tmp_path):
     """A copy of the package whose build record names another torch, as a wheel built elsewhere would."""

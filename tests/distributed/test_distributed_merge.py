@@ -87,6 +87,7 @@ def _splits_a_tensor(folder: str, processes: int, dtype: str = "keep") -> bool:
     return any(len(ranks) > 1 for ranks in owners.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,processes,options",
     [
@@ -113,6 +114,7 @@ def test_processes_write_the_single_process_merge(wide, tmp_path, name, processe
     assert left_beside(out) == []
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_merge(wide, tmp_path):
     _, folder = wide.get("wide")
     single, out = tmp_path / "single", tmp_path / "out"
@@ -168,6 +170,7 @@ def _api_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
     exit_rank()
 
 
+@pytest.mark.slow
 def test_merge_with_a_process_group(wide, tmp_path):
     import torch.multiprocessing as mp
 
@@ -178,6 +181,7 @@ def test_merge_with_a_process_group(wide, tmp_path):
     same_output(single, out)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_write_stops_all_and_publishes_nothing(wide, tmp_path):
     _, folder = wide.get("wide")
     out = tmp_path / "out"
@@ -197,6 +201,7 @@ def test_a_rank_killed_mid_write_stops_all_and_publishes_nothing(wide, tmp_path)
     assert not out.exists() and left_beside(out) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blind", ["checkpoint", "output"])
 def test_a_rank_that_cannot_see_the_folder_stops_all(wide, tmp_path, blind):
     _, folder = wide.get("wide")
@@ -275,6 +280,7 @@ def _same_size_and_mtime(copy: Path, name: str, folder: str) -> None:
     os.utime(copy / name, ns=(original.st_atime_ns, original.st_mtime_ns))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,alter",
     [("wide", _altered_rank_file), ("wide-dcp", _altered_distcp), ("wide-dcp", _altered_metadata)],
@@ -303,6 +309,7 @@ def test_a_rank_reading_another_copy_stops_all(wide, tmp_path, name, alter):
     assert (tree_digest(folder), tree_digest(copy)) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "option,rank0,rank1",
     [("--dtype", "bf16", "fp16"), ("--engine", "cpu", "torch"), ("--max-shard-size", SHARD, "2MB")],
@@ -327,6 +334,7 @@ def test_a_rank_started_with_other_options_stops_all(wide, tmp_path, option, ran
     assert tree_digest(folder) == before
 
 
+@pytest.mark.slow
 def test_a_copy_elsewhere_and_options_spelled_otherwise_merge(wide, tmp_path):
     """The look-alike of the two refusals above: rank 1 reads an identical copy at another path and is
     given --dtype bfloat16 for bf16 and 1000KB for 1MB; the output is the single-process merge's."""
@@ -350,6 +358,7 @@ def test_a_copy_elsewhere_and_options_spelled_otherwise_merge(wide, tmp_path):
 # --- the parts, one process writing them all ----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["wide", "wide-dim1"])
 def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine):
@@ -436,6 +445,7 @@ def _pairs(e: Extent):
             )
 
 
+@pytest.mark.slow
 def test_overwrite_under_torchrun_replaces_only_an_earlier_merge(wide, tmp_path):
     """Rank 0 checks the earlier folder before any rank writes: a file fsdpfast did not write stops them all."""
     _, folder = wide.get("wide")

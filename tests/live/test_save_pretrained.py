@@ -22,7 +22,7 @@ from helpers import (
 
 from fsdpfast.testing.live_examples import LiveSpec, save_live
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SPECS = {
     2: [

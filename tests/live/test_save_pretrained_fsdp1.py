@@ -26,6 +26,8 @@ from safetensors.torch import load_file
 
 from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec, save_live_fsdp1
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 SPECS = {
     1: [LiveFsdp1Spec("w1-no-shard", seed=47)],  # one rank: FSDP1 switches to NO_SHARD
     2: [

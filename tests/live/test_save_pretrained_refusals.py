@@ -24,7 +24,7 @@ from fsdpfast.testing.examples import CheckpointSpec, build_model
 from fsdpfast.testing.live_fsdp1_examples import LiveFsdp1Spec
 from fsdpfast.testing.live_refusal_examples import LiveCase, save_cases
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD = 2
 CASES = [

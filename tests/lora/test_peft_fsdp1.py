@@ -26,7 +26,7 @@ from fsdpfast.lora.split import lora_role
 from fsdpfast.testing.peft_examples import PeftSpec, lora_config
 from fsdpfast.testing.peft_fsdp1_examples import write_peft_fsdp1_checkpoints
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 pytest.importorskip("peft")
 

@@ -31,7 +31,7 @@ from fsdpfast.testing.peft_examples import (
     write_peft_deepspeed_checkpoints,
 )
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 peft = pytest.importorskip("peft")
 

@@ -13,7 +13,7 @@ from refusals import cli_refuses
 
 import fsdpfast
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @needs_accelerate

@@ -39,12 +39,14 @@ def test_equals_torch_dcp_to_torch_save(checkpoints, tmp_path, name, dtype):
         ), key
 
 
+@pytest.mark.slow
 def test_nested_checkpoint_reports_the_optimizer_it_skips(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")
     report = fsdpfast.merge(folder, tmp_path / "merged")
     assert any("optim." in note for note in report.notes)
 
 
+@pytest.mark.slow
 def test_prefix_chooses_the_part_and_rejects_unknown_ones(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")
     fsdpfast.merge(folder, tmp_path / "merged", prefix="model")
@@ -98,6 +100,7 @@ def test_metadata_that_runs_code_is_refused(checkpoints, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
     import json
 
@@ -115,6 +118,7 @@ def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
     assert f"holds no tensor {victim}" in _refused(folder, tmp_path / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", specs_read_by("dcp"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)

@@ -69,6 +69,7 @@ def test_missing_first_shard_file(checkpoints, tmp_path):
     cli_refuses(folder, tmp_path / "out", mentions=["shard-00001-model-*-of-00001.safetensors is missing"])
 
 
+@pytest.mark.slow
 def test_missing_middle_shard_file(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w4-dcp-hf-hsdp-tied-bf16", tmp_path)
     (folder / "shard-00003-model-00001-of-00001.safetensors").unlink()
@@ -187,6 +188,7 @@ def test_header_metadata_is_what_torch_writes(checkpoints):
         assert info["model.embed_tokens.weight"]["saved_offsets"] == [51, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", specs_read_by("dcp-hf"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)

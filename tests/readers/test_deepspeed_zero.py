@@ -21,7 +21,7 @@ from helpers import assert_bit_exact, bits, read_merged
 import fsdpfast
 from fsdpfast.testing.deepspeed_examples import FROZEN
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BUFFER = "fsdpfast_probe_buffer"
 

@@ -26,7 +26,7 @@ import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.manifest import read_manifest
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _cli(*args) -> subprocess.CompletedProcess:

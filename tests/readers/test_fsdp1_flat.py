@@ -24,7 +24,7 @@ from fsdpfast._parsing.safe_load import safe_unpickle
 from fsdpfast.errors import BadInput, UnsafeCheckpoint
 from fsdpfast.testing.fsdp1_examples import write_fsdp1_checkpoints
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 class Fsdp1Checkpoints(CheckpointsByWorld):

@@ -13,6 +13,7 @@ from helpers import assert_bit_exact, load_reference, read_index, read_merged, t
 import fsdpfast
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", specs_read_by("fsdp-ranks"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)
@@ -62,6 +63,7 @@ def test_config_folder_option_takes_files_from_elsewhere(checkpoints, tmp_path):
     assert (out / "model.safetensors").read_bytes()[:8] != b"weights "
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_shard_size", ["20KB", 30_000, "0.05MB"])
 def test_split_output_has_index_and_loads(checkpoints, tmp_path, max_shard_size):
     spec, folder = checkpoints.get("w3-llama")
@@ -86,6 +88,7 @@ def test_split_output_has_index_and_loads(checkpoints, tmp_path, max_shard_size)
     assert torch.equal(logits, torch.load(spec.logits_path(checkpoints.root), weights_only=True))
 
 
+@pytest.mark.slow
 def test_cli_merge_prints_report_and_exits_zero(checkpoints, tmp_path):
     import json
     import subprocess

@@ -15,6 +15,7 @@ from refusals import DOWN_PROJ, Q_PROJ, api_refuses, cli_refuses, edit_state_dic
 import fsdpfast
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", specs_read_by("guide-ranks"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)

@@ -24,7 +24,7 @@ import fsdpfast
 from fsdpfast.readers.rank_files import UNORDERED_MESH_NOTE
 from fsdpfast.testing.examples import CheckpointSpec, write_checkpoints
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EMBED = "model.embed_tokens.weight"  # (100, 64) or (101, 64): even or uneven over 4 ranks
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (64, 64)

@@ -22,7 +22,7 @@ import fsdpfast
 from fsdpfast.errors import BadInput
 from fsdpfast.testing.tp_examples import TpSpec, write_tp_checkpoints
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HEADS_OVER_3 = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
 # name -> (world size, spec). Uneven on purpose: vocab 101 rows over tp and dp, 44 or 15 MLP rows

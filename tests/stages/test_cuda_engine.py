@@ -73,6 +73,7 @@ def test_device_kernel_on_views_at_odd_byte_offsets(source, target):
     assert out[:3].cpu().tolist() == [0, 0, 0]
 
 
+@pytest.mark.slow
 def test_staging_is_one_allocation_kept_across_merges(checkpoints, tmp_path):
     from fsdpfast.execute import cuda
 
@@ -113,6 +114,7 @@ def test_staged_pipeline_strided_runs(tmp_path):
     assert_same_bits(got, torch_reference(x, torch.bfloat16), x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["keep", "bf16", "fp16"])
 def test_cuda_engine_merge_is_byte_identical_to_torch_engine(checkpoints, tmp_path, dtype):
     _, folder = checkpoints.get("w3-bert-dim1")

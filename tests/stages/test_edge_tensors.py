@@ -77,6 +77,7 @@ def odd_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["ranks", "dcp"])
 @pytest.mark.parametrize("engine", ENGINES)

@@ -124,6 +124,7 @@ def test_cuda_staging_is_sized_to_the_job():
     assert slot_bytes(10 << 30, 2, 4096) == 4096  # a cap below the minimum is kept (the tests' tiny slots)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_ops.native_cuda(), reason="a GPU is visible")
 def test_cuda_engine_without_gpu_is_one_clear_error(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
@@ -193,6 +194,7 @@ def test_native_file_writer_refuses_bad_plans_before_writing(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tmp_path):
     # As on a machine where the extension was not built: importing its modules fails.
     _, folder = checkpoints.get("w2-tied-bf16")

@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import load_reference
 
 import fsdpfast
 
 
+@pytest.mark.slow
 def test_inspect_lists_what_merge_writes(checkpoints, tmp_path):
     spec, folder = checkpoints.get("w3-wrapped-buffer")
     found = fsdpfast.inspect(folder)
@@ -23,6 +25,7 @@ def test_inspect_lists_what_merge_writes(checkpoints, tmp_path):
     assert report.bytes_written == found["total_bytes"] and report.tensors == found["total_tensors"]
 
 
+@pytest.mark.slow
 def test_inspect_cli_json_and_text(checkpoints):
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")
     result = subprocess.run(
@@ -37,6 +40,7 @@ def test_inspect_cli_json_and_text(checkpoints):
     assert "bert.embeddings.word_embeddings.weight" in text.stdout
 
 
+@pytest.mark.slow
 def test_inspect_bad_folder_is_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "fsdpfast", "inspect", str(tmp_path / "nowhere")], capture_output=True, text=True

@@ -35,6 +35,7 @@ def _merge_cli(*args):
     return subprocess.run([sys.executable, "-m", "fsdpfast", "merge", *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_weight_tied_in_training_but_not_in_config_is_written_under_both_names(checkpoints, tmp_path):
     spec, _ = checkpoints.get("w2-tied-bf16")  # lm_head.weight is embed_tokens.weight in the training code
     folder = copy_checkpoint(checkpoints, "w2-tied-bf16", tmp_path)
@@ -50,6 +51,7 @@ def test_weight_tied_in_training_but_not_in_config_is_written_under_both_names(c
     assert torch.equal(logits, torch.load(spec.logits_path(checkpoints.root), weights_only=True))
 
 
+@pytest.mark.slow
 def test_config_tying_two_different_tensors_is_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)  # trained untied: lm_head differs from embed_tokens
     _edit_config(folder, tie_word_embeddings=True)
@@ -60,6 +62,7 @@ def test_config_tying_two_different_tensors_is_refused(checkpoints, tmp_path):
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.slow
 def test_tied_dcp_copies_are_compared_and_written_once(checkpoints, tmp_path):
     # DCP stores the tied pair as two names with separate bytes: equal, so written once.
     spec, folder = checkpoints.get("w4-dcp-hsdp-tied-bf16")
@@ -69,6 +72,7 @@ def test_tied_dcp_copies_are_compared_and_written_once(checkpoints, tmp_path):
     assert report.tied == {"model.embed_tokens.weight": ["lm_head.weight"]}
 
 
+@pytest.mark.slow
 def test_without_config_the_merge_warns_that_the_folder_will_not_load(checkpoints, tmp_path):
     spec, _ = checkpoints.get("w2-tied-bf16")
     folder = copy_checkpoint(checkpoints, "w2-tied-bf16", tmp_path)
@@ -84,6 +88,7 @@ def test_without_config_the_merge_warns_that_the_folder_will_not_load(checkpoint
     assert "warning: the output has no config.json" in text.stdout and "fsdpfast: warning:" in text.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "changes,found,named",
     [
@@ -103,6 +108,7 @@ def test_a_config_that_does_not_describe_the_checkpoint_is_refused(checkpoints, 
         fsdpfast.plan_merge(folder)
 
 
+@pytest.mark.slow
 def test_a_config_of_another_family_is_refused_in_the_dry_run_too(checkpoints, tmp_path):
     _, bert = checkpoints.get("w3-bert-dim1")
     with pytest.raises(BadInput, match="do not match BertForMaskedLM"):
@@ -113,6 +119,7 @@ def test_a_config_of_another_family_is_refused_in_the_dry_run_too(checkpoints, t
     assert result.returncode == 2 and "weights missing" in result.stderr
 
 
+@pytest.mark.slow
 def test_tensors_the_model_lacks_need_allow_extra_tensors(checkpoints, tmp_path):
     spec, _ = checkpoints.get("w3-wrapped-buffer")  # a persistent buffer LlamaForCausalLM does not have
     folder = copy_checkpoint(checkpoints, "w3-wrapped-buffer", tmp_path)
@@ -128,6 +135,7 @@ def test_tensors_the_model_lacks_need_allow_extra_tensors(checkpoints, tmp_path)
     assert check.ok, check.summary()
 
 
+@pytest.mark.slow
 def test_verify_against_runs_the_safety_net_on_the_outputs_config(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     fsdpfast.merge(folder, tmp_path / "merged")
@@ -159,6 +167,7 @@ def test_config_without_architectures_checks_the_base_model(checkpoints, tmp_pat
         fsdpfast.plan_merge(folder)
 
 
+@pytest.mark.slow
 def test_without_transformers_the_check_is_skipped_with_a_note(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     code = (

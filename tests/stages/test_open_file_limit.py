@@ -21,6 +21,8 @@ from helpers import assert_bit_exact, read_merged, write_many_ranks
 
 from fsdpfast.testing.many_ranks import TINY, unsharded_state
 
+pytestmark = [pytest.mark.slow]
+
 WORLD = 80
 LIMIT = 48  # open files a child may hold: well under WORLD, enough for Python, torch and the output
 SEED = 31

@@ -66,6 +66,7 @@ def test_many_ranks_with_short_and_empty_last_pieces(many_ranks):
     assert len(twins._references) <= 3  # numbers of one byte throughout: one reference, a few at most
 
 
+@pytest.mark.slow
 def test_a_file_of_another_structure_is_unpickled_in_full(checkpoints, many_ranks):
     _, other = checkpoints.get("w3-bert-dim1")
     mixed = rank_pickles(many_ranks)[:3] + rank_pickles(other)[:1] + rank_pickles(many_ranks)[3:5]

@@ -66,6 +66,7 @@ def test_a_plan_holds_records_and_compares_with_tuples():
     assert isinstance(plan.sources, Records) and plan == MergePlan("x", 1, SOURCES, [as_tuples])
 
 
+@pytest.mark.slow
 def test_rank_files_are_planned_in_columns(checkpoints):
     _, folder = checkpoints.get("w4-hsdp-tied")
     plan = read_plan(folder, None, None)
@@ -78,6 +79,7 @@ def test_rank_files_are_planned_in_columns(checkpoints):
             assert all(0 <= e.source < len(plan.sources) for e in piece.extents)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(_ops.native(), "pickle_value_changes"), reason="no native pickle comparison")
 def test_rank_files_read_as_changes_leave_no_cycles(checkpoints):
     """Planning pauses the garbage collector: what a file's read makes must go with its last

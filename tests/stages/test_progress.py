@@ -43,6 +43,7 @@ def test_the_delay_is_read_when_a_bar_is_made(monkeypatch, value, delay):
     assert ("GB/s" in terminal.getvalue()) == (delay == 0.0)  # drawn at once only with no delay
 
 
+@pytest.mark.slow
 def test_a_bad_value_does_not_stop_any_command(checkpoints, tmp_path, monkeypatch):
     _, folder = checkpoints.get("w2-llama")
     monkeypatch.setenv("FSDPFAST_PROGRESS_AFTER", "one second")

@@ -74,6 +74,7 @@ def test_crc32c_known_answer_and_continuation():
     assert _ops.crc32c(data[40_001:], _ops.crc32c(data[:40_001])) == whole
 
 
+@pytest.mark.slow
 @pytest.mark.torch_ops
 @needs_native
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
@@ -128,6 +129,7 @@ def test_fresh_merge_verifies_and_its_manifest_matches_the_files(checkpoints, tm
         assert report.bytes_checked == sum(t.numel() * t.element_size() for t in merged.values())
 
 
+@pytest.mark.slow
 def test_cli_verify_against_without_manifest_and_json(checkpoints, tmp_path):
     """--against recomputes from the shards even with the manifest gone; --json lists the checks."""
     _, folder = checkpoints.get("w3-dcp-safetensors")
@@ -145,6 +147,7 @@ def test_cli_verify_against_without_manifest_and_json(checkpoints, tmp_path):
 # --- one flipped bit is caught ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 def test_a_flipped_bit_is_named_by_every_check(checkpoints, tmp_path, engine):
@@ -185,6 +188,7 @@ def test_reference_exact_by_default_tolerances_on_request(checkpoints, tmp_path)
     assert [(m.tensor, m.element) for m in loose.mismatches] == [("model.norm.weight", 5)]
 
 
+@pytest.mark.slow
 def test_smoke_passes_on_a_good_merge_and_fails_on_nan(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     out = tmp_path / "out"
@@ -279,6 +283,7 @@ def _merge_on_terminal(folder, out, *options) -> str:
     return received.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_bar_only_on_a_terminal_and_not_with_quiet(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     shown = _merge_on_terminal(folder, tmp_path / "a")
@@ -288,6 +293,7 @@ def test_progress_bar_only_on_a_terminal_and_not_with_quiet(checkpoints, tmp_pat
     assert piped.returncode == 0 and piped.stderr == ""
 
 
+@pytest.mark.slow
 def test_verbose_logs_decisions_and_json_reports(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-llama")
     result = run_cli("merge", folder, "--out", tmp_path / "out", "--json", "-v", "--max-shard-size", "40KB")
@@ -299,6 +305,7 @@ def test_verbose_logs_decisions_and_json_reports(checkpoints, tmp_path):
         assert f"{name} -> {tensor.file} at byte {tensor.byte_offset} " in result.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
     _, folder = checkpoints.get("w3-bert-dim1")
     planned = run_cli(
@@ -324,12 +331,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
         assert name in text.stdout
 
 
+@pytest.mark.slow
 def test_verify_of_a_folder_that_is_not_a_merge_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_cli("verify", tmp_path / "empty")
     assert result.returncode == EXIT_BAD_INPUT and result.stderr.count("\n") == 1 and ".safetensors" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.torch_ops
 @needs_native
 def test_a_later_merge_is_checked_against_an_earlier_manifest(checkpoints, tmp_path):
@@ -352,6 +361,7 @@ def test_a_later_merge_is_checked_against_an_earlier_manifest(checkpoints, tmp_p
     assert any("different source files" in n for n in found["notes"])
 
 
+@pytest.mark.slow
 def test_a_truncated_output_file_fails_verify(checkpoints, tmp_path):
     _, folder = checkpoints.get("w2-llama")
     out = tmp_path / "out"

@@ -115,6 +115,7 @@ def staging_folders(out: Path) -> list[Path]:
 # --- killed mid-merge -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_killed_mid_merge_leaves_no_output_and_the_next_run_cleans_up(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     before = tree_digest(folder)
@@ -148,6 +149,7 @@ def test_terminated_mid_merge_cleans_up_on_the_way_out(checkpoints, tmp_path):
     assert not leftovers(out), leftovers(out)
 
 
+@pytest.mark.slow
 def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
@@ -164,6 +166,7 @@ def test_killed_during_the_overwrite_swap_gets_the_previous_output_back(checkpoi
     assert leftovers(out) == [out.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("made", ["an empty folder", "a folder with a file"])
 def test_killed_during_the_overwrite_swap_then_out_made_again_keeps_the_earlier_merge(checkpoints, tmp_path, made):
     """`mkdir OUT` after the kill, then a plain merge: OUT_DIR existing does not mean the new one was
@@ -192,6 +195,7 @@ def test_killed_during_the_overwrite_swap_then_out_made_again_keeps_the_earlier_
     assert leftovers(out) == [out.name]
 
 
+@pytest.mark.slow
 def test_killed_between_the_new_folders_rename_and_its_record_keeps_the_earlier_merge(checkpoints, tmp_path):
     """The new OUT_DIR renamed in but not yet recorded as published: the next run cannot tell it from a
     folder someone made, so the earlier merge is kept (named), never removed."""
@@ -211,6 +215,7 @@ def test_killed_between_the_new_folders_rename_and_its_record_keeps_the_earlier_
     assert_bit_exact(read_merged(out), reference, tied=tied)
 
 
+@pytest.mark.slow
 def test_killed_once_the_overwrite_published_the_next_run_removes_only_the_earlier_merge(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
@@ -274,6 +279,7 @@ def test_interrupted_at_any_point_of_the_overwrite_swap(checkpoints, tmp_path, m
     assert not os.path.exists(lock_path(str(out)))
 
 
+@pytest.mark.slow
 def test_leftovers_that_are_not_our_own_are_never_removed(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"
@@ -299,6 +305,7 @@ def test_leftovers_that_are_not_our_own_are_never_removed(checkpoints, tmp_path)
 # --- two merges into one folder ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_merge_into_the_same_folder_is_refused_while_the_first_runs(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     before = tree_digest(folder)
@@ -344,6 +351,7 @@ def assert_write_failure(result: subprocess.CompletedProcess, mentions) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 def test_file_size_limit_during_the_write(checkpoints, tmp_path, engine):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -373,6 +381,7 @@ def small_filesystem(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 def test_disk_full_during_the_write(checkpoints, tmp_path, small_filesystem, engine):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)  # ~400 KB of model: more than the disk holds
@@ -425,6 +434,7 @@ def test_output_inside_the_checkpoint_is_refused(checkpoints, tmp_path, where):
     assert "outside" in line
 
 
+@pytest.mark.slow
 def test_output_inside_or_equal_to_the_config_folder_is_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     config = tmp_path / "base-model"
@@ -454,6 +464,7 @@ FORBIDDEN_PLACES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("place", FORBIDDEN_PLACES)
 def test_dry_run_refuses_every_output_place_the_merge_refuses(checkpoints, tmp_path, place):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -472,6 +483,7 @@ def test_dry_run_refuses_every_output_place_the_merge_refuses(checkpoints, tmp_p
 # --- symbolic links ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w2-llama", "w2-dcp"])
 def test_shard_files_that_are_symbolic_links_are_read_through(checkpoints, tmp_path, name):
     _, original = checkpoints.get(name)

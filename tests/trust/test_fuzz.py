@@ -20,7 +20,7 @@ from fuzz_parsers import (
     strategies,
 )
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXAMPLES = {
     "unpickle": 300,

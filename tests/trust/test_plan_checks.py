@@ -87,6 +87,7 @@ def test_dcp_chunks_that_overlap_or_leave_gaps_are_refused(checkpoints, tmp_path
     cli_refuses(folder, tmp_path / "merged", mentions=mentions)
 
 
+@pytest.mark.slow
 def test_bert_query_name_is_what_the_nested_checkpoint_holds(checkpoints):
     # Guards the "columns overlap" case above against renames in the example models.
     _, folder = checkpoints.get("w3-dcp-nested-bert-dim1")

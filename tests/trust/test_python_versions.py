@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from test_unsafe_pickles import HAND_WRITTEN, LIVE_PAYLOADS
 
+pytestmark = [pytest.mark.slow]
+
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
 ROOT = Path(__file__).resolve().parent.parent
 # The layouts whose planning needs no torch: every pickle-reading reader but fsdp1-flat (it rebuilds the model).

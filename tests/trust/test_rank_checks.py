@@ -91,6 +91,7 @@ def test_a_buffer_every_rank_holds_is_kept_once_beside_plain_pieces(checkpoints,
     assert any("1 tensors every rank holds whole" in note for note in report.notes), report.notes
 
 
+@pytest.mark.slow
 def test_pieces_sharded_on_dim_1_are_placed_along_dim_1(checkpoints, tmp_path):
     # Was: concatenated along dim 0 (FSDP2 shard_placement_fn=Shard(1), saved as to_local() pieces).
     _, folder = checkpoints.get("w3-guide-local-bert-dim1")
@@ -98,12 +99,14 @@ def test_pieces_sharded_on_dim_1_are_placed_along_dim_1(checkpoints, tmp_path):
     assert any("along dim 1" in note and "along dim 0" in note for note in report.notes), report.notes
 
 
+@pytest.mark.slow
 def test_plain_pieces_without_the_models_shapes_are_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-guide-local-bert-dim1", tmp_path)
     shutil.rmtree(folder / "huggingface")  # no config.json: the model's shapes are unknown
     cli_refuses(folder, tmp_path / "out", mentions=["do not record the dimension", "--config DIR", "no config.json"])
 
 
+@pytest.mark.slow
 def test_the_config_option_places_plain_pieces(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-guide-local-bert-dim1", tmp_path)
     drop_architecture(folder)
@@ -111,6 +114,7 @@ def test_the_config_option_places_plain_pieces(checkpoints, tmp_path):
     merged_is_the_model(checkpoints, "w3-guide-local-bert-dim1", folder, tmp_path / "out", config=str(config))
 
 
+@pytest.mark.slow
 def test_a_config_of_another_model_refuses_the_pieces(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-guide-local-bert-dim1", tmp_path)
     config = folder / "huggingface" / "config.json"
@@ -148,6 +152,7 @@ def test_only_the_split_dimension_rebuilds_the_shape(shape, world, data):
 # --- 2. the guide layout's metadata: rank and step -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3)))[1:])
 def test_renamed_guide_files_are_placed_by_the_rank_they_record(checkpoints, tmp_path, order):
     # File i is renamed to model_pt_rank_{order[i]}.pt: the names lie, the metadata does not.
@@ -235,6 +240,7 @@ def damage_a_replica(folder: Path, element: int) -> Path:
     return victim
 
 
+@pytest.mark.slow
 def test_hsdp_replicas_that_differ_are_refused(checkpoints, tmp_path):
     # Was: replica group 0 read, group 1 never looked at.
     folder = copy_checkpoint(checkpoints, "w4-hsdp-tied", tmp_path)
@@ -246,6 +252,7 @@ def test_hsdp_replicas_that_differ_are_refused(checkpoints, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_the_merge_samples_replicas_and_verify_compares_every_byte(checkpoints, tmp_path, monkeypatch):
     # q_proj's local piece is 32 x 64 float32; with 64-byte samples, element 500 is outside all three.
     monkeypatch.setattr(copies, "SAMPLE_BYTES", 64)
@@ -260,6 +267,7 @@ def test_the_merge_samples_replicas_and_verify_compares_every_byte(checkpoints, 
     api_refuses(folder, tmp_path / "out2", mentions=[victim, "first at element 500"])
 
 
+@pytest.mark.slow
 def test_buffers_beside_dtensors_that_differ_are_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-wrapped-buffer", tmp_path)
     victim = verl_file(folder, "model", 2, world=3)
@@ -330,6 +338,7 @@ def test_verify_against_refuses_a_checkpoint_of_two_steps(checkpoints, tmp_path)
     verify_refuses(tmp_path / "out", folder, [guide_file(folder, 1), "step 2"])
 
 
+@pytest.mark.slow
 def test_verify_against_refuses_differing_replicas(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w4-hsdp-tied", tmp_path)
     fsdpfast.merge(folder, tmp_path / "out")
@@ -337,6 +346,7 @@ def test_verify_against_refuses_differing_replicas(checkpoints, tmp_path):
     verify_refuses(tmp_path / "out", folder, [Q_PROJ, victim, "first at element 2047"])
 
 
+@pytest.mark.slow
 def test_verify_against_checks_the_models_shapes(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w3-guide-local-bert-dim1", tmp_path)
     out = tmp_path / "out"
@@ -346,6 +356,7 @@ def test_verify_against_checks_the_models_shapes(checkpoints, tmp_path):
     verify_refuses(out, folder, ["intermediate.dense.weight", "[96, 48]"])
 
 
+@pytest.mark.slow
 def test_verify_against_accepts_renamed_guide_files(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-guide-local", tmp_path)
     fsdpfast.merge(folder, tmp_path / "out")

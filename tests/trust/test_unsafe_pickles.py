@@ -314,6 +314,7 @@ def assert_refused_unsafe(result: subprocess.CompletedProcess, rank_path: Path, 
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_PAYLOADS)
 def test_cli_refuses_a_rank_file_whose_data_pkl_is_a_payload(checkpoints, tmp_path, marker, name):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -325,6 +326,7 @@ def test_cli_refuses_a_rank_file_whose_data_pkl_is_a_payload(checkpoints, tmp_pa
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_payload_hidden_in_a_real_state_dict(checkpoints, tmp_path, marker):
     # torch.save itself writes the trojan: every real DTensor plus one entry that runs a shell.
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
@@ -337,6 +339,7 @@ def test_cli_refuses_a_payload_hidden_in_a_real_state_dict(checkpoints, tmp_path
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_payload_in_the_part_that_is_not_merged(checkpoints, tmp_path, marker):
     # The guide layout merges only "state_dict", but the whole file is unpickled: a payload in
     # its metadata must be refused too.
@@ -358,6 +361,7 @@ def load_dcp_metadata(folder: Path):
     return pickle.loads((folder / ".metadata").read_bytes())
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_dcp_metadata_carrying_a_payload(checkpoints, tmp_path, marker):
     # The real Metadata object, re-pickled as DCP does, with one planner entry that runs a shell.
     folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
@@ -370,6 +374,7 @@ def test_cli_refuses_a_dcp_metadata_carrying_a_payload(checkpoints, tmp_path, ma
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_distcp_chunk_that_is_a_payload(checkpoints, tmp_path, marker):
     # One chunk's torch.save archive replaced by torch.save of a payload, in a new .distcp file
     # the (re-pickled, otherwise real) .metadata points to.
@@ -387,6 +392,7 @@ def test_cli_refuses_a_distcp_chunk_that_is_a_payload(checkpoints, tmp_path, mar
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("place", ["/etc/hostname", "../outside.distcp"])
 def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(checkpoints, tmp_path, place):
     # A crafted .metadata could otherwise copy any readable file into the merged model.
