@@ -20,6 +20,7 @@ from fsdpfast.errors import BadInput
 ORACLE_SPECS = ["w2-dcp", "w3-dcp-nested-bert-dim1", "w4-dcp-hsdp-tied-bf16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ORACLE_SPECS)
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
 def test_equals_torch_dcp_to_torch_save(checkpoints, tmp_path, name, dtype):

@@ -32,6 +32,7 @@ def torch_consolidation(folder: str, out: Path) -> dict[str, torch.Tensor]:
     return read_merged(str(out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SPECS)
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
 def test_equals_torch_consolidate_safetensors_files(checkpoints, tmp_path, name, dtype):

@@ -19,6 +19,7 @@ def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path
     assert_merge_is_the_model(checkpoints, tmp_path, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w2-llama", "w3-bert-dim1", "w4-bf16", "w8-hsdp-bert"])
 @pytest.mark.parametrize(
     "dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.torch_ops]
 OTHER_ENGINES = [e for e in available_engines() if e != "torch"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not OTHER_ENGINES, reason="only the torch engine is available")
 @pytest.mark.parametrize("name", ["w2-tied-bf16", "w3-bert-dim1", "w3-wrapped-buffer", "w4-hsdp-bert-dim1", "w8-tied"])
 @pytest.mark.parametrize("dtype", ["keep", "bf16", "fp16", "fp32"])
@@ -152,6 +153,7 @@ def _write_with(engine, folder: str, dtype: str, out_dir) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in out_dir.iterdir()}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 @pytest.mark.parametrize("name", ["w3-bert-dim1", "w4-hsdp-bert-dim1", "w8-tied"])

@@ -180,6 +180,7 @@ def test_without_transformers_the_check_is_skipped_with_a_note(checkpoints, tmp_
     assert any("not checked against the model: transformers is not installed" in n for n in json.loads(result.stdout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w2-guide", "w2-dcp", "w3-dcp-nested-bert-dim1", "w2-dcp-hf", "w4-hsdp-tied"])
 def test_every_fsdp2_layout_is_checked(checkpoints, tmp_path, name):
     folder = copy_checkpoint(checkpoints, name, tmp_path)

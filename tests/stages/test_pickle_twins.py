@@ -41,6 +41,7 @@ def read_all(pickles) -> Twins:
     return twins
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GLOO)
 def test_every_rank_reads_as_its_full_unpickling(checkpoints, name):
     _, folder = checkpoints.get(name)

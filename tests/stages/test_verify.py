@@ -106,6 +106,7 @@ def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, c
 # --- a fresh merge verifies --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("name,dtype", [("w2-tied-bf16", "keep"), ("w3-bert-dim1", "bf16"), ("w2-dcp", "fp16")])
 def test_fresh_merge_verifies_and_its_manifest_matches_the_files(checkpoints, tmp_path, name, dtype):
