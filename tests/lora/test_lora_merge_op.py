@@ -89,6 +89,7 @@ def test_bias_equals_peft_merge(device, dtype):
     assert torch.equal(ours.view(torch.uint8), layer.base_layer.bias.detach().view(torch.uint8))
 
 
+@pytest.mark.slow
 def test_opcheck():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

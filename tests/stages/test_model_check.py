@@ -191,6 +191,7 @@ def test_every_fsdp2_layout_is_checked(checkpoints, tmp_path, name):
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ds-w3-z2-fp32-tied", "ds-w4-z3-bf16-tied"])
 def test_deepspeed_layouts_are_checked(deepspeed_checkpoints, tmp_path, name):
     spec, root = deepspeed_checkpoints.get(name)

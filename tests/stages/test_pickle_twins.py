@@ -61,6 +61,7 @@ def many_ranks(tmp_path_factory) -> str:
     return folder
 
 
+@pytest.mark.slow
 def test_many_ranks_with_short_and_empty_last_pieces(many_ranks):
     pickles = rank_pickles(many_ranks)
     twins = read_all(pickles)

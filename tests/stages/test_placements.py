@@ -80,6 +80,7 @@ def _apply(extents, local: torch.Tensor, out: torch.Tensor) -> None:
             flat_out[d : d + e.count] = src[s : s + e.count]
 
 
+@pytest.mark.slow
 def test_left_to_right_pieces_match_torch_for_random_placements():
     rng = random.Random(0)
     for _ in range(600):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,7 @@ def extents_and_windows(draw):
     return extent, lo, draw(st.integers(lo, 70))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(extents_and_windows())
 def test_window_pieces_are_the_extents_elements_in_the_window(case):

@@ -138,6 +138,7 @@ def test_killed_mid_merge_leaves_no_output_and_the_next_run_cleans_up(checkpoint
     assert tree_digest(folder) == before
 
 
+@pytest.mark.slow
 def test_terminated_mid_merge_cleans_up_on_the_way_out(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     out = tmp_path / "merged"

@@ -142,6 +142,7 @@ def exactly_once(shape, extents) -> bool:
     return all(c == 1 for c in element_counts(shape, extents))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(tilings())
 def test_a_tiling_passes(tiling):
@@ -151,6 +152,7 @@ def test_a_tiling_passes(tiling):
     check_extents("t", shape, "float32", extents, sources)
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(tilings(), st.data())
 def test_a_moved_or_dropped_box_is_caught_exactly_when_an_element_is_not_written_once(tiling, data):
@@ -189,6 +191,7 @@ def python_accepts(shape, extents, sources, dtype="float32") -> bool:
     return True
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=500, deadline=None)
 @given(tilings(), st.data())
@@ -213,6 +216,7 @@ def test_the_native_check_is_sure_of_single_run_tilings_and_of_nothing_wrong(til
 small = st.integers(-1, 9)
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=2000, deadline=None)
 @given(
