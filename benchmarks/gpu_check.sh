@@ -3,10 +3,10 @@
 #   bash benchmarks/gpu_check.sh [REPORT_DIR]        (from anywhere; it works in the repository root)
 # 1. builds the C++ and CUDA ops in place with the machine's python3, its torch (a CUDA build, as
 #    it is there) and nvcc: nothing is installed, the tree is put on PYTHONPATH;
-# 2. runs the CUDA tests: the engine and its ops (tests/test_cuda_engine.py), every torch op against its
-#    reference and opcheck (tests/test_torch_ops.py), the LoRA op on the
-#    GPU (tests/test_lora_merge_op.py), every engine writing the same bytes (tests/test_engines.py),
-#    save_pretrained from live FSDP2 models with CUDA tensors (tests/test_save_pretrained_cuda.py);
+# 2. runs the CUDA tests: the engine and its ops (tests/stages/test_cuda_engine.py), every torch op against its
+#    reference and opcheck (tests/stages/test_torch_ops.py), the LoRA op on the
+#    GPU (tests/lora/test_lora_merge_op.py), every engine writing the same bytes (tests/stages/test_engines.py),
+#    save_pretrained from live FSDP2 models with CUDA tensors (tests/live/test_save_pretrained_cuda.py);
 # 3. runs benchmarks/gpu_bench.py: an offline merge of a 3.8 GB fp32 FSDP2 checkpoint with every
 #    engine at --dtype keep and bf16 (outputs compared across engines), the device kernel, pinned copies;
 #    then benchmarks/live_save.py --device cuda: saving a live 3.5 GB fp32 model on the GPU (one NCCL
@@ -49,7 +49,7 @@ python3 -c "from fsdpfast import _ops; print('native cpu', _ops.native_cpu(), '|
 
 step "CUDA tests"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=200 \
-  tests/test_cuda_engine.py tests/test_torch_ops.py tests/test_lora_merge_op.py tests/test_engines.py tests/test_save_pretrained_cuda.py 2>&1 | tee "$REPORT_DIR/tests.log" | tail -25
+  tests/stages/test_cuda_engine.py tests/stages/test_torch_ops.py tests/lora/test_lora_merge_op.py tests/stages/test_engines.py tests/live/test_save_pretrained_cuda.py 2>&1 | tee "$REPORT_DIR/tests.log" | tail -25
 TESTS=${PIPESTATUS[0]}
 RECORD=()
 if [ "$TESTS" = 0 ]; then

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from test_bad_input import run_cli
+from refusals import run_cli
 
 import fsdpfast
 from fsdpfast import readers

@@ -89,6 +89,7 @@ def nvcc_release() -> str:
     return setup_py.nvcc_release(NVCC)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_probe_names_a_missing_header():
     """torch's CUDA headers include cusparse.h, which the pip CUDA wheels ship; without them the
@@ -118,6 +119,7 @@ def test_probe_without_nvcc(tmp_path):
     assert setup_py.probe_cuda(None, NVCC, []) == "torch is a CPU build"
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_probe_compiles_a_kernel_for_the_archs_asked():
     release = nvcc_release()
@@ -182,6 +184,7 @@ def build_tiny(tmp_path: Path, cuda: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_failed_cuda_compile_falls_back_to_the_cpu_ops(tmp_path):
     result = build_tiny(tmp_path, "auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -202,6 +205,7 @@ def test_failed_cuda_compile_falls_back_to_the_cpu_ops(tmp_path):
     assert loaded.stdout.strip() == "CPU ops", loaded.stderr
 
 
+@pytest.mark.slow
 def test_failed_cuda_compile_fails_the_build_under_fsdpfast_cuda_1(tmp_path):
     result = build_tiny(tmp_path, "1")
     assert result.returncode != 0
@@ -233,6 +237,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _ops.native_cpu(), reason="the native extension is not built")
 def test_a_build_for_another_torch_still_merges_with_the_cpu_engine(checkpoints, tmp_path):
     """A copy of the package whose build record names another torch, as a wheel built elsewhere would."""

@@ -14,7 +14,7 @@ probe with other values, rebuilt the same way, must give exactly what unpickling
 that land nowhere (a device name) are left out. A value that is computed on rather than kept, a
 change of structure, a rebuilt field that fails the unpickler's own checks, a pickle that is not
 plain: the file is unpickled in full, as always (safe_load.safe_unpickle); so the result is always
-what unpickling the file gives, tests/test_pickle_twins.py checks it for every rank of real
+what unpickling the file gives, tests/stages/test_pickle_twins.py checks it for every rank of real
 checkpoints, and fuzz_parsers' twins target on mutated ones.
 """
 

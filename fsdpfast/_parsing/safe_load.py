@@ -462,7 +462,7 @@ def safe_unpickle(
     pickle_twins' probes, pickles it rewrites with made-up numbers to see where they land, skip it.
     A plain pickle (every one torch writes) is read by the C unpickler, four times faster; any
     other, and any pickle the C unpickler fails on, by the Python one, whose answer (or message)
-    is the one given: the two read plain pickles alike (tests/test_fuzz.py compares them).
+    is the one given: the two read plain pickles alike (tests/trust/test_fuzz.py compares them).
     """
     if _plain(data):
         try:

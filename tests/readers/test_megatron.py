@@ -1,0 +1,513 @@
+"""Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 folders.
+
+The fixtures in tests/data/megatron/ were written by real megatron-core (versions.json) with
+tests/fixtures/make_megatron_checkpoints.py, run by hand: CI never installs Megatron. Each holds
+the run folder (`run/iter_0000007/` beside latest_checkpointed_iteration.txt), the HF config, the
+live weights gathered over TP and PP in the writing processes (reference.safetensors) and, for
+PP=1, the logits of Megatron's own forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bit_exact, read_merged
+from refusals import api_refuses, cli_refuses, run_cli
+from safetensors.torch import load_file
+
+import fsdpfast
+
+# Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
+pytestmark = pytest.mark.slow
+
+DATA = Path(__file__).parent / "data" / "megatron"
+# every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
+# the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings
+# tied across stages, QKV bias, bf16 parameters
+MERGED = ["tp2_pp1", "tp2_pp2", "tp1_pp1_qwen2_tied", "tp2_pp1_per_layer_bf16", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+ITERATION = "iter_0000007"
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(DATA / name, tmp_path / name))
+
+
+def test_the_fixtures_are_the_ones_recorded():
+    versions = json.loads((DATA / "versions.json").read_text())
+    assert versions["megatron-core"] == "0.16.1"
+    assert sorted(f["name"] for f in versions["fixtures"]) == sorted([*MERGED, "tp1_pp1_moe"])
+    for fixture in versions["fixtures"]:
+        assert (DATA / fixture["name"] / "run" / ITERATION / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize("name", MERGED)
+def test_merges_bit_exact_to_the_live_weights(tmp_path, name):
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert report.layout == "megatron"
+    assert any(ITERATION in note and "latest" in note for note in report.notes), report.notes
+    reference = load_file(str(DATA / name / "reference.safetensors"))
+    assert_bit_exact(read_merged(str(tmp_path / "out")), reference)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
+        (DATA / name / "hf" / "config.json").read_text()
+    )
+    assert fsdpfast.verify(str(tmp_path / "out"), against=str(DATA / name / "run")).ok
+
+
+def test_tp2_pp2_equals_megatron_bridges_export(tmp_path):
+    # megatron-bridge 0.3.1 loaded the checkpoint at TP1/PP1 (resharding on load) and exported it;
+    # the generating script checked its export equal to reference.safetensors for every fixture
+    fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out", config=DATA / "tp2_pp2" / "hf")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "bridge_export.safetensors")))
+
+
+@pytest.mark.parametrize("name", MERGED)
+def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, name):
+    import transformers
+
+    fsdpfast.merge(DATA / name / "run" / ITERATION, tmp_path / "out", config=DATA / name / "hf")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), dtype="auto", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    reference = load_file(str(DATA / name / "reference.safetensors"))
+    for key, value in model.state_dict().items():  # tied lm_head included: it is the embedding
+        wanted = reference.get(key, reference["model.embed_tokens.weight"] if key == "lm_head.weight" else None)
+        assert torch.equal(value, wanted.to(value.dtype)), key  # as loaded: in config.json's dtype
+    megatron = DATA / name / "megatron_logits.safetensors"
+    if megatron.exists():  # Megatron's own forward pass: the split into q/k/v and gate/up means what Megatron meant
+        probe = load_file(str(megatron))
+        with torch.no_grad():
+            logits = model(probe["input_ids"]).logits
+        torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_latest_iteration_is_merged_and_the_others_named(tmp_path):
+    run = _copy("tp2_pp1", tmp_path) / "run"
+    old = run / "iter_0000003"
+    shutil.copytree(run / ITERATION, old)
+    (old / ".metadata").write_bytes(b"not read")  # an older iteration is never opened
+    plan = fsdpfast.plan_merge(run, config=DATA / "tp2_pp1" / "hf")
+    assert plan.model_folder == ITERATION
+    assert any("iter_0000003" in note for note in plan.notes), plan.notes
+
+
+def test_config_found_beside_the_checkpoint(tmp_path):
+    # verl's megatron layout: actor/dist_ckpt/ (the torch_dist folder) beside actor/huggingface/
+    actor = tmp_path / "actor"
+    shutil.copytree(DATA / "tp2_pp2" / "run" / ITERATION, actor / "dist_ckpt")
+    shutil.copytree(DATA / "tp2_pp2" / "hf", actor / "huggingface")
+    report = fsdpfast.merge(actor / "dist_ckpt", tmp_path / "out")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert any("beside the checkpoint" in note for note in report.notes), report.notes
+
+
+def test_padded_vocabulary_rows_are_left_out(tmp_path):
+    config = json.loads((DATA / "tp2_pp1" / "hf" / "config.json").read_text())
+    config["vocab_size"] -= 2  # Megatron pads the vocabulary to a multiple of its TP size and more
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    report = fsdpfast.merge(DATA / "tp2_pp1" / "run", tmp_path / "out", config=tmp_path / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    reference = load_file(str(DATA / "tp2_pp1" / "reference.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(merged[name], reference[name][: config["vocab_size"]])
+    assert any("padding" in note for note in report.notes), report.notes
+
+
+def test_dcp_layout_is_not_offered_for_megatron_folders():
+    from fsdpfast import readers
+
+    assert readers.detect(str(DATA / "tp2_pp1" / "run" / ITERATION)) == "megatron"
+
+
+# --- refusals: one line, exit 2, no output folder ------------------------------------------------
+
+
+def _config(tmp_path: Path, name: str = "tp2_pp1", **changes) -> Path:
+    config = json.loads((DATA / name / "hf" / "config.json").read_text())
+    config.update(changes)
+    folder = tmp_path / "config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_no_config_is_refused_naming_the_option(tmp_path):
+    cli_refuses(DATA / "tp2_pp1" / "run", tmp_path / "out", mentions=("--config",))
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(num_key_value_heads=4), ("linear_qkv.weight", "4 key/value heads")),  # MHA config for a GQA checkpoint
+        (dict(num_attention_heads=8, head_dim=8), ("linear_qkv.weight", "8 heads")),
+        (dict(intermediate_size=64), ("linear_fc1.weight", "intermediate_size 64")),
+        (dict(num_hidden_layers=3), ("num_hidden_layers 3",)),
+        (dict(num_attention_heads=3), ("3 attention heads",)),
+        (dict(tie_word_embeddings=True), ("output_layer.weight", "tie_word_embeddings")),
+        (dict(vocab_size=200), ("vocab_size 200",)),
+    ],
+)
+def test_a_config_that_does_not_fit_is_refused(tmp_path, changes, mentions):
+    cli_refuses(DATA / "tp2_pp1" / "run", tmp_path / "out", "--config", _config(tmp_path, **changes), mentions=mentions)
+
+
+def test_an_unknown_model_type_is_refused(tmp_path):
+    config = _config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    cli_refuses(DATA / "tp2_pp1" / "run", tmp_path / "out", "--config", config, mentions=("gpt2", "llama"))
+
+
+def test_an_moe_checkpoint_is_refused_naming_what_was_found(tmp_path):
+    # written by megatron-core with 2 experts: refused before any config is asked for
+    cli_refuses(DATA / "tp1_pp1_moe" / "run", tmp_path / "out", mentions=("MoE", "decoder.layers.mlp.router.weight"))
+
+
+def test_a_missing_iteration_is_refused(tmp_path):
+    run = _copy("tp2_pp1", tmp_path) / "run"
+    (run / "latest_checkpointed_iteration.txt").write_text("9")
+    line = cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp1" / "hf", mentions=("iter_0000009",))
+    assert "latest_checkpointed_iteration.txt" in line
+
+
+def test_inspect_names_the_layout():
+    result = run_cli("inspect", DATA / "tp2_pp2" / "run", "--config", DATA / "tp2_pp2" / "hf")
+    assert result.returncode == 0, result.stderr
+    assert "megatron" in result.stdout
+
+
+# --- the placement itself: windows of chunked tensors against torch indexing ---------------------
+
+
+def _run_extents(extents, source: torch.Tensor, out: torch.Tensor) -> None:
+    flat = out.view(-1)
+    for e in extents:
+        for r in range(e.runs):
+            src, dst = e.src_offset + r * e.src_stride, e.dst_offset + r * e.dst_stride
+            flat[dst : dst + e.count] = source[src : src + e.count]
+
+
+def test_window_extents_place_what_torch_slicing_takes():
+    for seed in range(400):
+        _check_random_window(seed)
+
+
+def _check_random_window(seed: int) -> None:
+    from fsdpfast.geometry.boxes import window_extents
+
+    rng = torch.Generator().manual_seed(seed)
+
+    def randint(low, high):  # low..high inclusive
+        return int(torch.randint(low, high + 1, (1,), generator=rng))
+
+    ndim = randint(1, 4)
+    shape = tuple(randint(1, 6) for _ in range(ndim))
+    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
+    cuts = [sorted({0, size, *(randint(1, size) for _ in range(randint(0, 2)))}) for size in shape]
+    chunks, pieces, at = [], [], 0  # every chunk's row-major bytes, one after another in one source
+    for box in __import__("itertools").product(*(list(zip(c, c[1:])) for c in cuts)):
+        offsets, sizes = tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)
+        piece = whole[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
+        chunks.append((offsets, sizes, at))
+        pieces.append(piece)
+        at += piece.numel()
+    source = torch.cat(pieces)
+    dropped = randint(0, ndim - 1)
+    starts = [randint(0, size - 1) for size in shape]
+    sizes = [1 if d < dropped else randint(1, shape[d] - starts[d]) for d in range(ndim)]
+    margin = [randint(0, 2) * randint(0, 1) for _ in range(ndim - dropped)]  # often none: the output is the window
+    out_shape = tuple(s + m for s, m in zip(sizes[dropped:], margin))
+    out_at = tuple(randint(0, m) for m in margin)
+    out = torch.full(out_shape, -1.0, dtype=torch.float64)
+    for offsets, piece_sizes, element_offset in chunks:
+        extents = window_extents(0, element_offset, offsets, piece_sizes, starts, sizes, out_shape, out_at)
+        _run_extents(extents, source, out)
+    expected = torch.full(out_shape, -1.0, dtype=torch.float64)
+    window = whole[tuple(slice(s, s + n) for s, n in zip(starts, sizes))].reshape(sizes[dropped:])
+    expected[tuple(slice(a, a + n) for a, n in zip(out_at, sizes[dropped:]))] = window
+    assert torch.equal(out, expected), (seed, shape, cuts, starts, sizes, out_shape, out_at)
+
+
+def test_forcing_the_dcp_layout_names_the_one_found(tmp_path):
+    line = cli_refuses(
+        DATA / "tp2_pp1" / "run" / ITERATION, tmp_path / "out", "--layout", "dcp", mentions=("megatron",)
+    )
+    assert "no files of layout dcp" in line
+
+
+# --- common.pt: the training args a run saves beside the model ----------------------------------
+
+
+def test_config_checked_against_the_training_args(tmp_path):
+    plan = fsdpfast.plan_merge(DATA / "tp2_pp2" / "run", config=DATA / "tp2_pp2" / "hf")
+    assert any("training args in common.pt" in note for note in plan.notes), plan.notes
+
+
+def test_a_config_whose_shapes_fit_but_whose_heads_differ_is_refused(tmp_path):
+    # 8 heads of 8 in 4 groups give every tensor the shape 4 heads of 16 in 2 groups give; only the
+    # run's args tell the q/k/v split apart
+    config = _config(tmp_path, "tp2_pp2", num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    cli_refuses(
+        DATA / "tp2_pp2" / "run", tmp_path / "out", "--config", config, mentions=("common.pt", "num_attention_heads 8")
+    )
+
+
+def test_a_common_pt_that_pickles_other_classes_is_not_read(tmp_path):
+    import fractions
+
+    run = _copy("tp2_pp2", tmp_path) / "run"
+    torch.save({"args": fractions.Fraction(1, 3)}, run / ITERATION / "common.pt")
+    report = fsdpfast.merge(run, tmp_path / "out", config=DATA / "tp2_pp2" / "hf")
+    assert any("common.pt not read" in note for note in report.notes), report.notes
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+
+
+# --- no config.json: the training args in common.pt give it ---------------------------------------
+
+# fixtures whose common.pt holds Megatron-LM's args (a Llama and a Qwen2 with tied embeddings, bf16)
+WITH_ARGS = ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+# what a Llama / Qwen2 computes with: the built config.json must give what the fixture's HF config gives
+_MODEL_KEYS = (
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "rms_norm_eps", "rope_parameters",
+    "tie_word_embeddings", "dtype", "max_position_embeddings",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", WITH_ARGS)
+def test_without_config_the_training_args_give_config_json(tmp_path, name):
+    import transformers
+
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out")  # no hf/ in or beside the run folder
+    assert any("built from the training args in common.pt" in note and "tokenizer" in note for note in report.notes)
+    assert report.copied == ["config.json"]
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors")))
+    built = json.loads((tmp_path / "out" / "config.json").read_text())
+    given = json.loads((DATA / name / "hf" / "config.json").read_text())
+    assert {k: built.get(k) for k in _MODEL_KEYS} == {k: given.get(k) for k in _MODEL_KEYS}
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), dtype="auto", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    fsdpfast.merge(DATA / name / "run", tmp_path / "with_config", config=DATA / name / "hf")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "with_config"), dtype="auto")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 7], [79, 32, 38, 46, 26, 43, 38, 1]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert fsdpfast.verify(str(tmp_path / "out"), against=str(DATA / name / "run")).ok
+
+
+def test_tp2_pp2_without_config_equals_megatron_bridges_export(tmp_path):
+    fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "bridge_export.safetensors")))
+
+
+def _with_args(tmp_path: Path, drop=(), name="tp2_pp2", **changes) -> Path:
+    """The run with its common.pt's args changed, saved as Megatron saves common.pt (torch.save)."""
+    import argparse
+
+    from fsdpfast.readers.megatron_args import read_training_args
+
+    run = _copy(name, tmp_path) / "run"
+    args, _ = read_training_args(str(run / ITERATION))
+    recorded = {k: v for k, v in args.recorded.items() if k not in drop}
+    common = {"args": argparse.Namespace(**{**recorded, **changes}), "checkpoint_version": 3.0, "iteration": 7}
+    torch.save(common, run / ITERATION / "common.pt")
+    return run
+
+
+@pytest.mark.parametrize(
+    "drop, changes, mentions",
+    [
+        (("norm_epsilon",), {}, ("norm_epsilon", "--config")),
+        (("rotary_base", "swiglu"), {}, ("rotary_base", "swiglu", "--config")),
+        ((), dict(window_size=(4095, 0)), ("window_size", "--config")),
+        ((), dict(use_rope_scaling=True), ("use_rope_scaling", "--config")),
+    ],
+)
+def test_args_that_cannot_build_the_config_are_refused(tmp_path, drop, changes, mentions):
+    cli_refuses(_with_args(tmp_path, drop, **changes), tmp_path / "out", mentions=mentions)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(rotary_interleaved=True), ("rotary_interleaved", "interleaved")),  # no Hugging Face Llama computes it
+        (dict(rotary_base=500000), ("rotary_base 500000", "rope_theta 10000")),
+        (dict(norm_epsilon=1e-6), ("norm_epsilon", "rms_norm_eps")),
+    ],
+)
+def test_args_that_contradict_the_config_are_refused(tmp_path, changes, mentions):
+    run = _with_args(tmp_path, **changes)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=mentions)
+
+
+# --- the args against the tensors: refused whether a config.json is given or built from them -------
+
+# (fixture, the args changed, what the line names): each contradicts what the fixture's tensors show
+AGAINST_THE_TENSORS = [
+    ("tp2_pp2", dict(num_layers=3), ("num_layers 3", "4 layers")),
+    ("tp2_pp2", dict(hidden_size=96), ("hidden_size 96", "word_embeddings.weight has 64 columns")),
+    ("tp2_pp2", dict(num_query_groups=4), ("num_query_groups 4", "linear_qkv.weight has 128 rows")),  # MHA args
+    ("tp2_pp2", dict(kv_channels=8), ("kv_channels 8", "linear_qkv.weight has 128 rows")),
+    ("tp2_pp2", dict(ffn_hidden_size=64), ("ffn_hidden_size 64", "linear_fc1.weight has 256 rows")),
+    ("tp2_pp2", dict(padded_vocab_size=128), ("padded_vocab_size 128", "word_embeddings.weight has 102 rows")),
+    ("tp2_pp2", dict(untie_embeddings_and_output_weights=False), ("untie_embeddings_and_output_weights False",)),
+    ("tp2_pp2", dict(add_qkv_bias=True), ("add_qkv_bias True", "no linear_qkv.bias")),
+    ("tp2_pp2", dict(add_bias_linear=True), ("add_bias_linear True", "linear_proj")),
+    ("tp2_pp2", dict(num_experts=8), ("num_experts 8", "no expert tensors")),
+    (
+        "tp2_pp2_vpp2_qwen2_tied_bf16",
+        dict(untie_embeddings_and_output_weights=True),
+        ("untie_embeddings_and_output_weights True", "no output_layer.weight"),
+    ),
+    ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(add_qkv_bias=False), ("add_qkv_bias False", "a linear_qkv.bias")),
+]
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["built", "given"])
+@pytest.mark.parametrize("name, changes, mentions", AGAINST_THE_TENSORS)
+def test_args_that_contradict_the_tensors_are_refused(tmp_path, name, changes, mentions, with_config):
+    run = _with_args(tmp_path, name=name, **changes)
+    config = ("--config", DATA / name / "hf") if with_config else ()
+    line = cli_refuses(run, tmp_path / "out", *config, mentions=(*mentions, "common.pt is not these tensors' run"))
+    assert "--config" not in line  # a config cannot settle it: the checkpoint's own files disagree
+
+
+def test_the_python_face_refuses_args_that_contradict_the_tensors(tmp_path):
+    run = _with_args(tmp_path, num_layers=3)
+    api_refuses(run, tmp_path / "out", mentions=("num_layers 3", "4 layers"))
+    api_refuses(run, tmp_path / "out", mentions=("num_layers 3", "4 layers"), config=DATA / "tp2_pp2" / "hf")
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["built", "given"])
+def test_args_that_change_no_weight_still_merge_bit_exact(tmp_path, with_config):
+    run = _with_args(tmp_path, lr=3e-4, train_iters=1000, seed=7, save_interval=None)
+    fsdpfast.merge(run, tmp_path / "out", config=DATA / "tp2_pp2" / "hf" if with_config else None)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+
+
+# --- the args against config.json: what the shapes cannot tell -----------------------------------
+
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+_LLAMA3_CONFIG = dict(
+    rope_scaling=None, rope_parameters={**_LLAMA3, "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+)
+
+
+def _config_beside(tmp_path: Path, run: Path, name: str = "tp2_pp2", **changes) -> Path:
+    """A copy of the fixture's config.json, changed, as huggingface/ in the iteration folder (found without --config)."""
+    hf = _config(tmp_path, name, **changes)
+    shutil.copytree(hf, run / ITERATION / "huggingface")
+    return hf
+
+
+# (fixture, the args changed, config.json changed, what the line names)
+AGAINST_THE_CONFIG = [
+    ("tp2_pp2", {}, dict(rms_norm_eps=1e-6), ("norm_epsilon 1e-05", "rms_norm_eps 1e-06")),
+    (
+        "tp2_pp2",
+        {},
+        dict(rope_theta=500000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        ("rotary_base 10000", "rope_theta 500000.0"),
+    ),
+    ("tp2_pp2", {}, dict(hidden_act="gelu"), ("swiglu True", "hidden_act 'gelu'")),
+    ("tp2_pp2", {}, _LLAMA3_CONFIG, ("use_rope_scaling False", "rope_type 'llama3'")),
+    ("tp2_pp2", dict(use_rope_scaling=True), {}, ("use_rope_scaling True", "rope_type 'default'")),
+    (
+        "tp2_pp2",
+        dict(use_rope_scaling=True, rope_scaling_factor=16.0),
+        _LLAMA3_CONFIG,
+        ("rope_scaling_factor 16.0", "factor 8.0"),
+    ),
+    (
+        "tp2_pp2",
+        dict(rotary_seq_len_interpolation_factor=2.0),
+        {},
+        ("rotary_seq_len_interpolation_factor 2.0", "'linear'"),
+    ),
+    ("tp2_pp2", dict(window_size=(31, 0)), {}, ("window_size (31, 0)", "no sliding window")),
+    # Megatron-LM pads to a multiple of 3 x TP 2 = 6: 102 rows hold a vocabulary of 97..102, not 96
+    ("tp2_pp2", dict(make_vocab_size_divisible_by=3), dict(vocab_size=96), ("vocab_size 96", "fewer than 6 rows")),
+    ("tp2_pp2", dict(num_attention_heads=8, num_query_groups=4, kv_channels=8), {}, ("num_attention_heads 8",)),
+]
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["--config", "beside"])
+@pytest.mark.parametrize("name, args, changes, mentions", AGAINST_THE_CONFIG)
+def test_args_that_contradict_the_config_json_are_refused(tmp_path, name, args, changes, mentions, found):
+    run = _with_args(tmp_path, name=name, **args)
+    if found:
+        _config_beside(tmp_path, run, name, **changes)
+        line = cli_refuses(run, tmp_path / "out", mentions=mentions)
+    else:
+        line = cli_refuses(run, tmp_path / "out", "--config", _config(tmp_path, name, **changes), mentions=mentions)
+    assert "common.pt" in line and "--config" in line  # both sides named, and the option that settles it
+
+
+@pytest.mark.parametrize(
+    "args, changes",
+    [
+        (dict(make_vocab_size_divisible_by=3), dict(vocab_size=97)),  # the fewest rows 102 can be padding of
+        (dict(make_vocab_size_divisible_by=3), dict(vocab_size=100)),
+        (dict(use_rope_scaling=True, rope_scaling_factor=8.0), _LLAMA3_CONFIG),
+        (dict(rotary_seq_len_interpolation_factor=2.0), dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        (
+            dict(window_size=(31, 0)),
+            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32),
+        ),
+        ({}, dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+        ({}, dict(hidden_act="swish")),
+    ],
+)
+def test_args_and_a_config_that_agree_merge_bit_exact(tmp_path, args, changes):
+    config = _config(tmp_path, "tp2_pp2", **changes)
+    report = fsdpfast.merge(_with_args(tmp_path, **args), tmp_path / "out", config=config)
+    merged, reference = read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors"))
+    vocab = changes.get("vocab_size", 102)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # padding rows left out
+        reference[name] = reference[name][:vocab]
+    assert_bit_exact(merged, reference)
+    assert any("agree with the training args" in note for note in report.notes), report.notes
+
+
+def test_a_longer_max_position_embeddings_merges_with_a_note(tmp_path):
+    config = _config(tmp_path, "tp2_pp2", max_position_embeddings=4096)  # a context the serving config allows
+    report = fsdpfast.merge(DATA / "tp2_pp2" / "run", tmp_path / "out", config=config)
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / "tp2_pp2" / "reference.safetensors")))
+    assert any("max_position_embeddings 4096" in note and "64" in note for note in report.notes), report.notes
+
+
+# --- config.json against the tensors: what a config can get wrong that the shapes do not show -------
+
+
+@pytest.mark.parametrize(
+    "name, changes, mentions",
+    [
+        ("tp2_pp2", dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), ("no linear_qkv.bias", "qwen2")),
+        ("tp2_pp2", dict(attention_bias=True), ("attention_bias True",)),
+        ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(model_type="llama"), ("holds linear_qkv.bias", "'llama'")),
+        ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(model_type="mistral"), ("holds linear_qkv.bias", "'mistral'")),
+    ],
+)
+def test_a_config_of_another_family_is_refused(tmp_path, name, changes, mentions):
+    config = _config(tmp_path, name, **changes)
+    cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "--config"))
+
+
+@pytest.mark.parametrize("name", ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16"])
+def test_a_config_without_tie_word_embeddings_is_read_as_untied(tmp_path, name):
+    # transformers' default for Llama, Mistral and Qwen2: a tied checkpoint would load with lm_head missing
+    config = _config(tmp_path, name)
+    values = json.loads((config / "config.json").read_text())
+    del values["tie_word_embeddings"]
+    (config / "config.json").write_text(json.dumps(values))
+    if name == "tp2_pp2":  # untied: the look-alike merges
+        fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=config)
+        assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors")))
+    else:
+        cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=("no tie_word_embeddings",))
