@@ -14,8 +14,15 @@ import sys
 from dataclasses import asdict
 
 from . import __version__, readers
-from .errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_MISMATCH, BadInput, FsdpfastError, command_line_messages
-from .open_files import out_of_files
+from .errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_MISMATCH,
+    BadInput,
+    FsdpfastError,
+    command_line_messages,
+    out_of_files,
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -15,11 +15,11 @@ from refusals import run_cli
 
 import fsdpfast
 from fsdpfast import readers
+from fsdpfast._text import count, size
 from fsdpfast.cli import build_parser
 from fsdpfast.dtypes import TARGET_ALIASES
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
-from fsdpfast.io.stored import read_folder
-from fsdpfast.wording import count, size
+from fsdpfast.io.safetensors_folder import read_folder
 
 # Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
 pytestmark = pytest.mark.slow

@@ -26,8 +26,7 @@ import struct
 from array import array
 
 from ..dtypes import DTYPES, itemsize
-from ..errors import BadInput
-from ..open_files import out_of_files
+from ..errors import BadInput, out_of_files
 from ..plan.model import SourceBuffer
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory

@@ -42,7 +42,7 @@ class LiveSpec:
     # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
     refused: str | None = None
     # the measured alternatives save_pretrained keeps reachable: redistribute column blocks to Shard(0)
-    # first (live.state.REDISTRIBUTE), cast CPU tensors with torch's .to() (live.write.CAST = "torch")
+    # first (live.plan.REDISTRIBUTE), cast CPU tensors with torch's .to() (live.write.CAST = "torch")
     redistribute: bool = False
     torch_cast: bool = False
     seed: int = 0
@@ -86,7 +86,7 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     from torch.distributed.tensor import Shard
 
     import fsdpfast
-    import fsdpfast.live.state
+    import fsdpfast.live.plan
     import fsdpfast.live.write
 
     folder = spec.folder(root)
@@ -122,7 +122,7 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     if spec.refused is not None:
         model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
-    fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = (
+    fsdpfast.live.plan.REDISTRIBUTE, fsdpfast.live.write.CAST = (
         spec.redistribute,
         "torch" if spec.torch_cast else "native",
     )
@@ -134,7 +134,7 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
-        fsdpfast.live.state.REDISTRIBUTE, fsdpfast.live.write.CAST = False, "native"
+        fsdpfast.live.plan.REDISTRIBUTE, fsdpfast.live.write.CAST = False, "native"
         if limit is not None:
             import resource
 

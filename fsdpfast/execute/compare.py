@@ -8,11 +8,11 @@ pieces (float64 casts, --merge-lora weights, no native module) are filled one at
 from __future__ import annotations
 
 from .. import _ops
+from ..io.safetensors_folder import MappedFiles
 from ..io.sources import Source
-from ..io.stored import MappedFiles
 from ..plan.layout import PlacedTensor
-from .outputs import fill
-from .rows import build_rows, native_pair
+from .fallback import fill
+from .kernel_rows import build_rows, native_pair
 
 CHUNK_BYTES = 1 << 20  # recomputed per thread at once, as in the native engine
 SLICE_BYTES = 16 << 20  # bytes compared at once in Python

@@ -19,9 +19,9 @@ from ..dtypes import itemsize
 from ..io.sources import Source
 from ..io.target import TargetFile
 from ..plan.model import TensorPlan
-from .outputs import WindowOutput
-from .rows import build_rows, native_pair
-from .torch_ref import TorchEngine
+from .kernel_rows import build_rows, native_pair
+from .sinks import WindowOutput
+from .torch_engine import TorchEngine
 
 STAGING_BYTES = 64 << 20  # the most each of a slot's four buffers holds
 SLOTS = 3

@@ -80,10 +80,10 @@ def select_engine(name: str = "auto", kind: str | None = None, threads_share: in
             raise BadInput(
                 f"{option('engine', 'cpu')}: the native extension is not available ({_ops.NATIVE_ERROR}); use {option('engine', 'torch')}"
             )
-        from .native import NativeCpuEngine
+        from .cpu import NativeCpuEngine
 
         return NativeCpuEngine(threads=max(1, _ops.cpu_threads() // threads_share))
-    from .torch_ref import TorchEngine
+    from .torch_engine import TorchEngine
 
     return TorchEngine()
 

@@ -3,7 +3,7 @@
 `execute` writes any set of planned files or FileParts (execute.parts): the whole merge in one
 process, or one process's share of it under torchrun. Each part gets the header bytes in its
 range, then every tensor byte in its range at its offset, through the engine's sink
-(execute.outputs) fed by the runner (execute.runner).
+(execute.sinks) fed by the runner (execute.runner).
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import errno
 import os
 from contextlib import nullcontext
 
-from ..errors import FsdpfastError
+from ..errors import FsdpfastError, out_of_files
 from ..io.local_file import LocalFile
 from ..io.sources import Source, SourceFiles
 from ..io.target import Target, TargetFile
-from ..open_files import out_of_files
 from ..plan.layout import OutputFile
 from ..plan.model import MergePlan
 from .parts import FilePart, Piece, pieces_of, tensor_checksums, whole

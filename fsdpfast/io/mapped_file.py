@@ -18,7 +18,7 @@ import mmap
 import os
 import sys
 
-from ..open_files import out_of_files
+from ..errors import out_of_files
 
 
 class _Mmap:

@@ -1,7 +1,7 @@
 """`fsdpfast.save_pretrained`: a Hugging Face folder written straight from a live FSDP2 or FSDP1 model, no gather.
 
 Called on every rank of the job. The stages are an offline merge's, with the model in memory as
-the source: every rank plans the same folder from metadata (the DTensors', live.state; FSDP1's
+the source: every rank plans the same folder from metadata (the DTensors', live.plan; FSDP1's
 flat-parameter records, live.fsdp1), rank 0 checks that all planned the same (live.agree) and
 makes the output (the staging folder beside OUT_DIR) and writes the headers, every rank writes
 its own pieces at their final offsets (live.write) and hands rank 0 their checksums, and rank 0
@@ -23,7 +23,7 @@ from ..plan.normalise import parse_dtype
 from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
 from .fsdp1 import is_fsdp1, live_state
-from .state import plan_live
+from .plan import plan_live
 from .write import settle, write_runs
 
 

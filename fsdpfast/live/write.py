@@ -1,6 +1,6 @@
 """Write this rank's pieces of a live model's tensors at their final offsets in the shared output files.
 
-A piece is one or more runs of the tensor's bytes (live.state.LocalPiece): one for rows, many for
+A piece is one or more runs of the tensor's bytes (live.plan.LocalPiece): one for rows, many for
 a column block (one per row). A CPU piece goes to the native kernel as it is: it casts (rounding
 as an offline merge does), writes each run with pwrite and checksums it, many threads at once. A
 CUDA piece is cast on its GPU (by the extension's CUDA op where built, else torch's `.to()`: the
@@ -29,11 +29,11 @@ from functools import lru_cache
 from .. import _ops
 from ..dtypes import itemsize, torch_dtype
 from ..errors import FsdpfastError
+from ..execute.kernel_rows import native_pair
 from ..execute.parts import Piece
-from ..execute.rows import native_pair
 from ..io.target import TargetFile
 from ..plan.layout import OutputFile
-from .state import LiveTensor, dtype_name, local_run
+from .plan import LiveTensor, dtype_name, local_piece
 
 IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
@@ -68,7 +68,7 @@ def write_runs(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpfast-write") as writer:
         try:
             for tensor in tensors:
-                local = local_run(tensor.value, rank, tensor.key)
+                local = local_piece(tensor.value, rank, tensor.key)
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue

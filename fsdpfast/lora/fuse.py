@@ -3,7 +3,7 @@
 `fuse` is a plan transform: each adapted weight keeps its place in the output (name, shape,
 dtype) and gets a FusedWeight describing what to compute from which tensors; modules_to_save
 copies simply replace the module's tensors (byte placement, nothing computed). Every sink
-(execute.outputs) hands fused tensors to `FusedWeight.compute_into` (execute.computed), one batch
+(execute.sinks) hands fused tensors to `FusedWeight.compute_into` (execute.computed), one batch
 each (execute.runner): the unmerged weight, lora_A and lora_B are read through the pure-torch
 engine's gather it is given, fused by the extension's torch op (torch.ops.fsdpfast.lora_merge,
 csrc/lora_merge.cpp: peft's own ATen calls in peft's order), cast to the output dtype like every

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
-from .base import add_base
+from .base_model import add_base
 from .config import resolve
 from .fuse import adapter_names, fuse
 from .split import is_peft, split

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from .._text import count, size
 from ..errors import option
 from ..io.earlier_output import overwrite_refusal
 from ..plan.layout import OutputFile, tensor_nbytes
 from ..plan.model import MergePlan
-from ..wording import count, size
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
 from ..geometry.placements import read_layout
 from ..plan.model import MergePlan
-from .discover import complete_ranks, rank_files
+from .discover import complete_ranks, find_rank_files
 from .rank_files import RankState, load_rank_states, plan_from_ranks, plan_replicated, whole_state_dict
 from .reader import Reader
 from .sharded_tensors import plan_sharded, recorded_world
@@ -37,7 +37,7 @@ def matches(folder: str) -> bool:
 
 def _models(folder: str) -> dict[int, dict[int, str]]:
     """{model index: {rank: path}}, leaving out FSDP1 flat-parameter files (fsdp1-flat reads those)."""
-    found = rank_files(folder, _PATTERN)  # its first group is the model index here, not a world size
+    found = find_rank_files(folder, _PATTERN)  # its first group is the model index here, not a world size
     return {index: ranks for index, ranks in found.items() if not _holds_flat_params(ranks[min(ranks)])}
 
 

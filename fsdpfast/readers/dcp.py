@@ -28,9 +28,8 @@ from .._parsing.safe_load import Record, TensorRef, as_dims, is_count, safe_unpi
 from .._parsing.safetensors_header import SafetensorsHeader, looks_like_safetensors, read_header, stored_tensor
 from .._parsing.torch_zip import TorchZip
 from ..dtypes import DTYPES, itemsize
-from ..errors import BadInput, UnsafeCheckpoint, option
+from ..errors import BadInput, UnsafeCheckpoint, option, out_of_files
 from ..geometry.boxes import box_extents
-from ..open_files import out_of_files
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .discover import check_not_broken_link
 from .megatron_folder import is_torch_dist

@@ -9,7 +9,7 @@ import re
 from ..errors import BadInput
 
 
-def rank_files(folder: str, pattern: re.Pattern) -> dict[int, dict[int, str]]:
+def find_rank_files(folder: str, pattern: re.Pattern) -> dict[int, dict[int, str]]:
     """{world size or 0: {rank: path}} for file names matching `pattern` (groups: [world,] rank)."""
     found: dict[int, dict[int, str]] = {}
     for entry in sorted(os.listdir(folder)):

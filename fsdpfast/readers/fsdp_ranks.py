@@ -8,7 +8,7 @@ import re
 
 from ..errors import BadInput
 from ..plan.model import MergePlan
-from .discover import complete_ranks, rank_files
+from .discover import complete_ranks, find_rank_files
 from .rank_files import load_rank_states, plan_from_ranks, whole_state_dict
 from .reader import Reader
 from .saved_steps import check_same_step
@@ -19,12 +19,12 @@ _PATTERN = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
 
 def matches(folder: str) -> bool:
-    return bool(rank_files(folder, _PATTERN))
+    return bool(find_rank_files(folder, _PATTERN))
 
 
 def read(folder: str, config: str | None = None) -> MergePlan:
     """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
-    by_world = rank_files(folder, _PATTERN)
+    by_world = find_rank_files(folder, _PATTERN)
     if len(by_world) > 1:
         sizes = ", ".join(f"{w} ({len(r)} files)" for w, r in sorted(by_world.items()))
         raise BadInput(f"{folder}: rank files of two world sizes in one folder: {sizes}; move one checkpoint elsewhere")

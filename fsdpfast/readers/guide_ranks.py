@@ -13,7 +13,7 @@ from .._parsing.safe_load import DTensorRef, TensorRef, each_object, safe_unpick
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput
 from ..plan.model import MergePlan
-from .discover import complete_ranks, rank_files
+from .discover import complete_ranks, find_rank_files
 from .rank_files import load_rank_states, plan_from_ranks
 from .reader import Reader
 
@@ -23,12 +23,12 @@ _PATTERN = re.compile(r"model_pt_rank_(\d+)\.pt")
 
 
 def matches(folder: str) -> bool:
-    return bool(rank_files(folder, _PATTERN))
+    return bool(find_rank_files(folder, _PATTERN))
 
 
 def read(folder: str, config: str | None = None) -> MergePlan:
     """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
-    ((_, ranks),) = rank_files(folder, _PATTERN).items()
+    ((_, ranks),) = find_rank_files(folder, _PATTERN).items()
     world = _recorded_world_size(ranks[min(ranks)]) or max(ranks) + 1
     ordered = complete_ranks(folder, ranks, world, lambda r: f"model_pt_rank_{r}.pt")
     states = load_rank_states(ordered, _model_part)

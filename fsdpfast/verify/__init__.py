@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from ..errors import BadInput, option
-from ..io.stored import DamagedFile, MappedFiles, StoredTensor, read_folder
+from ..io.safetensors_folder import DamagedFile, MappedFiles, StoredTensor, read_folder
 from ..lora import verify as lora_verify
 from .against import check_against
 from .manifest_check import check_manifest, check_other_manifest, note_source_changes, other_manifest, own_manifest

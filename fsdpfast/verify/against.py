@@ -14,8 +14,8 @@ from ..dtypes import CASTABLE, itemsize, target_dtype
 from ..errors import BadInput, ModelMismatch
 from ..execute.compare import CompareSink
 from ..execute.runner import run
+from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..io.sources import SourceFiles
-from ..io.stored import MappedFiles, StoredTensor
 from ..manifest import CHECKSUM
 from ..options import merge_options
 from ..pipeline.plan import plan_merge

@@ -10,7 +10,7 @@ import os
 from .. import _ops
 from ..errors import BadInput, option
 from ..execute.compare import SLICE_BYTES
-from ..io.stored import MappedFiles, StoredTensor
+from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
 from .report import Mismatch, VerifyReport, compare_names
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..dtypes import itemsize
 from ..execute.compare import SLICE_BYTES, first_difference
-from ..io.stored import MappedFiles, StoredTensor, read_folder
+from ..io.safetensors_folder import MappedFiles, StoredTensor, read_folder
 from .report import Mismatch, VerifyReport, compare_names
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._text import count, size
 from ..errors import on_command_line
-from ..io.stored import StoredTensor
-from ..wording import count, size
+from ..io.safetensors_folder import StoredTensor
 
 MAX_LISTED = 20  # mismatches printed one per line; the JSON report holds them all
 

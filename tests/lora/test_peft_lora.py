@@ -225,7 +225,7 @@ def test_flags_on_a_plain_checkpoint_are_refused(tmp_path):
 
 @pytest.mark.torch_ops
 def test_damaged_fused_weight_is_found(lora, tmp_path):
-    from fsdpfast.io.stored import read_folder
+    from fsdpfast.io.safetensors_folder import read_folder
 
     _, folder = lora.get("verl")
     out = tmp_path / "out"

@@ -180,7 +180,7 @@ def test_a_tensor_stored_past_4_gib_of_the_file_is_read_from_the_right_offset(tm
 def test_output_offsets_past_4_gib_are_written_where_the_header_says(tmp_path, engine):
     # A plan whose header places a small tensor after a 4.25 GiB one, executed on a small window:
     # only the small tensor is written, into a sparse output file (the torch engine reserves the
-    # whole file first, see execute/outputs.py, so it needs the room without using it).
+    # whole file first, see execute/sinks.py, so it needs the room without using it).
     _disk_room(tmp_path, 5 * 2**30 if engine == "torch" else 64 << 20)
     values = torch.arange(1000, dtype=torch.float32) * 0.25
     source_path = tmp_path / "source.bin"

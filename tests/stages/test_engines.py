@@ -158,8 +158,8 @@ def _write_with(engine, folder: str, dtype: str, out_dir) -> dict[str, bytes]:
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 @pytest.mark.parametrize("name", ["w3-bert-dim1", "w4-hsdp-bert-dim1", "w8-tied"])
 def test_native_engine_chunks_cut_anywhere_in_strided_pieces(checkpoints, tmp_path, name, chunk_bytes):
-    from fsdpfast.execute.native import NativeCpuEngine
-    from fsdpfast.execute.torch_ref import TorchEngine
+    from fsdpfast.execute.cpu import NativeCpuEngine
+    from fsdpfast.execute.torch_engine import TorchEngine
 
     _, folder = checkpoints.get(name)
     for dtype in ("bf16", "keep"):
@@ -224,7 +224,7 @@ def test_merge_without_the_extension_uses_torch_and_says_so_once(checkpoints, tm
 def test_native_engine_reads_long_runs_in_released_slices_bit_exactly(tmp_path, target):
     """A 3 MB run at an odd offset of a file, in 4 MB chunks: converted slice by slice, each slice's
     pages dropped after use (the kernel's release_sources), every byte as torch's .to() writes it."""
-    from fsdpfast.execute.native import NativeCpuEngine
+    from fsdpfast.execute.cpu import NativeCpuEngine
     from fsdpfast.io.local_file import LocalFile
     from fsdpfast.io.sources import SourceFiles
     from fsdpfast.plan.layout import PlacedTensor

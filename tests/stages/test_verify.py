@@ -21,7 +21,7 @@ import fsdpfast
 from fsdpfast import _ops
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.execute import writer
-from fsdpfast.io.stored import read_folder
+from fsdpfast.io.safetensors_folder import read_folder
 from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
 from fsdpfast.verify import verify
 
@@ -80,8 +80,8 @@ def test_crc32c_known_answer_and_continuation():
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 4096])
 def test_chunked_checksums_combine_to_the_whole_tensors(checkpoints, tmp_path, chunk_bytes):
     """The native engine's per-chunk CRCs, combined, equal the torch engine's CRC of whole tensors."""
-    from fsdpfast.execute.native import NativeCpuEngine
-    from fsdpfast.execute.torch_ref import TorchEngine
+    from fsdpfast.execute.cpu import NativeCpuEngine
+    from fsdpfast.execute.torch_engine import TorchEngine
     from fsdpfast.execute.writer import write_file
     from fsdpfast.io.sources import SourceFiles
     from fsdpfast.plan.layout import plan_files

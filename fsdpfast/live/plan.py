@@ -44,7 +44,7 @@ class LiveTensor:
 
 
 def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[MergePlan, list[LiveTensor]]:
-    """The plan (tensors without extents: a live plan is written by `local_run`, not by engines)
+    """The plan (tensors without extents: a live plan is written by `local_piece`, not by engines)
     and the tensors to write in plan order; tied names are written once as the offline merge does."""
     wanted = parse_dtype(dtype)
     tensors, live, seen = [], [], {}
@@ -114,7 +114,7 @@ def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]
     return tuple(kinds)
 
 
-def local_run(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
+def local_piece(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     """What this rank writes of `value`, or None (another rank writes it, or it holds none).
 
     A DTensor's piece is placed by its placements as geometry.placements reads rank files (nested
@@ -157,7 +157,7 @@ def _piece_coordinate(mesh) -> tuple[int, ...] | None:
 
 
 def _writes_copy(mesh, coordinate, kinds) -> bool:
-    """Whether this rank's copy of its piece is the one written (see local_run)."""
+    """Whether this rank's copy of its piece is the one written (see local_piece)."""
     if any(c != 0 for c, (kind, _, _) in zip(coordinate, kinds) if kind == "replicate"):
         return False
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh

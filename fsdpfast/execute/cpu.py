@@ -14,8 +14,9 @@ from ..errors import FsdpfastError
 from ..io.sources import Source
 from ..io.target import TargetFile
 from ..plan.layout import PlacedTensor
-from .outputs import WindowOutput, write_through_buffer
-from .rows import build_rows, native_pair
+from .fallback import write_through_buffer
+from .kernel_rows import build_rows, native_pair
+from .sinks import WindowOutput
 
 CHUNK_BYTES = 1 << 20  # per thread: small chunks keep the input pages mapped at once few (flat RSS)
 
@@ -30,14 +31,14 @@ class NativeCpuEngine:
     def output(self, file: TargetFile, end: int, start: int = 0) -> FileOutput | WindowOutput:
         fd = file.local_descriptor()
         if fd is None:  # the kernels write only to a local descriptor: a window filled by torch, the same bytes
-            from .torch_ref import TorchEngine
+            from .torch_engine import TorchEngine
 
             return TorchEngine().output(file, end, start)
         return FileOutput(self, file, fd)
 
 
 class FileOutput:
-    """The native engine's sink (execute.outputs.Sink): each piece written at its own offset of a
+    """The native engine's sink (execute.sinks.Sink): each piece written at its own offset of a
     local file, by the kernels through its descriptor."""
 
     def __init__(self, engine: NativeCpuEngine, file: TargetFile, fd: int):

@@ -11,7 +11,7 @@ import os
 from math import prod
 
 from ..errors import BadInput
-from ..io.stored import read_folder
+from ..io.safetensors_folder import read_folder
 from ..plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 
 

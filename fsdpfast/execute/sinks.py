@@ -9,7 +9,7 @@ same way, batch after batch:
 - the compare sink (execute.compare): recomputes the pieces and compares them with a written
   output (verify --against).
 Pieces no fast path handles (float64 casts, tensors computed from others: execute.computed) are filled
-in memory one at a time by `fill`.
+in memory one at a time (execute.fallback).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Protocol
 
 from .. import _ops
 from ..io.sources import Source
-from ..io.target import TargetFile, Window
+from ..io.target import Window
 from ..plan.layout import PlacedTensor
-from ..plan.model import TensorPlan
+from .fallback import fill
 
 
 class Sink(Protocol):
@@ -59,27 +59,3 @@ class WindowOutput:
 
     def __exit__(self, *exc):
         self._window.close()
-
-
-def fill(tensor: TensorPlan, destination: memoryview, sources: Source, device: str = "cpu") -> None:
-    """One tensor's bytes into memory: computed (execute.computed, on `device`) or gathered by the torch engine."""
-    if tensor.compute is not None:
-        tensor.compute.compute_into(tensor, destination, sources, device, gather=torch_gather)
-    else:
-        torch_gather(tensor, destination, sources)
-
-
-def torch_gather(tensor: TensorPlan, destination: memoryview, sources: Source) -> None:
-    """One tensor gathered and converted by the pure-torch engine (execute.computed.Gather)."""
-    from .torch_ref import TorchEngine
-
-    TorchEngine().execute([(tensor, destination)], sources)
-
-
-def write_through_buffer(file: TargetFile, placed: PlacedTensor, sources: Source, device: str = "cpu") -> int | None:
-    """Fill one piece in a buffer of its own size, then write it at its offset (rare dtype pairs,
-    computed weights); its CRC-32C."""
-    buffer = bytearray(placed.nbytes)
-    fill(placed.tensor, memoryview(buffer), sources, device)
-    file.write_at(buffer, placed.offset)
-    return _ops.crc32c(buffer)
