@@ -7,7 +7,7 @@ import os
 import time
 
 from .errors import InterruptedAfterPublishing
-from .options import MergeOptions, merge_options
+from .options import MergeOptions, layout_options_only, merge_options
 from .pipeline import job as merge_job
 from .pipeline import plan as pipeline_plan
 from .pipeline.processes import MergeGroup
@@ -24,7 +24,7 @@ _NOT_OPTIONS = ("src", "dst", "progress", "group", "options")  # the public func
 def _options(arguments: dict) -> MergeOptions:
     """MergeOptions from a public function's own arguments (its `locals()` on entry): parsed once, here."""
     given = {name: value for name, value in arguments.items() if name not in _NOT_OPTIONS}
-    return merge_options(**given, **arguments["options"])
+    return merge_options(**given, **layout_options_only(arguments["options"]))
 
 
 def plan_merge(
@@ -49,7 +49,7 @@ def plan_merge(
     `allow_extra_tensors`) a tensor the model does not have is refused before any byte moves.
 
     Copies the checkpoint holds twice (buffers on every rank, HSDP replicas) must agree with the
-    one that is read: a sample of each is compared (plan.copies), every byte with `full_copy_check`.
+    one that is read: a sample of each is compared (checks.copies), every byte with `full_copy_check`.
 
     `options`, each for one layout (readers.LAYOUT_OPTIONS), None meaning not given:
     `prefix` (dcp) the model part of a nested state dict; `tag` (deepspeed-zero) the checkpoint

@@ -37,7 +37,7 @@ class LoraOptions:
 @dataclass(frozen=True)
 class MergeOptions:
     dtype: str | None = None  # the torch dtype floating tensors are cast to; None keeps each as stored
-    max_shard_bytes: int = 0  # the largest output file (0: not parsed, for a plan that lays out no files)
+    max_shard_bytes: int = 0  # the largest output file
     layout: str | None = None  # forced, else detected
     layout_options: dict = field(default_factory=dict)  # each for one layout (readers.LAYOUT_OPTIONS), given only
     config_dir: str | None = None  # config.json and tokenizer files to copy (default: found beside the checkpoint)
@@ -69,7 +69,7 @@ def merge_options(
     check_engine_name(engine)
     wanted = parse_dtype(dtype)
     _check_layout(layout, layout_options)
-    shard = parse_size(max_shard_size) if max_shard_size is not None else 0
+    shard = parse_size(max_shard_size)
     lora = LoraOptions(merge_lora, lora_alpha, lora_r, os.fspath(base) if base else base)
     given = dict(
         dtype=dtype,
@@ -100,11 +100,30 @@ def merge_options(
     )
 
 
-def _check_layout(layout: str | None, layout_options: dict) -> None:
+# What only a merge takes: given to plan_merge or inspect, or recorded among a manifest's layout
+# options, each is an unknown layout option, as it always was.
+MERGE_ONLY = ("max_shard_size", "overwrite", "engine")
+
+
+def layout_options_only(options: dict) -> dict:
+    """`options`, every one a layout option (or a LoRA or plan flag): a merge-only argument is refused."""
+    for name in options:
+        if name in MERGE_ONLY:
+            raise _unknown_layout_option(name)
+    return options
+
+
+def _unknown_layout_option(name: str) -> BadInput:
     from . import readers  # the registry imports every reader: only once options are asked for
+
+    return BadInput(f"unknown layout option {name!r}; known: {', '.join(readers.LAYOUT_OPTIONS)}")
+
+
+def _check_layout(layout: str | None, layout_options: dict) -> None:
+    from . import readers
 
     for name, value in layout_options.items():
         if value is not None and name not in readers.LAYOUT_OPTIONS:
-            raise BadInput(f"unknown layout option {name!r}; known: {', '.join(readers.LAYOUT_OPTIONS)}")
+            raise _unknown_layout_option(name)
     if layout is not None and layout not in readers.READERS:
         raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(readers.READERS)}")

@@ -17,7 +17,7 @@ from ..execute.runner import run
 from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..io.sources import SourceFiles
 from ..manifest import CHECKSUM
-from ..options import merge_options
+from ..options import layout_options_only, merge_options
 from ..pipeline.plan import plan_merge
 from ..plan.layout import PlacedTensor
 from .report import Mismatch, VerifyReport, compare_names
@@ -68,7 +68,9 @@ def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str |
         config = report.out_dir if has_config else None
         plan = plan_merge(
             os.fspath(checkpoint),
-            merge_options(dtype="keep", layout=layout, config=config, full_copy_check=True, **given),
+            merge_options(
+                dtype="keep", layout=layout, config=config, full_copy_check=True, **layout_options_only(given)
+            ),
         )
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))

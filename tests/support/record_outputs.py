@@ -12,7 +12,7 @@ fields replaced (see `Normaliser`). Reports are recorded the same way, their tim
 
 The inputs are recorded too (`input_digests`: the unsharded model's tensors, the configs beside them):
 another torch or transformers build may initialise or train differently, and then the outputs differ
-because the corpus does. tests/test_same_outputs.py makes the same runs and compares.
+because the corpus does. tests/stages/test_same_outputs.py makes the same runs and compares.
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ def _command(*argv) -> Callable[[Path], object]:
 
 
 def _two_processes(src: Path, *argv) -> Callable[[Path], object]:
-    """`fsdpfast merge` as two torchrun processes (tests/merge_processes.py) writing one folder."""
+    """`fsdpfast merge` as two torchrun processes (tests/support/merge_processes.py) writing one folder."""
     from merge_processes import Ranks
 
     def run(out: Path):
