@@ -365,7 +365,7 @@ def test_getattr_only_for_sharded_tensor_state():
     not torch.cuda.is_available(), reason="checks real FSDP1 on a GPU; the CPU runs above use real FSDP1 too"
 )
 def test_real_fsdp1_on_gpu(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fsdp1_real_check.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "fsdp1_real_check.py")
     result = subprocess.run(
         [sys.executable, script, "--device", "cuda", "--workdir", str(tmp_path)], capture_output=True, text=True
     )

@@ -24,7 +24,7 @@ import fsdpfast
 # Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).parent / "data" / "megatron"
+DATA = Path(__file__).parents[1] / "data" / "megatron"
 # every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
 # the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings
 # tied across stages, QKV bias, bf16 parameters

@@ -25,7 +25,7 @@ from test_unsafe_pickles import HAND_WRITTEN, LIVE_PAYLOADS
 pytestmark = [pytest.mark.slow]
 
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The layouts whose planning needs no torch: every pickle-reading reader but fsdp1-flat (it rebuilds the model).
 DEEPSPEED = "ds-w2-z3-fp32-tied-frozen"  # DeepSpeed's optimizer pickles too
 CHECKPOINTS = (
