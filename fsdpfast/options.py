@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .errors import BadInput, option
+from .errors import BadInput
 from .execute.engines import check_engine_name
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .plan.normalise import parse_dtype
@@ -116,14 +116,10 @@ def layout_options_only(options: dict) -> dict:
 def _unknown_layout_option(name: str) -> BadInput:
     from . import readers  # the registry imports every reader: only once options are asked for
 
-    return BadInput(f"unknown layout option {name!r}; known: {', '.join(readers.LAYOUT_OPTIONS)}")
+    return readers.unknown_layout_option(name)
 
 
 def _check_layout(layout: str | None, layout_options: dict) -> None:
     from . import readers
 
-    for name, value in layout_options.items():
-        if value is not None and name not in readers.LAYOUT_OPTIONS:
-            raise _unknown_layout_option(name)
-    if layout is not None and layout not in readers.READERS:
-        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(readers.READERS)}")
+    readers.check_layout(layout, layout_options)

@@ -91,18 +91,27 @@ def collector_paused():
             gc.enable()
 
 
+def check_layout(layout: str | None, options: dict) -> None:
+    """A forced layout is a registered one, and every option given (not None) is a layout option."""
+    for name, value in options.items():
+        if value is not None and name not in LAYOUT_OPTIONS:
+            raise unknown_layout_option(name)
+    if layout is not None and layout not in READERS:
+        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(READERS)}")
+
+
+def unknown_layout_option(name: str) -> BadInput:
+    return BadInput(f"unknown layout option {name!r}; known: {', '.join(LAYOUT_OPTIONS)}")
+
+
 def read_plan(
     folder: str, layout: str | None = None, config: str | None = None, lora_r: int | None = None, **options
 ) -> MergePlan:
     """The reader's plan. `options` are layout options (LAYOUT_OPTIONS), None meaning not given;
     one given for another layout is an error. `config` is passed to readers that rebuild the model,
     `lora_r` to those that rebuild a PEFT model (elsewhere lora.plan uses it)."""
+    check_layout(layout, options)
     given = {name: value for name, value in options.items() if value is not None}
-    for name in given:
-        if name not in LAYOUT_OPTIONS:
-            raise BadInput(f"unknown layout option {name!r}; known: {', '.join(LAYOUT_OPTIONS)}")
-    if layout is not None and layout not in READERS:
-        raise BadInput(f"{option('layout', layout)} is not a known layout; known: {', '.join(READERS)}")
     model = framework_folders.locate(folder, _holds_layout)  # the folder itself, or where a framework put the model
     source = model.path
     if layout is None:
