@@ -18,15 +18,20 @@ from ..plan.checks import check_plan
 from ..plan.model import MergePlan
 from ..plan.model_check import check_against_model
 from ..plan.normalise import clean_name, prepare
-from ..plan.transform import ExpectedModels, PlanTransform
+from ..plan.transform import ExpectedModels, FolderChecks, PlanTransform
 
-# Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order.
-# Named, not imported, so that the pipeline depends on no feature (plan.transform).
+# Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
+# and whose folder_checks() give what verify checks of the folders they write (plan.transform).
+# Named, not imported, so that the pipeline and verify depend on no feature.
 TRANSFORMS = ("fsdpfast.lora.transform",)
 
 
 def plan_transforms(src: str, options: MergeOptions) -> list[PlanTransform]:
     return [t for module in TRANSFORMS for t in importlib.import_module(module).transforms(src, options)]
+
+
+def folder_checks() -> list[FolderChecks]:
+    return [c for module in TRANSFORMS for c in importlib.import_module(module).folder_checks()]
 
 
 def plan_merge(src: str, options: MergeOptions) -> MergePlan:

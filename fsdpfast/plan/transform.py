@@ -5,17 +5,20 @@ before normalisation sets the written names, ties and dtypes. It maps names and 
 rename, a split of one tensor into several (experts), a permutation or transpose of a tensor's
 pieces, or a tensor computed from others (execute.computed: LoRA's fused weights). The executor
 sees only the resulting plan. A transform may also add folders written inside OUT beside the
-model (`outputs`: a PEFT adapter), each with its own manifest, and say which part of the plan an
-output folder it wrote is checked against (`verified`, for verify --against).
+model (`outputs`: a PEFT adapter), each with its own manifest. What `verify` checks of those
+folders (each against its own manifest, the checkpoint or a reference; which part of the
+checkpoint's plan a folder holds, for --against; `--smoke`) the transform's module gives as
+FolderChecks.
 
-Transforms are found through the pipeline's registry (pipeline.plan.TRANSFORMS), so the stages
-below never name a feature.
+Transforms and their folder checks are found through the pipeline's registry
+(pipeline.plan.TRANSFORMS), so no stage, verify included, names a feature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from .layout import OutputFile
 from .model import MergePlan
@@ -66,8 +69,33 @@ class PlanTransform(Protocol):
     def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
         """The folders written beside the model; refuses (BadInput) one that cannot be written."""
 
-    def verified(self, plan: MergePlan, options: dict) -> MergePlan | None:
-        """The plan an output folder is checked against, from its manifest's layout options; None: not one of ours."""
-
     def describe(self, plan: MergePlan) -> dict:
         """What `inspect` shows of this transform's part of the plan, by key ({} for nothing)."""
+
+
+class FolderChecks(Protocol):
+    """What verify checks of the folders a transform wrote beside the model (ExtraFolder)."""
+
+    what: str  # what the folders hold, for the report ("peft adapters")
+    recorded: tuple[str, ...]  # the layout options a folder's manifest records for this transform, not a reader's
+
+    def verified(self, plan: MergePlan, recorded: dict) -> MergePlan | None:
+        """The part of the checkpoint's plan a folder holds, from its manifest's `recorded` options; None: not one."""
+
+    def listed(self, manifest: dict | None) -> list:
+        """The folders OUT's manifest lists as this transform's (each checked by `check`)."""
+
+    def model_less(self, out_dir: str) -> bool:
+        """Whether `out_dir` holds only this transform's folders and a manifest, no model files."""
+
+    def is_own_folder(self, folder: str) -> bool:
+        """Whether `folder` is one of this transform's folders, given to verify alone."""
+
+    def check(self, report, out_dir: str, folders: list, *, verify_folder: Callable[..., Any], **checks) -> None:
+        """Each folder checked with `verify_folder` (verify itself) and the same checks, into `report`."""
+
+    def smoke(self, base_dir: str, folders: list, notes: list[str], load_base) -> list[str]:
+        """Problems found using the folders with the model in `base_dir` (load_base: verify.smoke's loader)."""
+
+    def smoke_folder(self, folder: str, notes: list[str], load_base) -> list[str]:
+        """--smoke of one of the folders given alone."""
