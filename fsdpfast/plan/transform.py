@@ -9,7 +9,11 @@ model (`outputs`: a PEFT adapter), each with its own manifest, and say which par
 output folder it wrote is checked against (`verified`, for verify --against).
 
 Transforms are found through the pipeline's registry (pipeline.plan.TRANSFORMS), so the stages
-below never name a feature.
+below never name a feature. A layout whose names and shapes are not the model's has a transform
+of its own, its conversion (readers.megatron_names): its reader attaches it to the plan
+(MergePlan.conversions) and the pipeline applies it first, before the plan's checks, so the checks,
+the feature transforms and verify --against (which plans again) see the model's tensors. A
+conversion maps names and extents only (plan.windows): no folders, nothing of its own to verify.
 """
 
 from __future__ import annotations
