@@ -1,4 +1,5 @@
-"""Plan a merge from metadata: read -> checks -> copies -> transforms -> normalise -> model check.
+"""Plan a merge from metadata: read -> the layout's conversions -> checks -> copies -> transforms -> normalise
+-> model check.
 
 No tensor byte is written here; the copies a checkpoint holds twice are compared (checks.copies)
 and config.json's model class is built on the meta device (plan.model_check).
@@ -40,11 +41,13 @@ def plan_merge(src: str, options: MergeOptions) -> MergePlan:
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
     plan = readers.read_plan(src, options.layout, config, lora_r=options.lora.lora_r, **options.layout_options)
+    models = ExpectedModels()
+    for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
+        plan = conversion.apply(plan.but(conversions=()), models)
     check_plan(plan)  # every element of every tensor exactly once, inside its file
     plan = check_copies(plan, full=options.full_copy_check)
     if config is not None:
         plan = plan.but(config_dir=config)
-    models = ExpectedModels()
     transforms = plan_transforms(src, options)
     for transform in transforms:
         plan = transform.apply(plan, models)

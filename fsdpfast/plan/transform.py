@@ -11,7 +11,12 @@ checkpoint's plan a folder holds, for --against; `--smoke`) the transform's modu
 FolderChecks.
 
 Transforms and their folder checks are found through the pipeline's registry
-(pipeline.plan.TRANSFORMS), so no stage, verify included, names a feature.
+(pipeline.plan.TRANSFORMS), so no stage, verify included, names a feature. A layout whose names
+and shapes are not the model's has a transform of its own, its conversion (readers.megatron_names):
+its reader attaches it to the plan (MergePlan.conversions) and the pipeline applies it first,
+before the plan's checks, so the checks, the feature transforms and verify --against (which plans
+again) see the model's tensors. A conversion maps names and extents only (plan.windows): no
+folders, nothing of its own to verify.
 """
 
 from __future__ import annotations
