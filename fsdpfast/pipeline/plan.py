@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 
 from .. import readers
 from ..checks.copies import check_copies
@@ -24,7 +25,7 @@ from ..plan.transform import ExpectedModels, FolderChecks, PlanTransform
 # Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
 # and whose folder_checks() give what verify checks of the folders they write (plan.transform).
 # Named, not imported, so that the pipeline and verify depend on no feature.
-TRANSFORMS = ("fsdpfast.lora.transform",)
+TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.transform")
 
 
 def plan_transforms(src: str, options: MergeOptions) -> list[PlanTransform]:
@@ -58,7 +59,19 @@ def plan_merge(src: str, options: MergeOptions) -> MergePlan:
     plan = prepare(plan, options.dtype, plan.config_dir, expected, check_tied_bytes=check_tied_bytes)
     if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
-    return _model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors)
+    if options.expert_layout != "hub":
+        plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
+    return _model_checked(plan, in_layout(expected, plan, transforms), why_not, unchecked, options.allow_extra_tensors)
+
+
+def in_layout(expected, plan: MergePlan, transforms: list[PlanTransform]):
+    """The model's state dict as the transforms write it (per-expert Hub names): what the plan is checked against."""
+    if expected is None:
+        return None
+    shapes = expected.shapes
+    for transform in transforms:
+        shapes = transform.expected_shapes(plan, shapes)
+    return replace(expected, shapes=shapes)
 
 
 def _model_checked(plan: MergePlan, expected, why_not: str, unchecked: str | None, allow_extra: bool) -> MergePlan:

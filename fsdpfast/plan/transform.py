@@ -68,6 +68,10 @@ class PlanTransform(Protocol):
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         """The new plan (names and extents only); `models` gives the model the plan describes."""
 
+    def expected_shapes(self, plan: MergePlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The model's state dict shapes (config.json's class, by its names) as this transform writes them:
+        what the model check compares the plan with (`shapes` itself for a transform that keeps names)."""
+
     def unchecked(self, plan: MergePlan) -> str | None:
         """Why the written names are not checked against a model class (no model is written), else None."""
 
