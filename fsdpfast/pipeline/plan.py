@@ -15,6 +15,8 @@ from .. import readers
 from ..checks.copies import check_copies
 from ..checks.ties import check_tied_bytes
 from ..errors import BadInput, option
+from ..families import keep_fp32
+from ..families.transform import model_type
 from ..options import MergeOptions
 from ..plan.checks import check_plan
 from ..plan.model import MergePlan
@@ -56,12 +58,19 @@ def plan_merge(src: str, options: MergeOptions) -> MergePlan:
     unchecked = next(filter(None, (t.unchecked(plan) for t in transforms)), None)
     if unchecked:
         expected, why_not = None, unchecked
-    plan = prepare(plan, options.dtype, plan.config_dir, expected, check_tied_bytes=check_tied_bytes)
+    keep = kept_in_fp32(plan, options.dtype)
+    plan = prepare(plan, options.dtype, plan.config_dir, expected, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep)
     if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
     if options.expert_layout != "hub":
         plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
     return _model_checked(plan, in_layout(expected, plan, transforms), why_not, unchecked, options.allow_extra_tensors)
+
+
+def kept_in_fp32(plan: MergePlan, dtype: str | None):
+    """name -> whether a cast to `dtype` leaves it in float32, as transformers does for the model's class."""
+    lists = keep_fp32.kept_lists(model_type(plan)) if dtype in ("bfloat16", "float16") else None
+    return None if lists is None else keep_fp32.matcher(keep_fp32.kept_patterns(lists, dtype))
 
 
 def in_layout(expected, plan: MergePlan, transforms: list[PlanTransform]):

@@ -47,20 +47,30 @@ def prepare(
     expected: ExpectedModel | None = None,
     *,
     check_tied_bytes: TiedBytesCheck,
+    kept_in_fp32=None,
 ) -> MergePlan:
     """Clean names, tie what transformers re-ties on load (written once), set target dtypes.
 
     `dtype`: parsed (parse_dtype, fsdpfast.options), None keeping each tensor's own. `expected`: the
     model config.json describes (model_check), which says which names are tied; without it,
     config.json's `tie_word_embeddings` does for the embeddings. `check_tied_bytes` (checks.ties)
-    compares each tied pair's bytes before the second name is dropped.
+    compares each tied pair's bytes before the second name is dropped. `kept_in_fp32` (name -> bool,
+    families.keep_fp32): the floating tensors a cast leaves in float32, as transformers' cast does.
     """
     wanted = dtype
     tensors = _rename(plan.tensors)
     config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
     pairs = tied_pairs(tensors, expected, config)
     tensors, notes = _drop_tied(tensors, pairs, plan, check_tied_bytes)
-    tensors = [replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted)) for tensor in tensors]
+    kept = [t.name for t in tensors if kept_in_fp32 is not None and wanted is not None and kept_in_fp32(t.name)]
+    tensors = [
+        replace(t, target_dtype=target_dtype(t.source_dtype, "float32" if t.name in kept else wanted)) for t in tensors
+    ]
+    if kept:
+        notes.append(
+            f"kept in float32, as transformers keeps them when it casts this model: {len(kept)} tensors "
+            f"({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})"
+        )
     return plan.but(tensors=tensors).noted(*notes)
 
 

@@ -125,3 +125,23 @@ def test_an_unknown_expert_layout_is_refused(families, tmp_path):
     api_refuses(
         SPECS[2][0].ranks_folder(str(families)), tmp_path / "out", mentions=["expert_layout"], expert_layout="x"
     )
+
+
+CASTS = [("deepseek_v3", "bf16"), ("deepseek_v3", "fp16"), ("glm4_moe-w3-bf16", "bf16"), ("gpt_oss", "fp16")]
+
+
+@pytest.mark.parametrize("name,dtype", CASTS, ids=[f"{n}-{d}" for n, d in CASTS])
+def test_a_cast_keeps_in_float32_what_transformers_keeps(families, tmp_path, name, dtype):
+    # DeepSeek-V3 and GLM-4.5 keep the router and its bias in float32 for bf16 and fp16
+    # (_keep_in_fp32_modules_strict), gpt-oss its norms for fp16 (_keep_in_fp32_modules).
+    import transformers
+
+    spec = next(spec for _, spec in FAMILIES if spec.name == name)
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec.anchor_folder(str(families)), dtype=wanted)
+    model.save_pretrained(tmp_path / "anchor")
+    report = fsdpfast.merge(spec.ranks_folder(str(families)), tmp_path / "out", dtype=dtype)
+    merged = read_merged(tmp_path / "out")
+    assert_same_files(merged, read_merged(tmp_path / "anchor"))
+    assert any(merged[k].dtype == torch.float32 for k in merged), "nothing kept in float32"
+    assert any("kept in float32" in note for note in report.notes), report.notes

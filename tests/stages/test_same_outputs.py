@@ -1,10 +1,12 @@
-"""Every output fsdpfast writes on the test corpus is the one recorded (tests/data/recorded_outputs.json).
+"""Every output fsdpfast writes on the test corpus is the one recorded (tests/data/recorded_outputs/).
 
 The runs of tests/support/record_outputs.py (merges of each layout, dtypes, several files, the command line, two
 torchrun processes, `verify --against`, `save_pretrained`, LoRA adapter folders and fused merges) are made
 again with the code under test, and each file's sha256 (or, for the JSON files that depend on where the run
-happened, its normalised JSON) must be the recorded one. A run whose inputs differ from the recorded ones
-(another torch or transformers build) is skipped with that reason: its outputs could not be the same.
+happened, its normalised JSON) must be the recorded one. There is a recording per corpus (the CPU a
+corpus is trained on changes its last bits); each run is compared with the recording whose inputs are
+the run's inputs here. A run no recording has the inputs of (another machine, torch or transformers
+build) is skipped with that reason: its outputs could not be the same.
 
 Regenerate the recording only on a commit whose outputs are the reference: `python tests/support/record_outputs.py`.
 Set FSDPFAST_OUTPUTS_CORPUS=DIR to keep the corpus between runs (the first run writes it there).
@@ -15,12 +17,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from record_outputs import RECORDED, record
+from record_outputs import record, recordings
 
 # Minutes of checks that need no particular torch build (docs/development.md)
 pytestmark = pytest.mark.slow
 
-RECORDING = json.loads(RECORDED.read_text())
+RECORDINGS = recordings()
+RUNS = list(RECORDINGS[0]["runs"])
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +54,24 @@ def first_difference(recorded, found, where: str = "") -> str | None:
 
 
 def test_the_same_runs_are_made(now):
-    assert list(now["runs"]) == list(RECORDING["runs"]), "record_outputs.runs() changed: regenerate on the reference"
-
-
-@pytest.mark.parametrize("run", list(RECORDING["runs"]))
-def test_the_outputs_are_the_recorded_ones(now, run):
-    recorded = RECORDING["runs"][run]
-    changed = [name for name in recorded["inputs"] if now["inputs"].get(name) != RECORDING["inputs"][name]]
-    if changed:
-        pytest.skip(
-            f"the corpus itself differs from the recorded one ({', '.join(changed)}; recorded with "
-            f"{RECORDING['recorded_with']}): the outputs cannot be compared"
+    for recording in RECORDINGS:
+        assert list(now["runs"]) == list(recording["runs"]), (
+            "record_outputs.runs() changed: regenerate on the reference"
         )
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_the_outputs_are_the_recorded_ones(now, run):
+    matching = [r for r in RECORDINGS if all(now["inputs"].get(n) == r["inputs"][n] for n in r["runs"][run]["inputs"])]
+    if not matching:
+        changed = [
+            n for n in RECORDINGS[0]["runs"][run]["inputs"] if now["inputs"].get(n) != RECORDINGS[0]["inputs"][n]
+        ]
+        pytest.skip(
+            f"no recording was made on this corpus ({', '.join(changed)} differ; recorded with "
+            f"{RECORDINGS[0]['recorded_with']}): the outputs cannot be compared"
+        )
+    recorded = matching[0]["runs"][run]
     found = now["runs"][run]
     report_difference = first_difference(recorded["report"], found["report"], "report")
     assert list(found["files"]) == list(recorded["files"]), (

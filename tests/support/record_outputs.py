@@ -1,6 +1,6 @@
 """Record what fsdpfast writes on the test corpus, so a restructuring can show that nothing changed.
 
-    python tests/support/record_outputs.py      # writes tests/data/recorded_outputs.json (minutes: the corpus)
+    python tests/support/record_outputs.py      # writes tests/data/recorded_outputs/KEY.json (minutes: the corpus)
 
 The corpus is a slice of the suite's own (the same specs and seeds as tests/conftest.py, test_fsdp1_flat,
 deepspeed_checkpoints, test_peft_lora, test_save_pretrained; the Megatron fixtures in tests/data), written
@@ -46,7 +46,9 @@ from fsdpfast._testing.live_examples import LiveSpec, save_live  # noqa: E402
 from fsdpfast._testing.peft_examples import PeftSpec, write_peft_checkpoints  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent.parent
-RECORDED = TESTS / "data" / "recorded_outputs.json"
+# One recording per corpus: each machine's CPU trains the corpus's models to other last bits, so the
+# outputs of a restructuring are compared with the recording whose inputs are this machine's own.
+RECORDINGS = TESTS / "data" / "recorded_outputs"
 MEGATRON = TESTS / "data" / "megatron"
 MANIFEST = "fsdpfast-manifest.json"
 CORPUS_ENV = "FSDPFAST_OUTPUTS_CORPUS"
@@ -553,8 +555,18 @@ def main() -> None:
     raised = [name for name, run in recorded["runs"].items() if "raised" in (run["report"] or {})]
     if raised:  # what is recorded must be what the code does when it works
         sys.exit(f"these runs raised, nothing recorded: {', '.join(raised)}")
-    RECORDED.write_text(json.dumps(recorded, indent=1) + "\n")
-    print(f"{RECORDED}: {len(recorded['runs'])} runs, {sum(len(r['files']) for r in recorded['runs'].values())} files")
+    path = RECORDINGS / f"{recording_key(recorded['inputs'])}.json"
+    path.write_text(json.dumps(recorded, indent=1) + "\n")
+    print(f"{path}: {len(recorded['runs'])} runs, {sum(len(r['files']) for r in recorded['runs'].values())} files")
+
+
+def recording_key(inputs: dict) -> str:
+    """A recording's file name: its corpus's digests, so each corpus has one."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def recordings() -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(RECORDINGS.glob("*.json"))]
 
 
 if __name__ == "__main__":
