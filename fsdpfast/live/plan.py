@@ -40,9 +40,12 @@ class LiveTensor:
     value: object  # a DTensor or a plain tensor
 
 
-def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[MergePlan, list[LiveTensor]]:
+def plan_live(
+    state: dict, dtype: str | None, config: dict | None, kept_in_fp32=None
+) -> tuple[MergePlan, list[LiveTensor]]:
     """The plan (tensors without extents: a live plan is written by `local_piece`, not by engines)
-    and the tensors to write in plan order; tied names are written once as the offline merge does."""
+    and the tensors to write in plan order; tied names are written once as the offline merge does.
+    `kept_in_fp32` (name -> bool): the floating tensors a cast leaves in float32 (families.keep_fp32)."""
     wanted = parse_dtype(dtype)
     tensors, live, seen = [], [], {}
     for key, value in state.items():
@@ -53,7 +56,10 @@ def plan_live(state: dict, dtype: str | None, config: dict | None) -> tuple[Merg
         if hasattr(value, "placements"):  # refused here, on every rank alike, before anything is made
             placement_kinds(value, key)
         source = dtype_name(value.dtype)
-        tensors.append(TensorPlan(name, tuple(value.shape), source, target_dtype(source, wanted), ()))
+        kept = wanted is not None and kept_in_fp32 is not None and kept_in_fp32(name)
+        tensors.append(
+            TensorPlan(name, tuple(value.shape), source, target_dtype(source, "float32" if kept else wanted), ())
+        )
         live.append(LiveTensor(name, key, value))
     dropped = {}
     for kept, other in tied_pairs(tensors, None, config or {}):

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from ..families import keep_fp32
 from ..io.local_target import JoinedTarget, LocalTarget
 from ..pipeline.finish import FolderFiles, Provenance, write_small_files
 from ..pipeline.processes import MergeGroup
@@ -113,11 +114,19 @@ def save_pretrained(
 
 
 def _plan(model, dtype, config: dict | None):
+    keep = _kept_in_fp32(model, parse_dtype(dtype))
     if is_fsdp1(model):  # FSDP1's state dicts gather; its flat shards are read in place (live.fsdp1)
         state, world = live_state(model)
-        plan, tensors = plan_live(state, dtype, config)
+        plan, tensors = plan_live(state, dtype, config, keep)
         return replace(plan, world_size=world), tensors
-    return plan_live(model.state_dict(), dtype, config)
+    return plan_live(model.state_dict(), dtype, config, keep)
+
+
+def _kept_in_fp32(model, dtype: str | None):
+    """What a cast leaves in float32, from the model's own lists (as the offline merge reads its class's)."""
+    module = getattr(model, "module", model)  # FSDP1 wraps the transformers model
+    lists = {name: frozenset(getattr(module, name, None) or ()) for name in (keep_fp32.STRICT, keep_fp32.LOOSE)}
+    return keep_fp32.matcher(keep_fp32.kept_patterns(lists, dtype))
 
 
 @dataclass

@@ -8,6 +8,20 @@ import torch
 from fsdpfast._testing.family_writer import FamilySpec, family_config
 from fsdpfast.families.keep_fp32 import LOOSE, STRICT, kept_lists, kept_patterns, matcher
 
+_DEEPSEEK_SIZES = dict(
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+)
 FAMILIES = ["deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen2"]
 
 
@@ -35,3 +49,24 @@ def test_patterns_are_searched_as_transformers_searches_them():
 def test_a_model_type_without_source_has_no_lists():
     assert kept_lists("no_such_model") is None
     assert kept_lists("../etc") is None
+
+
+def test_a_live_cast_keeps_them_too(tmp_path):
+    import transformers
+    from helpers import read_merged
+
+    import fsdpfast
+    from fsdpfast._testing.family_writer import build_family_model
+
+    spec = FamilySpec("deepseek_v3", "deepseek_v3", _DEEPSEEK_SIZES, seed=7)
+    model = build_family_model(spec)
+    model.save_pretrained(tmp_path / "fp32")
+    cast = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
+    cast.save_pretrained(tmp_path / "anchor")
+    fsdpfast.save_pretrained(model, tmp_path / "live", dtype="bf16")
+    merged, anchor = read_merged(tmp_path / "live"), read_merged(tmp_path / "anchor")
+    # the live save writes the experts packed (the Hub split is offline-only so far): the kept tensors compared by name
+    kept = [name for name, value in anchor.items() if value.dtype == torch.float32]
+    assert kept and all(
+        merged[name].dtype == torch.float32 and torch.equal(merged[name], anchor[name]) for name in kept
+    )
