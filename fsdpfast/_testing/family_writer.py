@@ -39,6 +39,7 @@ class FamilySpec:
     config: dict = field(default_factory=dict)  # the family's own sizes (experts, ...)
     dtype: str = "float32"
     seed: int = 0
+    auto_class: str = "AutoModelForCausalLM"  # AutoModelForImageTextToText for a vision-language model
 
     def folder(self, root: str) -> str:
         return os.path.join(root, self.name)
@@ -57,7 +58,8 @@ class FamilySpec:
 def family_config(spec: FamilySpec):
     import transformers
 
-    config = transformers.AutoConfig.for_model(spec.model_type, **{**_SMALL, **spec.config})
+    sizes = {**_SMALL, **spec.config} if spec.auto_class == "AutoModelForCausalLM" else spec.config
+    config = transformers.AutoConfig.for_model(spec.model_type, **sizes)
     config.dtype = getattr(torch, spec.dtype)
     return config
 
@@ -66,7 +68,7 @@ def build_family_model(spec: FamilySpec):
     import transformers
 
     torch.manual_seed(spec.seed)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(spec))
+    model = getattr(transformers, spec.auto_class).from_config(family_config(spec))
     return model.to(getattr(torch, spec.dtype))
 
 
@@ -85,10 +87,20 @@ def _write_one(rank: int, world_size: int, root: str, spec: FamilySpec) -> None:
         for folder in (spec.ranks_folder(root), spec.dcp_folder(root)):
             model.config.save_pretrained(os.path.join(folder, "huggingface"))
     mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
+    for layer in _blocks(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = model.state_dict()
     os.makedirs(spec.ranks_folder(root), exist_ok=True)
     torch.save(state, os.path.join(spec.ranks_folder(root), f"model_world_size_{world_size}_rank_{rank}.pt"))
     dcp.save(state, checkpoint_id=spec.dcp_folder(root))
+
+
+def _blocks(model) -> list:
+    """Every decoder (and vision) block: the members of each ModuleList named `layers` or `blocks`."""
+    return [
+        block
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("layers", "blocks") and isinstance(module, torch.nn.ModuleList)
+        for block in module
+    ]

@@ -4,40 +4,77 @@ The family comes from config.json's `model_type` (the plan's config folder, or t
 built); without one the plan passes unchanged (the merge then warns that no config.json was found).
 `--expert-layout packed` keeps transformers 5's packed expert tensors as the checkpoint holds them.
 The model check compares the written names with the model's state dict in the same layout
-(`expected_shapes`), so a packed tensor whose shape disagrees with config.json is refused as before.
+(`expected_in_layout`), so a packed tensor whose shape disagrees with config.json is refused as before.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..hf.config import load_config
 from ..options import MergeOptions
 from ..plan.model import MergePlan
+from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels
 from .hub_experts import PER_EXPERT, ExpertNames, hub_shapes, split_experts
+from .hub_prefixes import hub_name, renamed, rules_for
 
 EXPERT_LAYOUTS = ("hub", "packed")
 
 
 def transforms(src: str, options: MergeOptions) -> list:
     """The pipeline's hook (pipeline.plan.TRANSFORMS)."""
-    return [] if options.expert_layout == "packed" else [HubLayout()]
+    return [HubPrefixes()] + ([] if options.expert_layout == "packed" else [HubLayout()])
 
 
 def folder_checks() -> list:
     return []  # writes no folder of its own
 
 
-def model_type(plan: MergePlan) -> str | None:
+def config_of(plan: MergePlan) -> dict:
     if plan.config_dir is not None and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
-        config = load_config(os.path.join(plan.config_dir, "config.json"))
-    else:
-        config = plan.built_config or {}
-    found = config.get("model_type")
+        return load_config(os.path.join(plan.config_dir, "config.json"))
+    return plan.built_config or {}
+
+
+def model_type(plan: MergePlan) -> str | None:
+    found = config_of(plan).get("model_type")
     return found if isinstance(found, str) else None
+
+
+@dataclass(frozen=True)
+class HubPrefixes:
+    """A vision-language model's parts under the prefixes its Hub checkpoints use (families.hub_prefixes)."""
+
+    def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
+        rules = rules_for(config_of(plan))
+        if not rules:
+            return plan
+        return plan.but(tensors=renamed(plan.tensors, rules, clean_name)).noted(
+            f"names under the prefixes save_pretrained writes for {model_type(plan)} "
+            f"({', '.join(f'{a} as {b}' for a, b in rules)})"
+        )
+
+    def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
+        rules = rules_for(config_of(plan))
+        if not rules:
+            return expected
+        return replace(
+            expected,
+            shapes={hub_name(n, rules): shape for n, shape in expected.shapes.items()},
+            tied={hub_name(a, rules): hub_name(b, rules) for a, b in expected.tied.items()},
+        )
+
+    def unchecked(self, plan: MergePlan) -> str | None:
+        return None
+
+    def outputs(self, plan: MergePlan, out_dir: str) -> list:
+        return []
+
+    def describe(self, plan: MergePlan) -> dict:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -57,9 +94,9 @@ class HubLayout:
             "(--expert-layout packed keeps transformers' packed tensors)"
         )
 
-    def expected_shapes(self, plan: MergePlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
         names = self._names(plan)
-        return shapes if names is None else hub_shapes(shapes, names)
+        return expected if names is None else replace(expected, shapes=hub_shapes(expected.shapes, names))
 
     def unchecked(self, plan: MergePlan) -> str | None:
         return None

@@ -51,8 +51,8 @@ class LoraTransform:
             ]
         )
 
-    def expected_shapes(self, plan: MergePlan, shapes: dict) -> dict:
-        return shapes  # the base model keeps its names; the adapters are checked by check_targets
+    def expected_in_layout(self, plan: MergePlan, expected):
+        return expected  # the base model keeps its names; the adapters are checked by check_targets
 
     def unchecked(self, plan: MergePlan) -> str | None:
         return "a LoRA-only checkpoint" if not plan.tensors and plan.adapters else None

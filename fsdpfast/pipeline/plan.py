@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import replace
 
 from .. import readers
 from ..checks.copies import check_copies
@@ -55,6 +54,7 @@ def plan_merge(src: str, options: MergeOptions) -> MergePlan:
     for transform in transforms:
         plan = transform.apply(plan, models)
     expected, why_not = models.of(plan)
+    expected = in_layout(expected, plan, transforms)  # ties and the model check by the names written
     unchecked = next(filter(None, (t.unchecked(plan) for t in transforms)), None)
     if unchecked:
         expected, why_not = None, unchecked
@@ -64,7 +64,7 @@ def plan_merge(src: str, options: MergeOptions) -> MergePlan:
         plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
     if options.expert_layout != "hub":
         plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
-    return _model_checked(plan, in_layout(expected, plan, transforms), why_not, unchecked, options.allow_extra_tensors)
+    return _model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors)
 
 
 def kept_in_fp32(plan: MergePlan, dtype: str | None):
@@ -74,13 +74,10 @@ def kept_in_fp32(plan: MergePlan, dtype: str | None):
 
 
 def in_layout(expected, plan: MergePlan, transforms: list[PlanTransform]):
-    """The model's state dict as the transforms write it (per-expert Hub names): what the plan is checked against."""
-    if expected is None:
-        return None
-    shapes = expected.shapes
+    """The model's state dict as the transforms write it (per-expert Hub names, Hub prefixes)."""
     for transform in transforms:
-        shapes = transform.expected_shapes(plan, shapes)
-    return replace(expected, shapes=shapes)
+        expected = expected if expected is None else transform.expected_in_layout(plan, expected)
+    return expected
 
 
 def _model_checked(plan: MergePlan, expected, why_not: str, unchecked: str | None, allow_extra: bool) -> MergePlan:

@@ -68,9 +68,10 @@ class PlanTransform(Protocol):
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         """The new plan (names and extents only); `models` gives the model the plan describes."""
 
-    def expected_shapes(self, plan: MergePlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """The model's state dict shapes (config.json's class, by its names) as this transform writes them:
-        what the model check compares the plan with (`shapes` itself for a transform that keeps names)."""
+    def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
+        """The model config.json's class describes (its state dict's names, shapes and ties) as this
+        transform writes it: what ties are found by and the plan is checked against (`expected` itself
+        for a transform that keeps the model's names)."""
 
     def unchecked(self, plan: MergePlan) -> str | None:
         """Why the written names are not checked against a model class (no model is written), else None."""

@@ -94,8 +94,8 @@ class MegatronToHuggingFace:
     def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
         return []
 
-    def expected_shapes(self, plan: MergePlan, shapes: dict) -> dict:
-        return shapes  # applied before the checks: the plan already has the model's names
+    def expected_in_layout(self, plan: MergePlan, expected):
+        return expected  # applied before the checks: the plan already has the model's names
 
     def describe(self, plan: MergePlan) -> dict:
         return {}

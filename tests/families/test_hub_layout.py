@@ -35,6 +35,28 @@ _DEEPSEEK = dict(
     n_group=1,
     topk_group=1,
 )
+_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    head_dim=8,
+)
+_QWEN2_5_VL = dict(
+    text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
+    ),
+)
+_GEMMA3 = dict(
+    text_config=_TEXT,
+    vision_config=dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    ),
+    mm_tokens_per_image=4,
+)
 SPECS = {
     2: [
         FamilySpec(
@@ -43,6 +65,9 @@ SPECS = {
         FamilySpec("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2), seed=2),
         FamilySpec("deepseek_v3", "deepseek_v3", _DEEPSEEK, seed=3),
         FamilySpec("gpt_oss", "gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), seed=4),  # keeps its names
+        # vision-language models: the Hub's prefixes (visual., language_model.model., ...)
+        FamilySpec("qwen2_5_vl", "qwen2_5_vl", _QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("gemma3", "gemma3", _GEMMA3, seed=7, auto_class="AutoModelForImageTextToText"),
     ],
     # 5 experts over 3 ranks: FSDP2's Shard(0) cuts the packed tensors between experts unevenly
     3: [FamilySpec("glm4_moe-w3-bf16", "glm4_moe", {**_DEEPSEEK, "n_routed_experts": 5}, dtype="bfloat16", seed=5)],
@@ -77,7 +102,7 @@ def test_merged_as_save_pretrained_writes_it(families, tmp_path, world, spec, la
     if layout == "ranks":  # the folder is the model: from_pretrained finds every weight and nothing else
         import transformers
 
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        model, info = getattr(transformers, spec.auto_class).from_pretrained(out, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         assert not any(k for k in ("mismatched_keys", "error_msgs") if info.get(k)), info
 
