@@ -42,9 +42,10 @@ def eos_disagreements(config_dir: str | None) -> list[str]:
     found = [
         _ids_entry("config.json", own if own is not None else text.get("eos_token_id")),
         _ids_entry("generation_config.json", _json(config_dir, "generation_config.json").get("eos_token_id")),
-        _tokenizer_eos(config_dir),
     ]
     found = [entry for entry in found if entry is not None]
+    if found:  # else nothing to compare the tokenizer's with: its tokenizer.json (tens of MB) is not read
+        found += [entry for entry in [_tokenizer_eos(config_dir)] if entry is not None]
     warnings = []
     for i, a in enumerate(found):
         for b in found[i + 1 :]:
