@@ -27,21 +27,21 @@ _WEIGHT_SUFFIXES = (
 _TRAINING_STATE = ("trainer_state.json",)
 
 
+# Sub-folders a tokenizer's or processor's save_pretrained writes beside its files: the chat
+# templates other than the default one (chat_template.jinja), and a processor's further tokenizers,
+# each in a folder named after its attribute (qformer_tokenizer/, holding a tokenizer_config.json).
+_CHAT_TEMPLATES = "additional_chat_templates"
+
+
 def copy_config_files(config_dir: str, target: Target, torch_dtype: str | None) -> list[str]:
-    """Copy config, generation config, tokenizer and custom-code files; weights are never copied.
+    """Copy config, generation config, tokenizer, processor, chat-template and custom-code files
+    byte for byte; weights are never copied.
 
     With a target dtype, config.json's dtype entry is updated to what was written.
     """
     copied = []
-    for entry in sorted(os.listdir(config_dir)):
+    for entry in _copied(config_dir):
         source = os.path.join(config_dir, entry)
-        if (
-            not os.path.isfile(source)
-            or entry.endswith(_WEIGHT_SUFFIXES)
-            or entry.startswith(".")
-            or entry in (MANIFEST_NAME, *_TRAINING_STATE)
-        ):
-            continue
         if entry == "config.json" and torch_dtype:
             target.write_json(entry, _config_with_dtype(source, torch_dtype))
         else:
@@ -49,6 +49,32 @@ def copy_config_files(config_dir: str, target: Target, torch_dtype: str | None) 
                 target.write_bytes(entry, f.read())
         copied.append(entry)
     return copied
+
+
+def _copied(config_dir: str) -> list[str]:
+    """The files copied, relative to `config_dir`: its own, then those of the sidecar sub-folders."""
+    entries = sorted(os.listdir(config_dir))
+    names = [e for e in entries if _copied_file(config_dir, e)]
+    for folder in entries:
+        path = os.path.join(config_dir, folder)
+        if not folder.startswith(".") and os.path.isdir(path) and _sidecar_folder(path, folder):
+            names += [f"{folder}/{e}" for e in sorted(os.listdir(path)) if _copied_file(path, e)]
+    return names
+
+
+def _copied_file(folder: str, entry: str) -> bool:
+    return (
+        os.path.isfile(os.path.join(folder, entry))
+        and not entry.endswith(_WEIGHT_SUFFIXES)
+        and not entry.startswith(".")
+        and entry not in (MANIFEST_NAME, *_TRAINING_STATE)
+    )
+
+
+def _sidecar_folder(path: str, name: str) -> bool:
+    return name == _CHAT_TEMPLATES or (
+        "tokenizer" in name and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+    )
 
 
 def write_built_config(config: dict, target: Target, torch_dtype: str | None) -> list[str]:

@@ -15,6 +15,7 @@ from ..execute.engines import select_engine
 from ..execute.measurements import job_kind
 from ..execute.parts import share_out, tensor_bytes
 from ..execute.writer import execute
+from ..hf.eos import eos_disagreements
 from ..io.local_target import LocalTarget
 from ..io.output_place import check_output_place
 from ..io.sources import rebased
@@ -87,6 +88,8 @@ def lay_out(src: str, dst: str, options: MergeOptions) -> tuple[MergePlan, list[
     plan = plan_merge(src, options)
     extras = [extra for t in plan_transforms(src, options) for extra in t.outputs(plan, dst)]
     files = plan_files(plan, options.max_shard_bytes) if plan.tensors or not extras else []
+    if files:  # the config folder's files are copied beside the weights: said where their eos ids disagree
+        plan = plan.noted(warnings=tuple(eos_disagreements(plan.config_dir)))
     return plan, files, extras
 
 

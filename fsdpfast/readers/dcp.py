@@ -11,6 +11,9 @@ Either way the engine maps the chunk's bytes straight from the .distcp file.
 
 A nested state dict ({"model": ..., "optim": ...}) is flattened by DCP with "." and recorded
 in planner_data; the model part is picked automatically, or by `prefix`.
+
+The model's config.json (and tokenizer, processor files) is taken from huggingface/ in the
+folder, else from the folder itself, beside .metadata.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..errors import BadInput, UnsafeCheckpoint, option, out_of_files
 from ..geometry.boxes import box_extents
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
 from .discover import check_not_broken_link
+from .framework_folders import in_or_beside
 from .megatron_folder import is_torch_dist
 from .reader import Reader, ReaderOption
 
@@ -127,8 +131,7 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
             f"not read: {len(stale)} .distcp files that .metadata does not reference "
             f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); the world size counts only the referenced ones"
         )
-    hf = os.path.join(folder, "huggingface")
-    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
+    plan = plan.but(config_dir=in_or_beside(folder))
     return plan
 
 

@@ -25,6 +25,7 @@ from ..errors import BadInput, option
 from ..geometry.boxes import box_extents, first_overlap
 from ..hf.config import load_config
 from ..plan.model import MergePlan, SourceBuffer, TensorPlan
+from .framework_folders import in_or_beside
 from .reader import Reader
 
 NAME = "dcp-hf"
@@ -40,7 +41,8 @@ def matches(folder: str) -> bool:
 
 
 def read(folder: str, config: str | None = None) -> MergePlan:
-    """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint."""
+    """`config`: the folder of the model's config.json (--config); default: huggingface/ in the checkpoint,
+    else the checkpoint folder itself when config.json is beside the shard files."""
     files = _safetensors_files(folder)
     shards = _check_numbering(folder, files)
     sources: list[SourceBuffer] = []
@@ -57,8 +59,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
             chunks.setdefault(name, []).append((tuple(offsets), stored.shape, len(sources) - 1))
     tensors = [_plan_tensor(folder, name, pieces, sources) for name, pieces in chunks.items()]
     plan = MergePlan(NAME, shards or len(files), sources, tensors)
-    hf = os.path.join(folder, "huggingface")
-    plan = plan.but(config_dir=hf if os.path.isdir(hf) else None)
+    plan = plan.but(config_dir=in_or_beside(folder))
     checked = _check_against_config(folder, tensors, config or plan.config_dir)
     plan = plan.noted(
         f"{len(files)} shard files; every tensor's global shape is inferred from its chunks (the writer records "

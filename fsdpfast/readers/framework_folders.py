@@ -112,6 +112,17 @@ def config_dir(model: ModelFolder) -> tuple[str | None, str | None]:
     return None, None
 
 
+def in_or_beside(folder: str) -> str | None:
+    """The config folder of a checkpoint folder that keeps the model's config.json itself: its
+    huggingface/ sub-folder, else the folder, beside the checkpoint files (a DCP folder with
+    save_pretrained's config and tokenizer files next to .metadata); a huggingface/ without one
+    still (its tokenizer files are copied, and the merge warns that the output has no config.json)."""
+    hf = os.path.join(folder, "huggingface")
+    if not os.path.isfile(os.path.join(hf, "config.json")) and os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    return hf if os.path.isdir(hf) else None
+
+
 def _accelerate_config_dirs(path: str) -> list[str]:
     """For an accelerate model folder or a folder of accelerate rank files: huggingface/ or the folder
     itself, then the folder that holds the model (the checkpoint), then the one above (the Trainer's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 from corpus import assert_merge_is_the_model, specs_read_by
-from helpers import copy_checkpoint, load_reference, read_merged
+from helpers import assert_bit_exact, config_beside, copy_checkpoint, load_reference, read_merged
+from refusals import cli_refuses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdpfast
@@ -123,3 +125,37 @@ def test_safetensors_distcp_missing_a_tensor(checkpoints, tmp_path):
 @pytest.mark.parametrize("name", specs_read_by("dcp"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)
+
+
+def _same_files_but_the_manifest(a, b) -> None:
+    names = sorted(set(os.listdir(a)) - {"fsdpfast-manifest.json"})
+    assert names == sorted(set(os.listdir(b)) - {"fsdpfast-manifest.json"})
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_config_beside_metadata_is_taken_with_its_tokenizer_files(checkpoints, tmp_path):
+    """config.json next to .metadata (no huggingface/ sub-folder): the same output as from huggingface/."""
+    spec, original = checkpoints.get("w2-dcp")
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)
+    moved = config_beside(folder)
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= set(moved)
+    report = fsdpfast.merge(folder, tmp_path / "merged")
+    assert report.warnings == [] and report.copied == moved
+    assert not any("not checked against the model" in note for note in report.notes), report.notes
+    reference, tied = load_reference(spec.reference_path(checkpoints.root))
+    assert_bit_exact(read_merged(tmp_path / "merged"), reference, tied=tied)
+    fsdpfast.merge(original, tmp_path / "from-huggingface", dtype="bf16")
+    fsdpfast.merge(folder, tmp_path / "beside", dtype="bf16")  # config.json's dtype entry written the same way
+    _same_files_but_the_manifest(tmp_path / "beside", tmp_path / "from-huggingface")
+    assert fsdpfast.verify(tmp_path / "merged", against=folder).ok
+
+
+@pytest.mark.slow
+def test_a_config_beside_metadata_that_ties_two_different_tensors_is_refused(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints, "w2-dcp", tmp_path)  # trained untied: lm_head differs from embed_tokens
+    config_beside(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    cli_refuses(folder, tmp_path / "out", mentions=["ties lm_head.weight to model.embed_tokens.weight", "differ"])

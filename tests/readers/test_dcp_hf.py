@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from corpus import assert_merge_is_the_model, specs_read_by
-from helpers import assert_bit_exact, copy_checkpoint, load_reference, read_merged
+from helpers import assert_bit_exact, config_beside, copy_checkpoint, load_reference, read_merged
 from refusals import cli_refuses
 from safetensors import safe_open
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
@@ -193,3 +193,19 @@ def test_header_metadata_is_what_torch_writes(checkpoints):
 @pytest.mark.parametrize("name", specs_read_by("dcp-hf"))
 def test_keep_dtype_is_bit_exact_and_loads_in_transformers(checkpoints, tmp_path, name):
     assert_merge_is_the_model(checkpoints, tmp_path, name)
+
+
+@pytest.mark.slow
+def test_config_beside_the_shard_files_is_taken_and_checks_them(checkpoints, tmp_path):
+    """config.json next to the shard files (no huggingface/): copied with its tokenizer files, and the
+    embeddings' inferred shapes checked against it."""
+    spec, _ = checkpoints.get("w2-dcp-hf")
+    folder = copy_checkpoint(checkpoints, "w2-dcp-hf", tmp_path)
+    moved = config_beside(folder)
+    report = fsdpfast.merge(folder, tmp_path / "merged")
+    assert report.warnings == [] and report.copied == moved
+    assert any("agree with" in note and str(folder / "config.json") in note for note in report.notes), report.notes
+    reference, tied = load_reference(spec.reference_path(checkpoints.root))
+    assert_bit_exact(read_merged(tmp_path / "merged"), reference, tied=tied)
+    (folder / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    cli_refuses(folder, tmp_path / "out", mentions=["model.embed_tokens.weight", "a shard file is missing"])

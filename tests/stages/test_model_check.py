@@ -63,6 +63,22 @@ def test_config_tying_two_different_tensors_is_refused(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "architectures",
+    [["CustomLlamaForCausalLM"], None],  # a class transformers does not ship; none named (the base model is built)
+)
+def test_a_tie_config_json_says_is_checked_without_the_models_class_too(checkpoints, tmp_path, architectures):
+    """Where the model's class cannot say which names are tied, config.json's tie_word_embeddings does,
+    and the checkpoint must hold the same bytes under both names all the same."""
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)  # trained untied
+    _edit_config(folder, tie_word_embeddings=True, architectures=architectures)
+    result = _merge_cli(folder, "--out", tmp_path / "merged")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "ties lm_head.weight to model.embed_tokens.weight" in result.stderr and "differ" in result.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.slow
 def test_tied_dcp_copies_are_compared_and_written_once(checkpoints, tmp_path):
     # DCP stores the tied pair as two names with separate bytes: equal, so written once.
     spec, folder = checkpoints.get("w4-dcp-hsdp-tied-bf16")

@@ -92,6 +92,15 @@ def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / "ckpt"))
 
 
+def config_beside(folder: Path) -> list[str]:
+    """Move huggingface/'s files up, beside the checkpoint files (config.json next to DCP's .metadata); their names."""
+    moved = sorted(p.name for p in (folder / "huggingface").iterdir())
+    for name in moved:
+        shutil.move(folder / "huggingface" / name, folder / name)
+    (folder / "huggingface").rmdir()
+    return moved
+
+
 def rank_file(folder: Path, rank: int) -> Path:
     (path,) = folder.glob(f"*_rank_{rank}.pt")
     return path
