@@ -71,6 +71,10 @@ PER_EXPERT: dict[str, ExpertNames] = {
     ),
 }
 
+# Families whose Hub checkpoints hold the packed experts transposed ([E, H, 2I], [E, I, H]): a
+# transposed copy, which no engine writes yet (transformers 5.24 conversion_mapping: Transpose(1, 2)).
+TRANSPOSED = ("qwen3_vl_moe",)
+
 _PACKED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)")
 _MLP = re.compile(r"(?P<prefix>.*)\.mlp\.(?P<rest>.+)")
 
@@ -116,6 +120,10 @@ def hub_shapes(shapes: dict[str, tuple[int, ...]], names: ExpertNames) -> dict[s
         else:
             out.update((part, part_shape) for part, part_shape, _ in parts)
     return out
+
+
+def has_packed(tensors, clean) -> bool:
+    return any(_PACKED.fullmatch(clean(t.name)) for t in tensors)
 
 
 def split_experts(tensors: tuple[TensorPlan, ...], names: ExpertNames, clean) -> list[TensorPlan]:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from ..errors import BadInput, option
 from ..hf.config import load_config
 from ..options import MergeOptions
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels
-from .hub_experts import PER_EXPERT, ExpertNames, hub_shapes, split_experts
+from .hub_experts import PER_EXPERT, TRANSPOSED, ExpertNames, has_packed, hub_shapes, split_experts
 from .hub_prefixes import hub_name, renamed, rules_for
 
 EXPERT_LAYOUTS = ("hub", "packed")
@@ -84,6 +85,11 @@ class HubLayout:
 
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         names = self._names(plan)
+        if model_type(plan) in TRANSPOSED and has_packed(plan.tensors, clean_name):
+            raise BadInput(
+                f"{model_type(plan)}'s Hub checkpoints hold the experts transposed, which fsdpfast cannot write yet; "
+                f"{option('expert_layout', 'packed')} writes them as transformers holds them (it loads them either way)"
+            )
         if names is None:
             return plan
         tensors = split_experts(plan.tensors, names, clean_name)

@@ -170,3 +170,27 @@ def test_a_cast_keeps_in_float32_what_transformers_keeps(families, tmp_path, nam
     assert_same_files(merged, read_merged(tmp_path / "anchor"))
     assert any(merged[k].dtype == torch.float32 for k in merged), "nothing kept in float32"
     assert any("kept in float32" in note for note in report.notes), report.notes
+
+
+def test_transposed_hub_experts_are_refused_and_packed_kept_on_request(tmp_path):
+    # Qwen3-VL-MoE's Hub checkpoints hold the experts transposed: not writable yet, so refused in one line.
+    spec = FamilySpec(
+        "qwen3_vl_moe",
+        "qwen3_vl_moe",
+        dict(
+            text_config=dict(
+                _TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+            ),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32),
+        ),
+        auto_class="AutoModelForImageTextToText",
+    )
+    model = build_family_model(spec)
+    src = tmp_path / "ckpt"
+    model.config.save_pretrained(src / "huggingface")
+    torch.save(model.state_dict(), src / "model_world_size_1_rank_0.pt")
+    api_refuses(src, tmp_path / "out", mentions=["transposed", "expert_layout='packed'"])
+    fsdpfast.merge(src, tmp_path / "packed", expert_layout="packed")
+    merged = read_merged(tmp_path / "packed")
+    assert all(torch.equal(merged[name], value) for name, value in model.state_dict().items() if name in merged)
+    assert any("experts.gate_up_proj" in name for name in merged)
