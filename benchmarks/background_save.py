@@ -2,10 +2,10 @@
 
 Each round, on the same seeded FSDP2 Llama, every rank times (from a barrier):
   step          one training step alone (forward, backward, AdamW), the baseline
-  blocking      save_pretrained(model, out) then the next step: how long training waits
-  background    save_pretrained(model, out, background=True), the next step while the files are
-                written, then handle.wait(): how long the call takes to return, the step beside
-                the writing thread, and the time until the folder is published
+  blocking      save_pretrained(model, out): training waits for all of it before its next step
+  background    save_pretrained(model, out2, background=True) of the same model, the next step while
+                the files are written, then handle.wait(): how long the call takes to return, the
+                step beside the writing thread, and the time until the folder is published
 and the two folders' safetensors files are compared byte for byte. Rank 0's figures, medians over
 --rounds, with ratios to the step alone; host memory the copy took (handle.host_bytes) against the
 rank's pieces.
@@ -84,17 +84,17 @@ def _rank(rank: int, world: int, port: int, args, out_root: str, result_path: st
         blocking_out, background_out = (os.path.join(out_root, f"{way}-{r}") for way in ("blocking", "background"))
         alone, _ = timed(step)
         save_s, _ = timed(partial(fsdpfast.save_pretrained, model, blocking_out, dtype=args.dtype))
-        after_blocking, _ = timed(step)
+        # the same model, saved in the background; then the next step while the thread writes
         returned, handle = timed(
             partial(fsdpfast.save_pretrained, model, background_out, dtype=args.dtype, background=True)
         )
-        beside, _ = timed(step)  # the thread writes meanwhile
+        beside, _ = timed(step)
         waited, _ = timed(handle.wait)
         rounds.append(
             dict(
                 step=alone,
                 blocking_save=save_s,
-                blocking_then_step=save_s + after_blocking,
+                blocking_then_step=save_s + alone,
                 background_return=returned,
                 background_step=beside,
                 background_return_then_step=returned + beside,
@@ -102,7 +102,6 @@ def _rank(rank: int, world: int, port: int, args, out_root: str, result_path: st
                 host_bytes=handle.host_bytes,
             )
         )
-        # the next round's blocking save is of the model one step on: compare this round's folders now
         dist.barrier()
     if rank == 0:
         same = all(

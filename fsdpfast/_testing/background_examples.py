@@ -70,4 +70,3 @@ def _save(rank: int, world_size: int, root: str, spec: BackgroundSpec) -> None:
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)
-
