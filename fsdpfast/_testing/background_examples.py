@@ -24,6 +24,7 @@ class BackgroundSpec:
     shard_dim: int = 0
     save_dtype: str | None = None
     max_shard_size: str = "5GB"
+    fail_rank: int | None = None  # this rank's background writes fail (a 1 KB file size limit): nothing published
     seed: int = 50
 
 
@@ -56,6 +57,9 @@ def _save(rank: int, world_size: int, root: str, spec: BackgroundSpec) -> None:
     _train_one_step(model, base)
     save = partial(fsdpfast.save_pretrained, model, dtype=spec.save_dtype, max_shard_size=spec.max_shard_size)
     outcome = {}
+    if spec.fail_rank is not None:
+        _save_failing(rank, spec, model, base, save, folder)
+        return
     try:
         save(os.path.join(folder, "blocking"))
         first = save(os.path.join(folder, "background"), background=True)
@@ -68,5 +72,27 @@ def _save(rank: int, world_size: int, root: str, spec: BackgroundSpec) -> None:
         outcome["ok"] = True
     except Exception as exc:  # recorded for the test
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def _save_failing(rank: int, spec: BackgroundSpec, model, base, save, folder: str) -> None:
+    """A background save whose writes fail on `spec.fail_rank` while the next step trains: wait()
+    raises on every rank, and `live/` is never published."""
+    import resource
+
+    from .live_examples import _limit_file_size
+
+    limit = _limit_file_size(1024) if rank == spec.fail_rank else None
+    try:
+        handle = save(os.path.join(folder, "live"), background=True)
+        _train_one_step(model, base)
+        handle.wait()
+        outcome = {"ok": True}
+    except Exception as exc:  # recorded for the test: every rank must fail when one does
+        outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)

@@ -35,7 +35,7 @@ class BackgroundSave:
         self.out_dir = out_dir
         self.host_bytes = held_bytes(held)
         self._processes, self._target, self._publish = processes, target, publish
-        self._written, self._error, self._report = None, error, None
+        self._written, self._error, self._report, self._failed = None, error, None, None
         self._thread = threading.Thread(
             target=self._write, args=(out_dir, token, files, held, ways), name="fsdpfast-save", daemon=False
         )
@@ -62,12 +62,17 @@ class BackgroundSave:
         global _pending
         if self._report is not None:
             return self._report
+        if self._failed is not None:  # a second wait() says it again, without a collective no rank would match
+            raise self._failed
         try:
             if self._thread.ident is not None:
                 self._thread.join()
             pieces = self._processes.gather(self._result)
             self._report = self._publish(pieces)
             return self._report
+        except Exception as exc:
+            self._failed = exc
+            raise
         finally:
             if _pending is self:
                 _pending = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import assert_nothing_published
 
 from fsdpfast._testing.background_examples import BackgroundSpec, save_both_ways
 
@@ -16,12 +17,13 @@ SPECS = [
     BackgroundSpec("rows-fp32"),
     BackgroundSpec("columns-to-bf16", shard_dim=1, save_dtype="bf16", max_shard_size="40KB", seed=51),
 ]
+FAILS = BackgroundSpec("fails", fail_rank=1, seed=52)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("background")
-    save_both_ways(str(root), SPECS, WORLD)
+    save_both_ways(str(root), [*SPECS, FAILS], WORLD)
     return root
 
 
@@ -45,3 +47,7 @@ def test_background_save_writes_the_blocking_saves_bytes(saved, spec):
     stored = sum(t["nbytes"] for t in manifest["tensors"].values())
     held = sum(o["host_bytes"] for o in outcomes)  # the ranks' pieces once, as stored: the model once in all
     assert held == (stored if spec.save_dtype is None else stored * 2)  # fp32 pieces, written as bf16
+
+
+def test_a_rank_whose_background_writes_fail_fails_every_ranks_wait(saved):
+    assert_nothing_published(saved / FAILS.name, WORLD, FAILS.fail_rank)
