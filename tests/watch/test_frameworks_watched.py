@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,25 @@ def test_a_deepspeed_root_publishes_the_tag_latest_names(deepspeed_checkpoints, 
     events = _watched_once(root, tmp_path / "out")
     assert [e["checkpoint"] for e in events if e["event"] == "published"] == [latest]  # not the tag "first"
     _assert_as_merge_writes(os.path.join(root, latest), tmp_path / "out" / latest, tmp_path)
+
+
+def test_a_megatron_run_publishes_the_iterations_its_tracker_names(tmp_path):
+    """Megatron-core's own run folder (tests/data/megatron): iter_0000007, which the tracker names, is
+    published; a later iteration it does not name yet (the same files, copied in) is left alone."""
+    from helpers import assert_bit_exact, read_merged
+    from safetensors.torch import load_file
+
+    data = Path(__file__).parents[1] / "data" / "megatron" / "tp2_pp1"
+    run = tmp_path / "run"
+    shutil.copytree(data / "run", run)
+    shutil.copytree(run / "iter_0000007", run / "iter_0000009")
+    result = run_cli_here("watch", run, "--out", tmp_path / "out", "--once", "--json", "--config", data / "hf")
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(e["checkpoint"], e["framework"]) for e in events if e["event"] == "found"] == [
+        ("iter_0000007", "megatron")
+    ]
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_0000007"]
+    assert_bit_exact(
+        read_merged(str(tmp_path / "out" / "iter_0000007")), load_file(str(data / "reference.safetensors"))
+    )
