@@ -23,7 +23,8 @@ Functions:
     plan_merge(src, ...)    the MergePlan (every tensor's pieces), from metadata alone
     save_pretrained(model, out_dir, ...)
                             on every rank of a job: a Hugging Face folder written straight from a
-                            live FSDP2 or FSDP1 model, no gather; a SaveReport
+                            live FSDP2 or FSDP1 model, no gather; a SaveReport (background=True:
+                            a handle at once, the files written while training goes on; wait())
 
 Layout options, keyword arguments of all four, each for one layout: prefix (dcp), tag and
 exclude_frozen (deepspeed-zero), wrap and use_orig_params (fsdp1-flat).
@@ -34,7 +35,8 @@ Errors (all FsdpfastError, with a one-line message that says what was found and 
     UnsafeCheckpoint  a pickle asked for code or classes a checkpoint never needs (a BadInput)
     SourceChanged     a source file changed while it was merged (a trainer still writing)
 
-The command line does the same: `fsdpfast merge|inspect|verify|demo --help`.
+The command line does the same: `fsdpfast merge|inspect|verify|watch|demo --help`; `fsdpfast watch`
+publishes every checkpoint a training run completes.
 """
 
 from ._version import __version__

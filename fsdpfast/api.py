@@ -141,11 +141,21 @@ def merge(
     """
     given = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
     given.update(options)  # what decides the output, as given: the same on every process (rank_agreement)
+    return _merge(src, dst, lambda: merge_options(**given), given, progress, group)
+
+
+def merge_with(src: str, dst: str, options: MergeOptions, *, progress: bool = False) -> MergeReport:
+    """`merge` in this process with options parsed already (options.merge_options): one parse for
+    the many merges of a `watch`."""
+    return _merge(src, dst, lambda: options, options.given, progress, None)
+
+
+def _merge(src, dst, options_of, given: dict, progress: bool, group) -> MergeReport:
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     processes = MergeGroup(group)
     job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
-        lambda: merge_job.prepare(src, dst, merge_options(**given), several=not processes.alone),
+        lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone),
         abandon=lambda job: job.target.discard(),
     )
     log.info("planned in %.2f s", time.perf_counter() - start)

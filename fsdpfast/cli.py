@@ -1,4 +1,4 @@
-"""Command line: `fsdpfast merge`, `inspect`, `verify`, `demo`. Errors are one line and an exit status.
+"""Command line: `fsdpfast merge`, `inspect`, `verify`, `watch`, `demo`. Errors are one line and an exit status.
 
 Exit status: 0 ok, 2 bad input, 3 verify found a mismatch, 1 anything else (fsdpfast.errors).
 """
@@ -81,6 +81,12 @@ _VERIFY_EXAMPLES = """examples:
   fsdpfast verify merged --manifest earlier_merge --smoke
 
 exit status: 0 all checks passed, 3 a mismatch, 2 bad input"""
+_WATCH_EXAMPLES = """examples:
+  fsdpfast watch checkpoints --out hf --dtype bf16          # every 30 s until stopped (SIGTERM)
+  fsdpfast watch checkpoints --out hf --once                # what is complete now, then exit
+  fsdpfast watch checkpoints --out hf --keep-last 3 --then ./eval.sh --json
+
+exit status (--once): 0 every complete checkpoint published, 2 one was refused, 1 one failed"""
 _DEMO_EXAMPLES = """examples:
   fsdpfast demo
   fsdpfast demo --world-size 2 --workdir /tmp/fsdpfast-demo   # keep the files"""
@@ -112,39 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder; created with its parents, or an empty folder replaced "
         "(an earlier merge only with --overwrite)",
     )
-    merge.add_argument("--dtype", default="keep", metavar="DTYPE", help=_DTYPES)
-    merge.add_argument(
-        "--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)"
-    )
-    merge.add_argument(
-        "--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}"
-    )
-    merge.add_argument(
-        "--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)"
-    )
-    merge.add_argument(
-        "--engine",
-        default="auto",
-        help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
-        "measured another faster on this machine for this kind of cast), cpu, cuda or torch",
-    )
-    _add_layout_options(merge)
-    merge.add_argument(
-        "--allow-extra-tensors",
-        action="store_true",
-        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing",
-    )
-    merge.add_argument(
-        "--expert-layout",
-        choices=("hub", "packed"),
-        default="hub",
-        help="MoE experts one tensor per expert, as save_pretrained writes the family (hub, default), "
-        "or packed as transformers 5 holds them (packed)",
-    )
-    _add_lora_options(merge)
-    merge.add_argument(
-        "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
-    )
+    _add_merge_options(merge)
     merge.add_argument(
         "--timeout",
         type=float,
@@ -223,6 +197,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
+    watch = verbs.add_parser(
+        "watch",
+        help="publish every checkpoint a training run completes as a Hugging Face folder, once each",
+        description="Watch a training run's checkpoint folder and merge each checkpoint once it is complete "
+        "(never one still being written) into OUT_ROOT/<its name>, with the options of merge.",
+        epilog=_WATCH_EXAMPLES,
+        **examples,
+    )
+    watch.add_argument(
+        "run_dir", help="the run's checkpoint folder (verl, Megatron, DeepSpeed, Trainer, torchtitan, DCP)"
+    )
+    watch.add_argument("--out", required=True, metavar="OUT_ROOT", help="where each checkpoint's folder is published")
+    _add_merge_options(watch)
+    watch.add_argument("--once", action="store_true", help="merge what is complete now, then exit")
+    watch.add_argument(
+        "--interval", type=float, default=30.0, metavar="SECONDS", help="seconds between looks (default 30)"
+    )
+    watch.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="after each publish, remove all but the K newest outputs fsdpfast merged from this run "
+        "(only the files their manifests list)",
+    )
+    watch.add_argument(
+        "--then",
+        default=None,
+        metavar="CMD",
+        help="run CMD on each published folder, its path the last argument (no shell); exit status logged",
+    )
+    watch.add_argument("--then-shell", action="store_true", help="run --then's CMD with /bin/sh, the folder as $1")
+    watch.add_argument("--json", action="store_true", help="one JSON line per event on stdout")
+
     demo = verbs.add_parser(
         "demo",
         help="write a small real 4-rank FSDP2 checkpoint, merge it and check it bit for bit",
@@ -238,6 +246,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size", type=int, default=4, metavar="N", help="how many ranks write the checkpoint (default 4)"
     )
     return parser
+
+
+def _add_merge_options(verb) -> None:
+    """What decides a merge's output, declared once: `merge` and `watch` take the same."""
+    layouts = ", ".join(readers.READERS)
+    verb.add_argument("--dtype", default="keep", metavar="DTYPE", help=_DTYPES)
+    verb.add_argument(
+        "--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)"
+    )
+    verb.add_argument(
+        "--layout", default=None, metavar="NAME", help=f"force a layout instead of detecting it: {layouts}"
+    )
+    verb.add_argument(
+        "--config", default=None, help="folder with config.json and tokenizer files (default CHECKPOINT/huggingface)"
+    )
+    verb.add_argument(
+        "--engine",
+        default="auto",
+        help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
+        "measured another faster on this machine for this kind of cast), cpu, cuda or torch",
+    )
+    _add_layout_options(verb)
+    verb.add_argument(
+        "--allow-extra-tensors",
+        action="store_true",
+        help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing",
+    )
+    verb.add_argument(
+        "--expert-layout",
+        choices=("hub", "packed"),
+        default="hub",
+        help="MoE experts one tensor per expert, as save_pretrained writes the family (hub, default), "
+        "or packed as transformers 5 holds them (packed)",
+    )
+    _add_lora_options(verb)
+    verb.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
+    )
 
 
 def _add_layout_options(verb, purpose: str = "") -> None:
@@ -321,6 +367,8 @@ def _main(argv: list[str] | None) -> int:
                 return _inspect(args)
             if args.verb == "verify":
                 return _verify(args)
+            if args.verb == "watch":
+                return _watch(args)
             if args.verb == "demo":
                 from .demo import run_demo
 
@@ -494,3 +542,23 @@ def _inspect(args) -> int:
     )
     _emit(json.dumps(found, indent=2) if args.json else Inspection(**found).summary())
     return 0
+
+
+def _watch(args) -> int:
+    from .options import merge_options
+    from .watch.events import Events
+    from .watch.loop import WatchSettings, watch
+
+    if args.keep_last is not None and args.keep_last < 1:
+        raise BadInput(f"--keep-last {args.keep_last}: give the number of outputs to keep, 1 or more")
+    if not args.interval > 0:
+        raise BadInput(f"--interval {args.interval:g}: give a number of seconds above 0")
+    if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise BadInput(f"{args.run_dir}: not a folder; give the folder the run saves its checkpoints in")
+    if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
+        raise BadInput(f"--out {args.out} is the run folder itself; publish into another folder")
+    options = merge_options(engine=args.engine, overwrite=args.overwrite, **_plan_options(args))  # parsed once
+    settings = WatchSettings(
+        args.run_dir, args.out, options, args.once, args.interval, args.keep_last, args.then, args.then_shell
+    )
+    return watch(settings, Events(args.json))

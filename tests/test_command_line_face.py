@@ -145,7 +145,7 @@ def test_help_on_the_package_explains_it():
         "ValueError",
         "exclude_frozen",
         "max_shard_size",
-        "fsdpfast merge|inspect|verify|demo --help",
+        "fsdpfast merge|inspect|verify|watch|demo --help",
     ):
         assert needed in text, needed
     for function in (fsdpfast.merge, fsdpfast.verify, fsdpfast.inspect, fsdpfast.plan_merge):

@@ -23,6 +23,7 @@ from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, plan_files
 from ..plan.normalise import parse_dtype
 from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
+from .background import BackgroundSave, start_background, wait_for_previous
 from .fsdp1 import is_fsdp1, live_state
 from .plan import plan_live
 from .write import WriteWays, settle, write_runs
@@ -53,7 +54,8 @@ def save_pretrained(
     group=None,
     overwrite: bool = False,
     ways: WriteWays | None = None,
-) -> SaveReport:
+    background: bool = False,
+) -> SaveReport | BackgroundSave:
     """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh,
     or FSDP2 + tensor parallel), FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False;
     FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD), or plain (one process; or replicas on every
@@ -67,7 +69,12 @@ def save_pretrained(
         written; `tokenizer`: saved beside it if given (its save_pretrained).
     group: the process group (default: the default group when torch.distributed is initialised).
     ways: how each rank writes (live.write.WriteWays; None: the defaults), for measuring the slower ways.
+    background: copy this rank's pieces to host memory (pinned for CUDA) and return a BackgroundSave at
+        once; the files are written by a thread while training goes on, and `handle.wait()`, called on
+        every rank as this was, publishes and returns the SaveReport (live.background). A background
+        save waits for the one before it to finish.
     """
+    wait_for_previous()  # one save at a time: the one before publishes first, on every rank alike
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
     wanted = parse_dtype(dtype)
@@ -89,10 +96,9 @@ def save_pretrained(
         lambda: _make_output(out_dir, overwrite, files, holdings), abandon=lambda made: made.target.discard()
     )
     target = output.target if processes.rank == 0 else None
-    try:
-        if target is None:
-            target = JoinedTarget(out_dir, output.token)
-        pieces = processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank, ways or WriteWays()))
+    ways = ways or WriteWays()
+
+    def publish(pieces):  # pieces: every rank's, on rank 0 (None elsewhere)
         return processes.lead(
             lambda: _finish(
                 target,
@@ -108,6 +114,13 @@ def save_pretrained(
                 out_dir,
             )
         )
+
+    if background:
+        return start_background(processes, target, out_dir, output.token, files, tensors, ways, publish)
+    try:
+        if target is None:
+            target = JoinedTarget(out_dir, output.token)
+        return publish(processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank, ways)))
     finally:
         if target is not None:
             target.discard()

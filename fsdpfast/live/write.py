@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .. import _ops
@@ -33,7 +33,7 @@ from ..execute.kernel_rows import native_pair
 from ..execute.parts import Piece
 from ..io.target import TargetFile
 from ..plan.layout import OutputFile
-from .plan import LiveTensor, dtype_name, local_piece
+from .plan import LiveTensor, LocalPiece, dtype_name, local_piece
 
 IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
@@ -65,9 +65,11 @@ def write_runs(
     open_file: Callable[[str, int], TargetFile],
     rank: int,
     ways: WriteWays = WriteWays(),
+    held: list[tuple[LiveTensor, LocalPiece]] | None = None,
 ) -> list[Piece | Spread]:
     """Write what this rank holds of `tensors` (every rank calls this with the same list: a
-    redistribution is collective); `open_file(name, size)` opens an output file of the Target (Target.open)."""
+    redistribution is collective); `open_file(name, size)` opens an output file of the Target (Target.open).
+    `held`: the pieces already copied to host memory (`snapshot`), written instead of the live ones."""
 
     where = {p.tensor.name: (f, p) for f in files for p in f.tensors}
     opened: dict[str, TargetFile] = {}
@@ -77,8 +79,7 @@ def write_runs(
     staging = None  # pinned host buffers, made at the first CUDA piece (a CPU-only run never makes any)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpfast-write") as writer:
         try:
-            for tensor in tensors:
-                local = local_piece(tensor.value, rank, tensor.key, ways.redistribute)
+            for tensor, local in held if held is not None else _live_pieces(tensors, rank, ways):
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue
@@ -107,6 +108,39 @@ def write_runs(
             for out in opened.values():
                 out.close()
     return pieces
+
+
+def _live_pieces(tensors: list[LiveTensor], rank: int, ways: WriteWays):
+    for tensor in tensors:
+        yield tensor, local_piece(tensor.value, rank, tensor.key, ways.redistribute)
+
+
+def snapshot(
+    tensors: list[LiveTensor], rank: int, ways: WriteWays = WriteWays()
+) -> list[tuple[LiveTensor, LocalPiece]]:
+    """This rank's pieces copied to host memory (pinned for CUDA pieces, all copies awaited), as they
+    are stored: the model may change once this returns. Host memory: the rank's pieces, once."""
+    import torch
+
+    held, on_cuda = [], False
+    for tensor, local in _live_pieces(tensors, rank, ways):
+        if local is None or not local.data.numel():
+            continue
+        data = local.data.contiguous()
+        if data.is_cuda:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            on_cuda = True
+        else:
+            host = data.clone()
+        held.append((tensor, replace(local, data=host)))
+    if on_cuda:
+        torch.cuda.synchronize()
+    return held
+
+
+def held_bytes(held: list[tuple[LiveTensor, LocalPiece]]) -> int:
+    return sum(local.data.numel() * local.data.element_size() for _, local in held)
 
 
 def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]:

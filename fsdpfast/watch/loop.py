@@ -1,0 +1,186 @@
+"""The watcher: find each complete checkpoint of a run (watch.discover), merge it into
+OUT_ROOT/<its name> unless that already holds it (watch.published), then run --then and apply
+--keep-last; poll again after `interval` seconds, or stop (`once`).
+
+One merge at a time, in this process, with the options parsed once (options.MergeOptions). A
+checkpoint that is refused or fails is said (watch.events) and tried again only once its files
+change (a signature of their names, sizes and modification times), so the watcher goes on.
+SIGTERM (and Ctrl-C) stop it between two bytecodes: a merge under way is discarded by the merge
+itself (its staging folder removed, nothing published; or, after its rename, published whole),
+then the watcher says `stopped` and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from ..api import merge_with
+from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, InterruptedAfterPublishing
+from ..options import MergeOptions
+from .discover import Checkpoint, complete_checkpoints, step_of
+from .events import Events
+from .published import outputs_of_run, published, remove_output
+from .then import run_then
+
+
+class Stop(KeyboardInterrupt):
+    """A signal asked the watcher to stop (a KeyboardInterrupt: a merge under way discards itself)."""
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    run_dir: str
+    out_root: str
+    options: MergeOptions
+    once: bool = False
+    interval: float = 30.0
+    keep_last: int | None = None
+    then: str | None = None
+    then_shell: bool = False
+
+
+def watch(settings: WatchSettings, events: Events) -> int:
+    """Watch until stopped (`once`: one pass); the exit status (once: 2 if a checkpoint was refused,
+    1 if one failed, else 0; 0 when stopped by a signal)."""
+    watcher = _Watcher(settings, events)
+    previous = _on_sigterm()
+    events(
+        "watching",
+        run_dir=os.path.abspath(settings.run_dir),
+        out_root=os.path.abspath(settings.out_root),
+        once=settings.once,
+        interval=settings.interval,
+    )
+    try:
+        while True:
+            watcher.one_pass()
+            if settings.once:
+                return watcher.status
+            time.sleep(settings.interval)
+    except KeyboardInterrupt as exc:
+        why = str(exc) if isinstance(exc, Stop) else "interrupted"
+        current = f"; the merge of {watcher.current} was discarded, nothing of it published" if watcher.current else ""
+        events("stopped", reason=why + current)
+        return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Watcher:
+    def __init__(self, settings: WatchSettings, events: Events):
+        self.settings = settings
+        self.events = events
+        self.done: dict[str, tuple] = {}  # published or found published, by name: its files' signature then
+        self.tried: dict[str, tuple] = {}  # refused or failed: the signature it had
+        self.current: str | None = None  # the checkpoint being merged
+        self.status = 0
+
+    def one_pass(self) -> None:
+        complete = complete_checkpoints(self.settings.run_dir)
+        if self.settings.keep_last is not None:  # older ones would be removed again at once
+            complete = complete[-self.settings.keep_last :]
+        for checkpoint in complete:
+            signature = _signature(checkpoint.path)
+            name = checkpoint.name
+            if self.done.get(name) == signature or self.tried.get(name) == signature:
+                continue
+            out = os.path.join(self.settings.out_root, name)
+            if published(out, checkpoint.path, self.settings.options.dtype):
+                self.events("skipped", checkpoint=name, out=out)
+                self.done[name] = signature
+                continue
+            self.events("found", checkpoint=name, framework=checkpoint.framework, path=checkpoint.path)
+            if self._merge(checkpoint, out):
+                self.done[name] = signature
+                self.tried.pop(name, None)
+                self._then(out)
+                self._keep_last()
+            else:
+                self.tried[name] = signature
+        self._keep_last()  # also what an earlier watcher published
+
+    def _merge(self, checkpoint: Checkpoint, out: str) -> bool:
+        name = checkpoint.name
+        self.events("started", checkpoint=name, out=out)
+        self.current = name
+        try:
+            report = merge_with(checkpoint.path, out, self.settings.options)
+        except InterruptedAfterPublishing:
+            self.current = None
+            self.events("published", checkpoint=name, out=out, seconds=None, bytes=None, files=[], warnings=[])
+            raise
+        except BadInput as exc:
+            self._failed("refused", name, str(exc), EXIT_BAD_INPUT)
+            return False
+        except FsdpfastError as exc:
+            self._failed("failed", name, str(exc), EXIT_FAILURE)
+            return False
+        except OSError as exc:
+            self._failed("failed", name, f"{exc.filename or ''}: {exc.strerror or exc}", EXIT_FAILURE)
+            return False
+        self.current = None
+        self.events(
+            "published",
+            checkpoint=name,
+            out=out,
+            seconds=round(report.seconds, 3),
+            bytes=report.bytes_written,
+            files=report.files,
+            warnings=report.warnings,
+        )
+        return True
+
+    def _failed(self, event: str, name: str, reason: str, status: int) -> None:
+        self.current = None
+        self.events(event, checkpoint=name, reason=reason)
+        self.status = max(self.status, status)
+
+    def _then(self, out: str) -> None:
+        if self.settings.then:
+            status = run_then(self.settings.then, out, self.settings.then_shell)
+            self.events("then", command=self.settings.then, out=out, status=status)
+
+    def _keep_last(self) -> None:
+        """Remove all but the newest K outputs merged from this run (by the step in their names)."""
+        settings = self.settings
+        if settings.keep_last is None:
+            return
+        ours = sorted(outputs_of_run(settings.out_root, settings.run_dir), key=lambda n: (step_of(n) or 0, n))
+        for name in ours[: max(0, len(ours) - settings.keep_last)]:
+            folder = os.path.join(settings.out_root, name)
+            try:
+                kept = remove_output(folder)
+            except BadInput as exc:  # a merge into it is running (another watcher): next pass
+                self.events("failed", checkpoint=name, reason=str(exc))
+                continue
+            self.events("removed", out=folder, kept=kept)
+
+
+def _signature(folder: str) -> tuple:
+    """Every file below `folder`, with its size and modification time: what says it changed."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            found.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_mtime_ns))
+    return tuple(found)
+
+
+def _on_sigterm():
+    """SIGTERM stops the watcher as Ctrl-C does (the handler it replaces, to put back), or None off the main thread."""
+
+    def stop(signum, frame):
+        raise Stop("SIGTERM")
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None

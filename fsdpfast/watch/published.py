@@ -1,0 +1,61 @@
+"""What the watcher published before, read from the outputs themselves, so a restarted watcher
+(or one killed at any moment) knows it: an output folder whose manifest names the checkpoint
+folder and the identity of its files as they are now (path, size, mtime_ns: manifest.sources) is
+that checkpoint published. A merge killed before its rename left no output (io.local_target),
+so it is simply redone; its staging folder is removed by the next merge into the same folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import BadInput
+from ..io.earlier_output import remove_written
+from ..io.output_guard import OutputLock
+from ..manifest import changed_sources, read_manifest
+
+
+def manifest_of(out_dir: str) -> dict | None:
+    """The manifest of an output folder; None when there is none or it cannot be read."""
+    if os.path.islink(out_dir) or not os.path.isdir(out_dir):
+        return None
+    try:
+        return read_manifest(out_dir)
+    except BadInput:
+        return None
+
+
+def published(out_dir: str, checkpoint: str, dtype: str | None) -> bool:
+    """`out_dir` holds `checkpoint` merged as asked (its dtype), its source files unchanged since."""
+    manifest = manifest_of(out_dir)
+    if manifest is None or manifest.get("checkpoint") != os.path.abspath(checkpoint):
+        return False
+    sources = manifest.get("sources") or []
+    return bool(sources) and manifest.get("dtype") == dtype and not changed_sources(checkpoint, sources)
+
+
+def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
+    """The folders in `out_root` whose manifest says fsdpfast merged them from a checkpoint folder
+    directly in `run_dir` (by its absolute path): the only ones --keep-last may remove."""
+    run = os.path.abspath(run_dir)
+    try:
+        entries = sorted(e for e in os.listdir(out_root) if not e.startswith("."))
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in entries:
+        manifest = manifest_of(os.path.join(out_root, name))
+        source = manifest.get("checkpoint") if manifest else None
+        if isinstance(source, str) and os.path.dirname(source) == run:
+            found.append(name)
+    return found
+
+
+def remove_output(out_dir: str) -> list[str]:
+    """Remove what the merge into `out_dir` wrote, its manifest listing it (io.earlier_output), under
+    the folder's lock (no merge into it is running); what is left, fsdpfast not having written it."""
+    lock = OutputLock(out_dir)
+    try:
+        return remove_written(out_dir)
+    finally:
+        lock.release()

@@ -1,0 +1,36 @@
+"""`fsdpfast watch`'s own options: a mistake is one line and exit status 2, before anything is watched."""
+
+from __future__ import annotations
+
+import pytest
+from refusals import run_cli_here
+
+
+@pytest.mark.parametrize(
+    "options, mentions",
+    [
+        (("--keep-last", "0"), "--keep-last 0"),
+        (("--interval", "0"), "--interval 0"),
+        (("--dtype", "fp8"), "fp8"),
+    ],
+)
+def test_a_bad_option_is_refused_in_one_line(tmp_path, options, mentions):
+    result = run_cli_here("watch", tmp_path / "run", "--out", tmp_path / "out", *options)
+    assert result.returncode == 2 and not result.stdout, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and mentions in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_run_folder_must_be_a_folder_and_not_the_output(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert "not a folder" in run_cli_here("watch", tmp_path / "file", "--out", tmp_path / "out").stderr
+    same = run_cli_here("watch", tmp_path, "--out", tmp_path)
+    assert same.returncode == 2 and "the run folder itself" in same.stderr
+
+
+def test_once_on_a_run_with_nothing_complete_publishes_nothing(tmp_path):
+    (tmp_path / "run" / "global_step_5" / "actor").mkdir(parents=True)  # no tracker file names it yet
+    result = run_cli_here("watch", tmp_path / "run", "--out", tmp_path / "out", "--once")
+    assert result.returncode == 0 and "found" not in result.stdout, result.stdout
+    assert not (tmp_path / "out").exists()
