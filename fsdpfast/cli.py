@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
         "measured another faster on this machine for this kind of cast), cpu, cuda or torch",
     )
+    merge.add_argument(
+        "--read-mode",
+        default="auto",
+        help="how sources are read: auto (default: large parallel reads when the checkpoint is on a network "
+        "filesystem or FUSE mount, else mapped), mmap or pread",
+    )
     _add_layout_options(merge)
     merge.add_argument(
         "--allow-extra-tensors",
@@ -426,6 +432,7 @@ def _merge_logged(args, said: set[str]) -> int:
             args.out,
             overwrite=args.overwrite,
             engine=args.engine,
+            read_mode=args.read_mode,
             progress=not args.quiet,
             group=pg,
             **_plan_options(args),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadInput
 from .execute.engines import check_engine_name
+from .io.read_modes import check_read_mode
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .plan.normalise import parse_dtype
 
@@ -42,6 +43,7 @@ class MergeOptions:
     layout_options: dict = field(default_factory=dict)  # each for one layout (readers.LAYOUT_OPTIONS), given only
     config_dir: str | None = None  # config.json and tokenizer files to copy (default: found beside the checkpoint)
     engine: str = "auto"
+    read_mode: str = "auto"  # how sources are read (io.read_modes): auto, mmap or pread
     overwrite: bool = False
     allow_extra_tensors: bool = False
     full_copy_check: bool = False  # every byte of the copies held twice (verify --against), not a sample
@@ -57,6 +59,7 @@ def merge_options(
     config: str | None = None,
     overwrite: bool = False,
     engine: str = "auto",
+    read_mode: str = "auto",
     allow_extra_tensors: bool = False,
     full_copy_check: bool = False,
     merge_lora=None,
@@ -67,6 +70,7 @@ def merge_options(
 ) -> MergeOptions:
     """The keyword arguments of the public functions, checked in the order a merge used to meet them."""
     check_engine_name(engine)
+    check_read_mode(read_mode)
     wanted = parse_dtype(dtype)
     _check_layout(layout, layout_options)
     shard = parse_size(max_shard_size)
@@ -92,6 +96,7 @@ def merge_options(
         layout_options={name: value for name, value in layout_options.items() if value is not None},
         config_dir=os.fspath(config) if config else None,
         engine=engine,
+        read_mode=read_mode,
         overwrite=overwrite,
         allow_extra_tensors=allow_extra_tensors,
         full_copy_check=full_copy_check,
@@ -102,7 +107,7 @@ def merge_options(
 
 # What only a merge takes: given to plan_merge or inspect, or recorded among a manifest's layout
 # options, each is an unknown layout option, as it always was.
-MERGE_ONLY = ("max_shard_size", "overwrite", "engine")
+MERGE_ONLY = ("max_shard_size", "overwrite", "engine", "read_mode")
 
 
 def layout_options_only(options: dict) -> dict:
