@@ -115,7 +115,10 @@ class PreadSources:
             done = 0
             with self._files.open(buffer.path) as fd:
                 while done < end - start:
-                    got = os.preadv(fd, [view[done:]], buffer.byte_offset + start + done)
+                    try:
+                        got = os.preadv(fd, [view[done:]], buffer.byte_offset + start + done)
+                    except OSError as exc:  # named as the input's: not taken for the output's
+                        raise OSError(exc.errno, exc.strerror, buffer.path) from None
                     if got == 0:
                         raise SourceChanged(
                             f"{buffer.path}: the file ends at {buffer.byte_offset + start + done} bytes, before the "

@@ -13,9 +13,11 @@ Set FSDPFAST_OUTPUTS_CORPUS=DIR to keep the corpus between runs (the first run w
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
-from record_outputs import RECORDED, record
+from record_outputs import CORPUS_ENV, RECORDED, Corpus, Merge, Normaliser, folder_record, record, runs
 
 # Minutes of checks that need no particular torch build (docs/development.md)
 pytestmark = pytest.mark.slow
@@ -24,8 +26,13 @@ RECORDING = json.loads(RECORDED.read_text())
 
 
 @pytest.fixture(scope="module")
-def now(tmp_path_factory) -> dict:
-    return record(tmp_path_factory.mktemp("outputs"))
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="module")
+def now(root) -> dict:
+    return record(root)
 
 
 def first_difference(recorded, found, where: str = "") -> str | None:
@@ -73,3 +80,30 @@ def test_the_outputs_are_the_recorded_ones(now, run):
         difference = first_difference(want, found["files"][name])
         assert difference is None, f"{run}: {name} differs from the recorded one: {difference}"
     assert report_difference is None, f"{run}: {report_difference}"
+
+
+MERGES = [
+    name
+    for name, run in RECORDING["runs"].items()
+    if name.startswith(("merge-", "lora-")) and "raised" not in (run["report"] or {})
+]
+
+
+@pytest.mark.parametrize("run", MERGES)
+def test_the_merges_read_with_pread_write_the_recorded_files(now, root, tmp_path, run):
+    """Every layout's merges again, the sources read with explicit preads instead of mapped
+    (io.pread_sources): the same files, byte for byte, as the recorded (mapped) merges."""
+    recorded = RECORDING["runs"][run]
+    if any(now["inputs"].get(name) != RECORDING["inputs"][name] for name in recorded["inputs"]):
+        pytest.skip("the corpus itself differs from the recorded one: the outputs cannot be compared")
+    corpus = Corpus(Path(os.environ.get(CORPUS_ENV) or root / "corpus"))  # the one `now` merged
+    found = {r.name: r for r in runs(corpus)}[run]
+    if not isinstance(found.do, Merge):
+        pytest.skip(f"{run} is not a merge in this process")
+    report = Merge(found.do.src, {**found.do.options, "read_mode": "pread"})(tmp_path / run)
+    assert "sources read with large parallel reads (--read-mode pread)" in report.notes
+    files = folder_record(tmp_path / run, Normaliser(corpus.root, tmp_path))
+    assert list(files) == list(recorded["files"]), run
+    for name, want in recorded["files"].items():
+        difference = first_difference(want, files[name])
+        assert difference is None, f"{run} read with pread: {name} differs from the recorded one: {difference}"
