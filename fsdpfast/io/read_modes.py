@@ -29,7 +29,7 @@ def chosen_read_mode(name: str, buffers: list[SourceBuffer]) -> tuple[str, str |
     check_read_mode(name)
     if name != "auto":
         return name, None
-    for folder in sorted({os.path.dirname(os.path.abspath(b.path)) for b in buffers}):
+    for folder in sorted({os.path.dirname(os.path.realpath(b.path)) for b in buffers}):  # where links lead
         found = remote_filesystem(folder)
         if found is not None:
             return "pread", found
