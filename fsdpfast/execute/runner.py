@@ -21,8 +21,9 @@ BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input
 
 def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> list[int | None]:
     """Hand the pieces to `sink` a batch at a time; their CRC-32Cs, in order."""
-    sliced = [_slices(p) for p in pieces] if getattr(sources, "reads_announced_ranges", False) else None
-    found = batches([s for group in sliced for s in group] if sliced is not None else pieces)
+    largest = min(BATCH_BYTES, getattr(sources, "batch_bytes", BATCH_BYTES))
+    sliced = [_slices(p, largest) for p in pieces] if getattr(sources, "reads_announced_ranges", False) else None
+    found = batches([s for group in sliced for s in group] if sliced is not None else pieces, largest)
     if found:
         sources.read_ahead(source_ranges(found[0]))
     crcs: list[int | None] = []
@@ -37,13 +38,13 @@ def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> lis
     return crcs if sliced is None else _combined(sliced, crcs)
 
 
-def batches(pieces: list[PlacedTensor]) -> list[list[PlacedTensor]]:
-    """Consecutive pieces grouped up to BATCH_BYTES, so small tensors share one engine call; a
+def batches(pieces: list[PlacedTensor], largest: int | None = None) -> list[list[PlacedTensor]]:
+    """Consecutive pieces grouped up to `largest` bytes (BATCH_BYTES), so small tensors share one engine call; a
     computed tensor (--merge-lora) alone, since computing it holds several tensors in memory."""
     found, current, size = [], [], 0
     for p in pieces:
         alone = p.tensor.compute is not None
-        if current and (alone or size + p.nbytes > BATCH_BYTES):
+        if current and (alone or size + p.nbytes > (largest or BATCH_BYTES)):
             found.append(current)
             current, size = [], 0
         current.append(p)
@@ -81,12 +82,12 @@ def source_ranges(pieces: list[PlacedTensor]) -> dict[int, list[tuple[int, int]]
     return found
 
 
-def _slices(p: PlacedTensor) -> list[PlacedTensor]:
-    """The piece, or slices of it of at most a batch, in order (a computed one whole)."""
+def _slices(p: PlacedTensor, largest: int) -> list[PlacedTensor]:
+    """The piece, or slices of it of at most `largest` bytes, in order (a computed one whole)."""
     size = itemsize(p.tensor.target_dtype)
-    if p.nbytes <= BATCH_BYTES or p.tensor.compute is not None:
+    if p.nbytes <= largest or p.tensor.compute is not None:
         return [p]
-    count, step = p.nbytes // size, max(1, BATCH_BYTES // size)
+    count, step = p.nbytes // size, max(1, largest // size)
     return [
         PlacedTensor(
             slice_tensor(p.tensor, lo, min(count, lo + step)), p.offset + lo * size, (min(count, lo + step) - lo) * size

@@ -25,6 +25,7 @@ from ..errors import out_of_files
 from ..manifest import SourceChanged
 from ..plan.model import SourceBuffer
 
+BATCH_BYTES = 16 << 20  # output bytes per batch (execute.runner): two batches' sources are in memory at once
 READ_BYTES = 8 << 20  # one pread: large enough that a round trip per request costs little
 THREADS = 32  # reads in flight: a network filesystem's latency hidden behind many outstanding requests
 OPEN_FILES = 64  # descriptors kept open between reads (opening on a network filesystem is a round trip)
@@ -37,6 +38,7 @@ class PreadSources:
 
     drops_pages_as_read = False  # the kernels must not madvise these buffers: they are memory, not a file's pages
     reads_announced_ranges = True  # the runner cuts tensors larger than a batch, so a read stays about a batch
+    batch_bytes = BATCH_BYTES  # output bytes per batch: reading the next overlaps converting this one
 
     def __init__(self, buffers: list[SourceBuffer], threads: int = THREADS, read_bytes: int = READ_BYTES):
         self.buffers = buffers
