@@ -44,6 +44,14 @@ def filesystem_type(path: str) -> int | None:
     return buffer[0] & 0xFFFFFFFF  # the magic numbers are 32-bit; a signed word may carry them negative
 
 
+def nearest_existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists (an output folder not made yet is on its parent's)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def remote_filesystem(path: str) -> str | None:
     """The name of the network or FUSE filesystem `path` is on; None for a local one (or not known)."""
     kind = filesystem_type(path)

@@ -16,12 +16,16 @@ from merge_processes import comparable_manifest
 from refusals import cli_refuses, run_cli
 
 import fsdpfast
+from fsdpfast import _ops
 from fsdpfast.errors import BadInput
 from fsdpfast.execute import runner
+from fsdpfast.execute.cpu import CHUNK_BYTES
+from fsdpfast.execute.engines import select_engine
 from fsdpfast.io import filesystems, pread_sources
 from fsdpfast.io.pread_sources import PreadSources
 from fsdpfast.io.read_modes import chosen_read_mode
 from fsdpfast.manifest import MANIFEST_NAME, SourceChanged
+from fsdpfast.pipeline.job import REMOTE_WRITE_BYTES, large_writes_on_remote_output
 from fsdpfast.plan.model import SourceBuffer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,6 +227,14 @@ def test_a_checkpoint_on_a_fuse_mount_is_read_with_preads(checkpoints, tmp_path,
     mapped = fsdpfast.merge(mount / "ckpt", tmp_path / "mapped", dtype="bf16", read_mode="mmap")
     assert not any(PREAD_NOTE in note for note in mapped.notes)
     assert merged_files(tmp_path / "mapped") == merged_files(tmp_path / "local")
+
+
+@pytest.mark.skipif(not _ops.native_cpu(), reason="native extension not built")
+def test_the_native_engine_writes_larger_chunks_onto_a_fuse_mount(tmp_path, slow_mount):
+    _, mount = slow_mount
+    engine = large_writes_on_remote_output(select_engine("cpu"), str(mount / "not" / "made" / "yet"))
+    assert engine.chunk_bytes == REMOTE_WRITE_BYTES
+    assert large_writes_on_remote_output(select_engine("cpu"), str(tmp_path / "out")).chunk_bytes == CHUNK_BYTES
 
 
 def test_reads_stay_within_the_pool_and_the_descriptor_limit(tmp_path):
