@@ -15,6 +15,7 @@ zeros, so a buffer viewed without an announcement is read whole first.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -189,31 +190,38 @@ def _close(memory: mmap.mmap) -> None:
 
 
 class _OpenFiles:
-    """Descriptors of the input files, at most `limit` kept open between reads (any number of inputs)."""
+    """Descriptors of the input files, at most `limit` kept open between reads (any number of inputs).
+    The limit is a quarter of the process's open-file limit when that is lower; a read that finds no
+    descriptor free waits for another read to give one back."""
 
     def __init__(self, limit: int):
-        self._limit = limit
-        self._lock = threading.Lock()
+        self._limit = max(1, min(limit, _soft_open_files() // 4))
+        self._lock = threading.Condition()
         self._open: OrderedDict[str, list] = OrderedDict()  # path -> [fd, reads using it], least recent first
 
     def open(self, path: str) -> _Using:
         with self._lock:
-            entry = self._open.get(path)
-            if entry is None:
+            while path not in self._open:
+                self._close_unused(self._limit - 1)
                 try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    self._open[path] = [os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), 0]
                 except OSError as exc:
-                    raise out_of_files(exc, path) or exc from None
-                entry = self._open[path] = [fd, 0]
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    self._close_unused(0)
+                    if not any(users for _, users in self._open.values()):
+                        raise out_of_files(exc, path) from None
+                    self._lock.wait()  # another read gives its descriptor back
+            entry = self._open[path]
             self._open.move_to_end(path)
             entry[1] += 1
-            self._close_unused()
         return _Using(self, path, entry)
 
     def done(self, entry: list) -> None:
         with self._lock:
             entry[1] -= 1
-            self._close_unused()
+            self._close_unused(self._limit)
+            self._lock.notify_all()
 
     def drop_cache(self, path: str, offset: int, length: int) -> None:
         """The page cache's copy of bytes the merge has read: not kept in memory on their account."""
@@ -221,16 +229,16 @@ class _OpenFiles:
             return
         with self._lock:
             entry = self._open.get(path)
-            fd = entry[0] if entry else None
-            if fd is not None:
+            if entry is not None:
                 try:
-                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(entry[0], offset, length, os.POSIX_FADV_DONTNEED)
                 except OSError:  # advice only
                     pass
 
-    def _close_unused(self) -> None:
+    def _close_unused(self, keep: int) -> None:
+        """Close the least recently used descriptors no read is using, down to `keep` open."""
         for path in list(self._open):
-            if len(self._open) <= self._limit:
+            if len(self._open) <= keep:
                 return
             fd, users = self._open[path]
             if users == 0:
@@ -242,6 +250,16 @@ class _OpenFiles:
             for fd, _ in self._open.values():
                 os.close(fd)
             self._open.clear()
+
+
+def _soft_open_files() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except (ImportError, OSError, ValueError):
+        return 1024
 
 
 class _Using:
