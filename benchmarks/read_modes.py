@@ -46,6 +46,8 @@ def bare_copy(checkpoint: str, into: str) -> str:
     os.makedirs(into, exist_ok=True)
     for path in rank_files(checkpoint):
         target = os.path.join(into, os.path.basename(path))
+        if os.path.exists(target):  # a --workdir used before
+            os.remove(target)
         try:
             os.link(path, target)
         except OSError:
