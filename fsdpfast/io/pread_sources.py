@@ -48,7 +48,6 @@ class PreadSources:
         self._files = _OpenFiles(OPEN_FILES)
         self._memory: dict[int, mmap.mmap] = {}
         self._announced: dict[int, list[_Batch]] = {}  # index -> its ranges and reads, per batch, oldest first
-        self.bytes_read = 0
 
     def read_ahead(self, ranges: dict[int, list[tuple[int, int]]]) -> None:
         """Start reading byte ranges [start, end) of these buffers (a batch's): they are needed next."""
@@ -65,7 +64,7 @@ class PreadSources:
         if index not in self._announced:
             self.read_ahead({index: [(0, self.buffers[index].nbytes)]})
         self._announced[index][0].wait()  # a failed read raises here, in the merge's thread
-        return memoryview(self._memory_of(index))
+        return memoryview(self._memory_of(index))[: self.buffers[index].nbytes]
 
     def release(self, index: int) -> None:
         """The oldest announced batch is done with this buffer: give back its ranges' memory and the
@@ -129,7 +128,6 @@ class PreadSources:
                             "nothing was published; merge again once the checkpoint is complete"
                         )
                     done += got
-            self.bytes_read += done  # approximate under threads: a figure for benchmarks only
         finally:
             view.release()
 
