@@ -82,6 +82,7 @@ def merge_options(
         config=config,
         overwrite=overwrite,
         engine=engine,
+        read_mode=read_mode,
         allow_extra_tensors=allow_extra_tensors,
         merge_lora=merge_lora,
         lora_alpha=lora_alpha,
