@@ -21,14 +21,15 @@ BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input
 
 def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> list[int | None]:
     """Hand the pieces to `sink` a batch at a time; their CRC-32Cs, in order."""
+    reads = getattr(sources, "reads_announced_ranges", False)  # else (mapped files) nothing to announce
     largest = min(BATCH_BYTES, getattr(sources, "batch_bytes", BATCH_BYTES))
-    sliced = [_slices(p, largest) for p in pieces] if getattr(sources, "reads_announced_ranges", False) else None
+    sliced = [_slices(p, largest) for p in pieces] if reads else None
     found = batches([s for group in sliced for s in group] if sliced is not None else pieces, largest)
-    if found:
+    if found and reads:
         sources.read_ahead(source_ranges(found[0]))
     crcs: list[int | None] = []
     for i, batch in enumerate(found):
-        if i + 1 < len(found):
+        if i + 1 < len(found) and reads:
             sources.read_ahead(source_ranges(found[i + 1]))
         crcs += sink.write(batch, sources)
         if progress is not None:
