@@ -48,6 +48,7 @@ class SourceFiles:
     the files are never modified. No file stays open (io.mapped_file): any number of inputs."""
 
     drops_pages_as_read = True  # the kernels may madvise pages away as they read: they come back from the file
+    reads_announced_ranges = False  # the runner announces nothing: page faults read what is touched
 
     def __init__(self, buffers: list[SourceBuffer]):
         self.buffers = buffers
