@@ -99,6 +99,7 @@ def merge(
     config: str | None = None,
     overwrite: bool = False,
     engine: str = "auto",
+    read_mode: str = "auto",
     progress: bool = False,
     allow_extra_tensors: bool = False,
     expert_layout: str = "hub",
@@ -124,6 +125,9 @@ def merge(
     engine: "auto" (default: the engine measured fastest on this machine for this kind of conversion,
         execute/measurements.py; without such a record the native cpu engine, else torch), "cpu",
         "cuda", "torch".
+    read_mode: how the sources are read: "auto" (default: with large parallel reads when the checkpoint
+        is on a network filesystem or a FUSE mount, NFS, Lustre, GPFS, BeeGFS, CIFS/SMB, CephFS, 9p;
+        else mapped), "mmap" or "pread". The output is the same either way.
     progress: a progress bar on stderr when it is a terminal.
     options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
     group: a torch.distributed process group (gloo) of processes that all call `merge` with the same

@@ -267,6 +267,12 @@ def _add_merge_options(verb) -> None:
         help="auto (default: the native cpu engine, unless benchmarks/gpu_check.sh "
         "measured another faster on this machine for this kind of cast), cpu, cuda or torch",
     )
+    verb.add_argument(
+        "--read-mode",
+        default="auto",
+        help="how sources are read: auto (default: large parallel reads when the checkpoint is on a network "
+        "filesystem or FUSE mount, else mapped), mmap or pread",
+    )
     _add_layout_options(verb)
     verb.add_argument(
         "--allow-extra-tensors",
@@ -483,6 +489,7 @@ def _merge_logged(args, said: set[str]) -> int:
             args.out,
             overwrite=args.overwrite,
             engine=args.engine,
+            read_mode=args.read_mode,
             progress=not args.quiet,
             group=pg,
             **_plan_options(args),

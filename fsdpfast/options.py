@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadInput, option
 from .execute.engines import check_engine_name
+from .io.read_modes import check_read_mode
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .plan.normalise import parse_dtype
 
@@ -47,6 +48,7 @@ class MergeOptions:
     layout_options: dict = field(default_factory=dict)  # each for one layout (readers.LAYOUT_OPTIONS), given only
     config_dir: str | None = None  # config.json and tokenizer files to copy (default: found beside the checkpoint)
     engine: str = "auto"
+    read_mode: str = "auto"  # how sources are read (io.read_modes): auto, mmap or pread
     overwrite: bool = False
     allow_extra_tensors: bool = False
     full_copy_check: bool = False  # every byte of the copies held twice (verify --against), not a sample
@@ -63,6 +65,7 @@ def merge_options(
     config: str | None = None,
     overwrite: bool = False,
     engine: str = "auto",
+    read_mode: str = "auto",
     allow_extra_tensors: bool = False,
     full_copy_check: bool = False,
     expert_layout: str = "hub",
@@ -76,6 +79,7 @@ def merge_options(
     check_engine_name(engine)
     if expert_layout not in EXPERT_LAYOUTS:
         raise BadInput(f"{option('expert_layout', expert_layout)} is not one of {', '.join(EXPERT_LAYOUTS)}")
+    check_read_mode(read_mode)
     wanted = parse_dtype(dtype)
     _check_layout(layout, layout_options)
     shard = parse_size(max_shard_size)
@@ -87,6 +91,7 @@ def merge_options(
         config=config,
         overwrite=overwrite,
         engine=engine,
+        read_mode=read_mode,
         allow_extra_tensors=allow_extra_tensors,
         expert_layout=expert_layout,
         merge_lora=merge_lora,
@@ -102,6 +107,7 @@ def merge_options(
         layout_options={name: value for name, value in layout_options.items() if value is not None},
         config_dir=os.fspath(config) if config else None,
         engine=engine,
+        read_mode=read_mode,
         overwrite=overwrite,
         allow_extra_tensors=allow_extra_tensors,
         full_copy_check=full_copy_check,
@@ -113,7 +119,7 @@ def merge_options(
 
 # What only a merge takes: given to plan_merge or inspect, or recorded among a manifest's layout
 # options, each is an unknown layout option, as it always was.
-MERGE_ONLY = ("max_shard_size", "overwrite", "engine")
+MERGE_ONLY = ("max_shard_size", "overwrite", "engine", "read_mode")
 
 
 def layout_options_only(options: dict) -> dict:

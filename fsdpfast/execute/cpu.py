@@ -55,8 +55,8 @@ class FileOutput:
             offsets = array("q", (p.offset for p in native))
             sizes = array("q", (p.nbytes for p in native))
             try:
-                # The views are private, never-written mappings of the input files (SourceFiles),
-                # so their pages can be dropped as soon as they are read.
+                # Mapped input files (SourceFiles): private, never-written mappings, so their pages can
+                # be dropped as soon as they are read. Read buffers (PreadSources) are released per batch.
                 written = _ops.native().gather_convert_to_file(
                     views,
                     rows,
@@ -65,7 +65,7 @@ class FileOutput:
                     self.fd,
                     self.engine.chunk_bytes,
                     self.engine.threads,
-                    release_sources=True,
+                    release_sources=getattr(sources, "drops_pages_as_read", True),
                 )
             except (
                 RuntimeError

@@ -16,6 +16,7 @@ from ..errors import FsdpfastError, out_of_files
 from ..io.local_file import LocalFile
 from ..io.sources import Source, SourceFiles
 from ..io.target import Target, TargetFile
+from ..manifest import SourceChanged
 from ..plan.layout import OutputFile
 from ..plan.model import MergePlan
 from .parts import FilePart, Piece, pieces_of, tensor_checksums, whole
@@ -71,6 +72,8 @@ def write_into(file: TargetFile, path: str, part: FilePart, engine, sources: Sou
         if exc.filename:  # an input file, named by the error itself
             raise
         raise _os_write_failed(path, exc) from None
+    except SourceChanged:  # an input read short (io.pread_sources): the input's, said as it is
+        raise
     except FsdpfastError as exc:  # the native kernels' I/O errors ("writing the output file: ...")
         code = next((c for c in _WHAT_TO_DO if os.strerror(c) in str(exc)), None)  # they carry strerror's words
         raise _write_failed(path, str(exc), code) from None

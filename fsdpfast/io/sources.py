@@ -1,7 +1,8 @@
 """Where input bytes come from: a Source hands out each plan source buffer as a byte view.
 
-SourceFiles is the local Source: input files mapped once, read-only in effect. Another kind of
-source (a remote store, read in ranges) implements the same three calls.
+SourceFiles is the local Source: input files mapped once, read-only in effect. PreadSources
+(io.pread_sources) reads the byte ranges announced with `read_ahead` with large explicit reads,
+for network filesystems and FUSE mounts (io.read_modes); a remote store would do the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,19 @@ class Source(Protocol):
     def release(self, index: int) -> None:
         """The buffer has been consumed: its memory may be given back (it can still be viewed again)."""
 
+    def read_ahead(self, ranges: dict[int, list[tuple[int, int]]]) -> None:
+        """Byte ranges [start, end) of buffers, by index, that the next views will read (a batch's)."""
+
     def close(self) -> None: ...
+
+
+def open_sources(buffers: list[SourceBuffer], read_mode: str = "mmap") -> Source:
+    """The Source for a merge's buffers read the way io.read_modes chose (mmap or pread)."""
+    if read_mode == "pread":
+        from .pread_sources import PreadSources
+
+        return PreadSources(buffers)
+    return SourceFiles(buffers)
 
 
 _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes: file pages mapped together on a read fault
@@ -33,6 +46,9 @@ class SourceFiles:
     """Maps each input file at most once. Private copy-on-write mappings give writable views
     (so torch.frombuffer stays quiet) while nothing is ever written: no page is copied and
     the files are never modified. No file stays open (io.mapped_file): any number of inputs."""
+
+    drops_pages_as_read = True  # the kernels may madvise pages away as they read: they come back from the file
+    reads_announced_ranges = False  # the runner announces nothing: page faults read what is touched
 
     def __init__(self, buffers: list[SourceBuffer]):
         self.buffers = buffers
@@ -45,6 +61,9 @@ class SourceFiles:
             mapping = map_file(buffer.path)
             self._maps[buffer.path] = mapping
         return mapping.view(buffer.byte_offset, buffer.byte_offset + buffer.nbytes)
+
+    def read_ahead(self, ranges: dict[int, list[tuple[int, int]]]) -> None:
+        """Nothing: the page faults read (and the kernel reads ahead of them)."""
 
     def release(self, index: int) -> None:
         """Drop the pages of a consumed buffer from this process (the page cache keeps them).

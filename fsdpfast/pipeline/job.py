@@ -16,9 +16,11 @@ from ..execute.measurements import job_kind
 from ..execute.parts import share_out, tensor_bytes
 from ..execute.writer import execute
 from ..hf.eos import eos_disagreements
+from ..io.filesystems import nearest_existing, remote_filesystem
 from ..io.local_target import LocalTarget
 from ..io.output_place import check_output_place
-from ..io.sources import rebased
+from ..io.read_modes import chosen_read_mode, read_mode_note
+from ..io.sources import open_sources, rebased
 from ..manifest import check_same_sources, check_unchanged, source_identity
 from ..options import MergeOptions
 from ..plan.layout import OutputFile, plan_files
@@ -53,6 +55,7 @@ class MergeJob:
     token: str = ""
     options: dict = field(default_factory=dict)  # rank_agreement.compared_options
     content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
+    read_mode: tuple[str, str | None] = ("mmap", None)  # io.read_modes.chosen_read_mode: the mode, and why
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
         state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
@@ -68,7 +71,7 @@ class MergeJob:
         check_same_sources(src, self.identity)
         check_same_copy(src, self.content, rank)
         self.target = LocalTarget.join(dst, self.token)
-        self.engine = select_engine(self.engine, threads_share=local_processes())
+        self.engine = large_writes_on_remote_output(select_engine(self.engine, threads_share=local_processes()), dst)
 
     def check_sources(self) -> None:
         check_unchanged(self.src, self.identity)
@@ -97,13 +100,18 @@ def prepare(src: str, dst: str, options: MergeOptions, several: bool) -> MergeJo
     """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
     plan, files, extras = lay_out(src, dst, options)
     runner = select_engine(options.engine, job_kind(plan.tensors), threads_share=local_processes())
+    runner = large_writes_on_remote_output(runner, dst)
     _log_plan(plan, files, runner.name)
     identity = source_identity(src, (s.path for s in plan.sources))  # before any byte moves
     compared, content = {}, {}
     if several:  # for the other ranks to compare theirs with (a few small reads per file)
         compared, content = compared_options(options.given), content_of(src, (entry["path"] for entry in identity))
     target = LocalTarget(dst, options.overwrite)
-    return MergeJob(src, dst, options.dtype, plan, files, extras, identity, runner, target, "", compared, content)
+    read_mode = chosen_read_mode(options.read_mode, plan.sources)
+    log.info("sources read with %s%s", read_mode[0], f" ({read_mode[1]})" if read_mode[1] else "")
+    return MergeJob(
+        src, dst, options.dtype, plan, files, extras, identity, runner, target, "", compared, content, read_mode
+    )
 
 
 def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool, given: dict) -> list:
@@ -114,14 +122,16 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
     try:
-        written = execute(
-            job.plan,
-            share,
-            job.target,
-            engine=job.engine,
-            progress=bar.advance,
-            after_file=lambda _: job.check_sources(),
-        )
+        with open_sources(job.plan.sources, job.read_mode[0]) as sources:
+            written = execute(
+                job.plan,
+                share,
+                job.target,
+                engine=job.engine,
+                sources=sources,
+                progress=bar.advance,
+                after_file=lambda _: job.check_sources(),
+            )
     finally:
         bar.close()
     log.info(
@@ -131,6 +141,18 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
         time.perf_counter() - start,
     )
     return written
+
+
+REMOTE_WRITE_BYTES = 4 << 20  # one pwrite of the native engine where the output is on a network filesystem
+
+
+def large_writes_on_remote_output(engine, dst: str):
+    """The engine, writing 4 MB chunks instead of 1 MB where OUT_DIR is on a network filesystem or a
+    FUSE mount: fewer, larger requests. Its threads take the chunks in file order, so the writes
+    advance through each file nearly sequentially (a window of one chunk per thread)."""
+    if getattr(engine, "chunk_bytes", None) is not None and remote_filesystem(nearest_existing(dst)):
+        engine.chunk_bytes = max(engine.chunk_bytes, REMOTE_WRITE_BYTES)
+    return engine
 
 
 def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeReport:
@@ -157,7 +179,7 @@ def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeRe
         seconds=time.perf_counter() - start,
         tied={t.name: list(t.aliases) for t in plan.tensors if t.aliases},
         copied=done.copied,
-        notes=list(plan.notes) + done.notes,
+        notes=list(plan.notes) + done.notes + [n for n in [read_mode_note(*job.read_mode)] if n],
         warnings=[*plan.warnings, *target.warnings],
         adapters=done.extras,
         processes=processes,

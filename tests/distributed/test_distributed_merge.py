@@ -35,6 +35,7 @@ from fsdpfast.execute.engines import select_engine
 from fsdpfast.execute.parts import clip_extent, share_out, tensor_checksums
 from fsdpfast.execute.writer import execute
 from fsdpfast.io.local_target import LocalTarget
+from fsdpfast.io.sources import open_sources
 from fsdpfast.plan.layout import plan_files
 from fsdpfast.plan.model import Extent, MergePlan, SourceBuffer, TensorPlan
 
@@ -93,6 +94,7 @@ def _splits_a_tensor(folder: str, processes: int, dtype: str = "keep") -> bool:
     [
         ("wide", 2, []),
         ("wide", 3, ["--dtype", "bf16"]),
+        ("wide", 2, ["--dtype", "bf16", "--read-mode", "pread"]),  # each process reads its share with preads
         ("wide-dcp", 4, []),
     ],
 )
@@ -359,11 +361,12 @@ def test_a_copy_elsewhere_and_options_spelled_otherwise_merge(wide, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("read_mode", ["mmap", "pread"])
 @pytest.mark.parametrize("engine", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["wide", "wide-dim1"])
-def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine):
-    """Shares cut at 64-byte boundaries (inside rows, inside strided Shard(1) runs), written one by one,
-    give the files and the checksums of whole files."""
+def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine, read_mode):
+    """Shares cut at 64-byte boundaries (inside rows, inside strided Shard(1) runs), written one by one
+    (the sources mapped, or read with preads), give the files and the checksums of whole files."""
     _, folder = wide.get(name)
     plan = fsdpfast.plan_merge(folder, dtype="bf16")
     files = plan_files(plan, "300KB")
@@ -376,9 +379,12 @@ def test_parts_cut_anywhere_make_the_whole_files(wide, tmp_path, name, engine):
         shares = share_out(files, count, align=64)
         _check_cover(files, shares, 64)
         target = LocalTarget(str(tmp_path / f"parts-{count}"), False)
-        pieces = [
-            piece for share in reversed(shares) for piece in execute(plan, share, target, engine=select_engine(engine))
-        ]
+        with open_sources(plan.sources, read_mode) as sources:
+            pieces = [
+                piece
+                for share in reversed(shares)
+                for piece in execute(plan, share, target, engine=select_engine(engine), sources=sources)
+            ]
         target.publish()
         target.discard()
         assert tensor_checksums(files, pieces) == expected

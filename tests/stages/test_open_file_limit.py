@@ -53,10 +53,10 @@ def _run(*args, limit: int = LIMIT) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("engine", ["cpu", "torch"])
-def test_merge_of_more_rank_files_than_the_open_file_limit(many_ranks, tmp_path, engine):
+@pytest.mark.parametrize("engine, read_mode", [("cpu", "mmap"), ("torch", "mmap"), ("cpu", "pread")])
+def test_merge_of_more_rank_files_than_the_open_file_limit(many_ranks, tmp_path, engine, read_mode):
     out = tmp_path / "merged"
-    result = _run("merge", many_ranks, "--out", out, "--engine", engine, "--quiet")
+    result = _run("merge", many_ranks, "--out", out, "--engine", engine, "--read-mode", read_mode, "--quiet")
     assert result.returncode == 0, result.stderr
     assert_bit_exact(read_merged(str(out)), unsharded_state(TINY, torch.float32, SEED))
     verified = _run("verify", out, "--against", many_ranks)  # recomputes every tensor from the rank files

@@ -15,9 +15,23 @@ Set FSDPFAST_OUTPUTS_CORPUS=DIR to keep the corpus between runs (the first run w
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
-from record_outputs import record, recordings
+from record_outputs import (
+    CORPUS_ENV,
+    Corpus,
+    Merge,
+    Normaliser,
+    folder_record,
+    record,
+    recordings,
+    runs,
+    written_corpus,
+)
+
+from fsdpfast.execute import runner
 
 # Minutes of checks that need no particular torch build (docs/development.md)
 pytestmark = pytest.mark.slow
@@ -27,8 +41,13 @@ RUNS = list(RECORDINGS[0]["runs"])
 
 
 @pytest.fixture(scope="module")
-def now(tmp_path_factory) -> dict:
-    return record(tmp_path_factory.mktemp("outputs"))
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="module")
+def now(root) -> dict:
+    return record(root)
 
 
 def first_difference(recorded, found, where: str = "") -> str | None:
@@ -82,3 +101,42 @@ def test_the_outputs_are_the_recorded_ones(now, run):
         difference = first_difference(want, found["files"][name])
         assert difference is None, f"{run}: {name} differs from the recorded one: {difference}"
     assert report_difference is None, f"{run}: {report_difference}"
+
+
+MERGES = [
+    name
+    for name, run in RECORDINGS[0]["runs"].items()
+    if name.startswith(("merge-", "lora-")) and "raised" not in (run["report"] or {})
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(root) -> Corpus:
+    """The corpus `now` merged, or written here when only the tests below run."""
+    folder = Path(os.environ.get(CORPUS_ENV) or root / "corpus")
+    return Corpus(folder) if (folder / "fsdp2").exists() else written_corpus(folder)
+
+
+@pytest.mark.parametrize("run", MERGES)
+def test_the_merges_read_with_pread_write_what_mapped_ones_write(corpus, tmp_path, monkeypatch, run):
+    """Every layout's merges of the recording again, the sources read with explicit preads
+    (io.pread_sources) in batches of 4 KB (tensors cut in slices, reads ahead, pages shared between
+    batches) and mapped: the same files, byte for byte (the mapped ones are the recorded ones where
+    this corpus is the recorded one: the test above)."""
+    found = {r.name: r for r in runs(corpus)}.get(run)
+    if found is None or not isinstance(found.do, Merge):
+        pytest.skip(f"{run} is not a merge in this process here")
+    written = ("fsdp2", "fsdp1", "deepspeed", "lora", "live")  # the rest are committed (tests/fixtures)
+    if not all((corpus.root / kind).exists() for kind in (n.split("/")[0] for n in found.inputs) if kind in written):
+        pytest.skip(f"{run}: its inputs were not written here")
+    files = {}
+    for mode in ("mmap", "pread"):
+        if mode == "pread":
+            monkeypatch.setattr(runner, "BATCH_BYTES", 4096)
+        report = Merge(found.do.src, {**found.do.options, "read_mode": mode})(tmp_path / mode / run)
+        assert (mode == "pread") == any("sources read with large parallel reads" in n for n in report.notes)
+        files[mode] = folder_record(tmp_path / mode / run, Normaliser(corpus.root, tmp_path / mode))
+    assert list(files["pread"]) == list(files["mmap"]), run
+    for name, want in files["mmap"].items():
+        difference = first_difference(want, files["pread"][name])
+        assert difference is None, f"{run} read with pread: {name} differs from the mapped merge's: {difference}"

@@ -225,9 +225,11 @@ def test_a_source_touched_after_the_merge_is_reported(checkpoints, tmp_path):
         assert any("changed since the merge" in n and touched.name in n for n in report.notes), report.notes
 
 
+@pytest.mark.parametrize("read_mode", ["mmap", "pread"])
 @pytest.mark.parametrize("change", ["mtime", "size"])
-def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, monkeypatch, change):
-    """The first output file is written, then a rank file changes: nothing is published."""
+def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, monkeypatch, change, read_mode):
+    """The first output file is written, then a rank file changes: nothing is published (the sources
+    mapped or read with preads, io.read_modes)."""
     folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
     victim = folder / "model_world_size_2_rank_0.pt"
     real_write_file = writer.write_part
@@ -248,7 +250,7 @@ def test_a_source_changing_during_the_merge_aborts_it(checkpoints, tmp_path, mon
     monkeypatch.setattr(writer, "write_part", write_then_change)
     out = tmp_path / "out"
     with pytest.raises(SourceChanged, match=victim.name):
-        fsdpfast.merge(folder, out, max_shard_size="40KB")
+        fsdpfast.merge(folder, out, max_shard_size="40KB", read_mode=read_mode)
     assert len(written) == 1  # aborted at once, not at the end
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 

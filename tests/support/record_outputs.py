@@ -331,8 +331,20 @@ class Run:
     output: Callable[[Path], Path] | None = None  # the folder to record, when it is not the one given
 
 
+@dataclass(frozen=True)
+class Merge:
+    """`fsdpfast.merge(src, out, **options)`; its options can be read (test_same_outputs makes the
+    merges again with the sources read another way)."""
+
+    src: Path
+    options: dict
+
+    def __call__(self, out: Path):
+        return fsdpfast.merge(self.src, out, **self.options)
+
+
 def _merge(src: Path, **options) -> Callable[[Path], object]:
-    return lambda out: fsdpfast.merge(src, out, **options)
+    return Merge(src, options)
 
 
 def _verify(of: str, against: Path) -> Callable[[Path], object]:
