@@ -57,11 +57,20 @@ def prepare(
     """
     wanted = dtype
     tensors = _rename(plan.tensors)
-    config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
-    pairs = tied_pairs(tensors, expected, config)
+    pairs = tied_pairs(tensors, expected, _config_of(plan, config_dir))
     tensors, notes = _drop_tied(tensors, pairs, plan, check_tied_bytes)
     tensors = [replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted)) for tensor in tensors]
     return plan.but(tensors=tensors).noted(*notes)
+
+
+def planned_ties(plan: MergePlan, config_dir: str | None, expected: ExpectedModel | None) -> list[tuple[str, str]]:
+    """The (kept, dropped) pairs `prepare` would tie, given the same arguments: a plan prepared without
+    the model (still being built) is the one prepared with it when these agree."""
+    return tied_pairs(_rename(plan.tensors), expected, _config_of(plan, config_dir))
+
+
+def _config_of(plan: MergePlan, config_dir: str | None) -> dict:
+    return _read_config(config_dir) if config_dir else dict(plan.built_config or {})
 
 
 def _rename(tensors) -> list[TensorPlan]:
