@@ -11,7 +11,6 @@ never goes missing because of how it was run.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -38,14 +37,32 @@ def transformers_version() -> str | None:
     if "transformers" in sys.modules and "torch" in sys.modules:
         return getattr(sys.modules["transformers"], "__version__", None) or "unknown"
     try:
-        if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+        found = importlib.util.find_spec("transformers")
+        if found is None or importlib.util.find_spec("torch") is None:
             return None
     except (ImportError, ValueError):  # a broken entry in sys.modules or on the path
         return None
+    beside = _dist_info_version(found.origin)
+    if beside:
+        return beside
+    from importlib import metadata  # 50 ms to import: only where the distribution is not beside the package
+
     try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         return "unknown"  # importable without an installed distribution: built every time, never cached
+
+
+def _dist_info_version(origin: str | None) -> str | None:
+    """The version in the name of the one transformers-VERSION.dist-info beside the package (pip's install)."""
+    if not origin:
+        return None
+    folder = os.path.dirname(os.path.dirname(origin))
+    try:
+        found = [n for n in os.listdir(folder) if n.startswith("transformers-") and n.endswith(".dist-info")]
+    except OSError:
+        return None
+    return found[0][len("transformers-") : -len(".dist-info")] if len(found) == 1 else None
 
 
 class ExpectedBuild:
