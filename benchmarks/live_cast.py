@@ -1,4 +1,4 @@
-"""The cast + write of one CPU shard by `fsdpfast.save_pretrained`, the two ways live.write.CAST picks:
+"""The cast + write of one CPU shard by `fsdpfast.save_pretrained`, the two ways live.write.WriteWays.torch_cast picks between:
 
   native   the kernel casts fp32 -> bf16 as it writes and checksums (what save_pretrained does)
   torch    torch's .to(bfloat16) first, then the kernel writes and checksums the bf16 copy

@@ -11,8 +11,8 @@ sharing one GPU, with CUDA tensors).
 and two variants of fsdpfast's, to measure the choices it makes (--ways picks any of the five):
 
   fsdpfast-redistribute   pieces that are not whole rows (--shard-dim 1) redistributed to Shard(0)
-                          first (live.plan.REDISTRIBUTE), instead of written as strided runs
-  fsdpfast-torch-cast     CPU tensors cast by torch's .to() (live.write.CAST), not by the native kernel
+                          first (live.write.WriteWays.redistribute), instead of written as strided runs
+  fsdpfast-torch-cast     CPU tensors cast by torch's .to() (WriteWays.torch_cast), not by the native kernel
 
 Each way runs in fresh processes (so peak RSS is its own), on the same seeded model, one round
 after another, for --rounds rounds; the table gives each way's min and median seconds (the save
@@ -89,12 +89,10 @@ def _rank(rank: int, world: int, port: int, way: str, args, result_path: str) ->
     start = time.perf_counter()
     if way.startswith("fsdpfast"):
         import fsdpfast
-        import fsdpfast.live.plan
-        import fsdpfast.live.write
+        from fsdpfast.live.write import WriteWays
 
-        fsdpfast.live.plan.REDISTRIBUTE = way == "fsdpfast-redistribute"
-        fsdpfast.live.write.CAST = "torch" if way == "fsdpfast-torch-cast" else "native"
-        fsdpfast.save_pretrained(model, out, dtype="bf16")
+        ways = WriteWays(redistribute=way == "fsdpfast-redistribute", torch_cast=way == "fsdpfast-torch-cast")
+        fsdpfast.save_pretrained(model, out, dtype="bf16", ways=ways)
     elif way == "gather":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

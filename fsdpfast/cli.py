@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep tensors the model class in config.json does not have (e.g. a value head) instead of refusing",
     )
+    merge.add_argument(
+        "--expert-layout",
+        choices=("hub", "packed"),
+        default="hub",
+        help="MoE experts one tensor per expert, as save_pretrained writes the family (hub, default), "
+        "or packed as transformers 5 holds them (packed)",
+    )
     _add_lora_options(merge)
     merge.add_argument(
         "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
@@ -170,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--config", default=None, help="folder with config.json (default CHECKPOINT/huggingface)")
     _add_layout_options(inspect)
     inspect.add_argument("--allow-extra-tensors", action="store_true", help="as for merge")
+    inspect.add_argument("--expert-layout", choices=("hub", "packed"), default="hub", help="as for merge")
     _add_lora_options(inspect, _LORA_NUMBERS)
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
 
@@ -367,6 +375,7 @@ def _plan_options(args) -> dict:
         layout=args.layout,
         config=args.config,
         allow_extra_tensors=args.allow_extra_tensors,
+        expert_layout=args.expert_layout,
         **_layout_options(args),
         **_lora_options(args),
     )
@@ -479,6 +488,7 @@ def _inspect(args) -> int:
         layout=args.layout,
         config=args.config,
         allow_extra_tensors=args.allow_extra_tensors,
+        expert_layout=args.expert_layout,
         **_lora_options(args),
         **_layout_options(args),
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .errors import BadInput
+from .errors import BadInput, option
 from .execute.engines import check_engine_name
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .plan.normalise import parse_dtype
@@ -34,6 +34,11 @@ class LoraOptions:
         return {k: v for k, v in {**values, "base": self.base}.items() if v not in (None, False, "")}
 
 
+# How MoE experts are written (families.transform): as save_pretrained writes the family (one tensor
+# per expert), or packed as transformers 5 holds them in memory.
+EXPERT_LAYOUTS = ("hub", "packed")
+
+
 @dataclass(frozen=True)
 class MergeOptions:
     dtype: str | None = None  # the torch dtype floating tensors are cast to; None keeps each as stored
@@ -45,6 +50,7 @@ class MergeOptions:
     overwrite: bool = False
     allow_extra_tensors: bool = False
     full_copy_check: bool = False  # every byte of the copies held twice (verify --against), not a sample
+    expert_layout: str = "hub"  # EXPERT_LAYOUTS
     lora: LoraOptions = field(default_factory=LoraOptions)
     given: dict = field(default_factory=dict)  # what decides the output, as given: the same on every process
 
@@ -59,6 +65,7 @@ def merge_options(
     engine: str = "auto",
     allow_extra_tensors: bool = False,
     full_copy_check: bool = False,
+    expert_layout: str = "hub",
     merge_lora=None,
     lora_alpha: float | None = None,
     lora_r: int | None = None,
@@ -67,6 +74,8 @@ def merge_options(
 ) -> MergeOptions:
     """The keyword arguments of the public functions, checked in the order a merge used to meet them."""
     check_engine_name(engine)
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise BadInput(f"{option('expert_layout', expert_layout)} is not one of {', '.join(EXPERT_LAYOUTS)}")
     wanted = parse_dtype(dtype)
     _check_layout(layout, layout_options)
     shard = parse_size(max_shard_size)
@@ -79,6 +88,7 @@ def merge_options(
         overwrite=overwrite,
         engine=engine,
         allow_extra_tensors=allow_extra_tensors,
+        expert_layout=expert_layout,
         merge_lora=merge_lora,
         lora_alpha=lora_alpha,
         lora_r=lora_r,
@@ -95,6 +105,7 @@ def merge_options(
         overwrite=overwrite,
         allow_extra_tensors=allow_extra_tensors,
         full_copy_check=full_copy_check,
+        expert_layout=expert_layout,
         lora=lora,
         given=given,
     )

@@ -89,13 +89,7 @@ def _uses(reference: _Reference) -> int:
 def _native_changes():
     from .. import _ops
 
-    return getattr(_ops.native(), "pickle_value_changes", None) if _ops.native_cpu() and not _python_only() else None
-
-
-def _python_only() -> bool:
-    from . import safe_load
-
-    return safe_load._PYTHON_ONLY
+    return getattr(_ops.native(), "pickle_value_changes", None) if _ops.native_cpu() else None
 
 
 class _Unusable(Exception):

@@ -443,12 +443,9 @@ def _plain(data: bytes) -> bool:
     outgrow the pickle. Without the native module, never."""
     from .. import _ops
 
-    native = _ops.native() if _ops.native_cpu() and not _PYTHON_ONLY else None
+    native = _ops.native() if _ops.native_cpu() else None
     scan = getattr(native, "pickle_not_plain", None)
     return scan is not None and scan(data) is None
-
-
-_PYTHON_ONLY = False  # tests set it to read every pickle with the Python unpickler
 
 
 def safe_unpickle(

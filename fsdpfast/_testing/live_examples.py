@@ -42,7 +42,7 @@ class LiveSpec:
     # placement) or "uneven" (local pieces that are not torch.chunk's split, made with DTensor.from_local)
     refused: str | None = None
     # the measured alternatives save_pretrained keeps reachable: redistribute column blocks to Shard(0)
-    # first (live.plan.REDISTRIBUTE), cast CPU tensors with torch's .to() (live.write.CAST = "torch")
+    # first, cast CPU tensors with torch's .to() (live.write.WriteWays)
     redistribute: bool = False
     torch_cast: bool = False
     seed: int = 0
@@ -86,8 +86,7 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     from torch.distributed.tensor import Shard
 
     import fsdpfast
-    import fsdpfast.live.plan
-    import fsdpfast.live.write
+    from fsdpfast.live.write import WriteWays
 
     folder = spec.folder(root)
     os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
@@ -122,19 +121,15 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveSpec) -> None:
     if spec.refused is not None:
         model.register_buffer("fsdpfast_refused", _refused_dtensor(spec.refused, mesh, rank, world_size))
     limit = _limit_file_size(1024) if rank == spec.fail_rank else None
-    fsdpfast.live.plan.REDISTRIBUTE, fsdpfast.live.write.CAST = (
-        spec.redistribute,
-        "torch" if spec.torch_cast else "native",
-    )
+    ways = WriteWays(redistribute=spec.redistribute, torch_cast=spec.torch_cast)
     try:
         report = fsdpfast.save_pretrained(
-            model, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size
+            model, os.path.join(folder, "live"), dtype=spec.save_dtype, max_shard_size=spec.max_shard_size, ways=ways
         )
         outcome = {"ok": True, "files": report.files, "tied": report.tied}
     except Exception as exc:  # recorded for the test: every rank must fail when one does
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
-        fsdpfast.live.plan.REDISTRIBUTE, fsdpfast.live.write.CAST = False, "native"
         if limit is not None:
             import resource
 

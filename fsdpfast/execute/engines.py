@@ -27,6 +27,12 @@ def check_engine_name(name: str) -> None:
         raise BadInput(f"{option('engine', name)} is not one of {', '.join(ENGINES)}")
 
 
+def compute_device(engine_name: str) -> str:
+    """The device an engine computes tensors on (execute.computed: a fused LoRA weight): the cuda
+    engine's GPU, else the CPU. verify --against recomputes them on the kind the merge used."""
+    return "cuda" if engine_name == "cuda" else "cpu"
+
+
 def available_engines() -> list[str]:
     """Usable engines, auto's choice without a measurement first: cpu, cuda, torch."""
     from .. import _ops

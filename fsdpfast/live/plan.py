@@ -25,9 +25,6 @@ from ..plan.normalise import clean_name, parse_dtype, tied_pairs
 from .fsdp1 import FlatRun
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
-# Pieces that are not whole rows (Shard(d>0)) redistributed to Shard(0) before writing (one collective per
-# tensor), instead of written as strided runs: kept to measure the two (benchmarks/live_save.py).
-REDISTRIBUTE = False
 
 
 def dtype_name(dtype) -> str:
@@ -114,7 +111,7 @@ def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]
     return tuple(kinds)
 
 
-def local_piece(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
+def local_piece(value, rank: int, name: str = "a tensor", redistribute: bool = False) -> LocalPiece | None:
     """What this rank writes of `value`, or None (another rank writes it, or it holds none).
 
     A DTensor's piece is placed by its placements as geometry.placements reads rank files (nested
@@ -122,8 +119,9 @@ def local_piece(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
     strided runs of one sharded on another dim (or on two dims, FSDP2 + tensor parallel). Copies
     are written once: by the replica at coordinate 0 of each Replicate mesh dim, and, for a tensor
     on a sub-mesh (FSDP2's dp mesh under TP), by the sub-mesh holding the root mesh's first rank.
-    With REDISTRIBUTE set, pieces that are not whole rows are first redistributed to Shard(0): a
-    collective, so every rank must then call this for every tensor, in the same order."""
+    With `redistribute`, pieces that are not whole rows are first redistributed to Shard(0) (one
+    collective per tensor, instead of strided runs; kept to measure the two: live.write.WriteWays):
+    every rank must then call this for every tensor, in the same order."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if isinstance(value, FlatRun):  # FSDP1: the rank's run of the flat parameter (live.fsdp1)
@@ -133,7 +131,7 @@ def local_piece(value, rank: int, name: str = "a tensor") -> LocalPiece | None:
         return LocalPiece.rows(0, value.detach().contiguous()) if rank == 0 else None
     kinds = placement_kinds(value, name)
     mesh = value.device_mesh
-    if REDISTRIBUTE and any(kind != "replicate" and dim != 0 for kind, dim, _ in kinds):
+    if redistribute and any(kind != "replicate" and dim != 0 for kind, dim, _ in kinds):
         target = [Replicate() if kind == "replicate" else Shard(0) for kind, _, _ in kinds]
         value = value.redistribute(mesh, target)
         kinds = placement_kinds(value, name)

@@ -24,7 +24,7 @@ from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
 from .fsdp1 import is_fsdp1, live_state
 from .plan import plan_live
-from .write import settle, write_runs
+from .write import WriteWays, settle, write_runs
 
 
 @dataclass
@@ -51,6 +51,7 @@ def save_pretrained(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     group=None,
     overwrite: bool = False,
+    ways: WriteWays | None = None,
 ) -> SaveReport:
     """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh,
     or FSDP2 + tensor parallel), FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False;
@@ -64,6 +65,7 @@ def save_pretrained(
     config: the model's config (default `model.config`), written as config.json with the dtype
         written; `tokenizer`: saved beside it if given (its save_pretrained).
     group: the process group (default: the default group when torch.distributed is initialised).
+    ways: how each rank writes (live.write.WriteWays; None: the defaults), for measuring the slower ways.
     """
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
@@ -89,7 +91,7 @@ def save_pretrained(
     try:
         if target is None:
             target = JoinedTarget(out_dir, output.token)
-        pieces = processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank))
+        pieces = processes.gather(lambda: write_runs(files, tensors, target.open, processes.rank, ways or WriteWays()))
         return processes.lead(
             lambda: _finish(
                 target,

@@ -38,9 +38,15 @@ from .plan import LiveTensor, dtype_name, local_piece
 IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
 MAX_PIECES = 16  # a rank's runs of one tensor sent as Pieces up to this many; more as one Spread
-# "native": CPU pieces cast by the kernel; "torch": by torch's .to() first (kept to measure the two:
-# benchmarks/live_save.py).
-CAST = "native"
+
+
+@dataclass(frozen=True)
+class WriteWays:
+    """How a rank writes its pieces. The defaults are the ways save_pretrained writes; the others are
+    kept to measure them side by side (benchmarks/live_save.py, benchmarks/live_cast.py)."""
+
+    redistribute: bool = False  # pieces that are not whole rows redistributed to Shard(0) first (live.plan)
+    torch_cast: bool = False  # pieces cast by torch's .to() instead of the extension's kernels
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,11 @@ class Spread:
 
 
 def write_runs(
-    files: list[OutputFile], tensors: list[LiveTensor], open_file: Callable[[str, int], TargetFile], rank: int
+    files: list[OutputFile],
+    tensors: list[LiveTensor],
+    open_file: Callable[[str, int], TargetFile],
+    rank: int,
+    ways: WriteWays = WriteWays(),
 ) -> list[Piece | Spread]:
     """Write what this rank holds of `tensors` (every rank calls this with the same list: a
     redistribution is collective); `open_file(name, size)` opens an output file of the Target (Target.open)."""
@@ -68,7 +78,7 @@ def write_runs(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpfast-write") as writer:
         try:
             for tensor in tensors:
-                local = local_piece(tensor.value, rank, tensor.key)
+                local = local_piece(tensor.value, rank, tensor.key, ways.redistribute)
                 file, placed = where[tensor.name]
                 if local is None or not local.data.numel():
                     continue
@@ -77,9 +87,9 @@ def write_runs(
                 out = opened[file.name]
                 data, target, ready = local.data.contiguous(), placed.tensor.target_dtype, None
                 if data.is_cuda:
-                    staging = staging or _PinnedSlots(IN_FLIGHT)
+                    staging = staging or _PinnedSlots(IN_FLIGHT, kernel_cast=not ways.torch_cast)
                     data, ready = staging.stage(data, target)
-                elif not _kernel_casts(data, target, out):
+                elif ways.torch_cast or not _kernel_casts(data, target, out):
                     data = data.to(torch_dtype(target)).to("cpu").contiguous()
                 job = (out, data, local.extents, target, placed, file.name, threads, ready)
                 pending.append(writer.submit(_write, *job))
@@ -130,12 +140,7 @@ def settle(files: list[OutputFile], pieces: list[Piece | Spread]) -> list[Piece]
 
 
 def _kernel_casts(data, target: str, out: TargetFile) -> bool:
-    return (
-        CAST == "native"
-        and _kernel_writes(out)
-        and data.device.type == "cpu"
-        and native_pair(dtype_name(data.dtype), target)
-    )
+    return _kernel_writes(out) and data.device.type == "cpu" and native_pair(dtype_name(data.dtype), target)
 
 
 def _kernel_writes(out: TargetFile) -> bool:
@@ -150,16 +155,17 @@ class _PinnedSlots:
     keeps count - 1 pieces in flight while it prepares the next), so the GPU's cast and copy of one
     piece overlap the write of the one before, and host memory stays at `count` pieces' bytes."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, kernel_cast: bool = True):
         self.buffers: list = [None] * count
         self.turn = 0
+        self.kernel_cast = kernel_cast
 
     def stage(self, data, target: str):
         """(a pinned CPU tensor of `data`'s elements as `target`, flat; the CUDA event its copy fires)."""
         import torch
 
         with torch.cuda.device(data.device):
-            cast = _cast_on_device(data.reshape(-1), target)
+            cast = _cast_on_device(data.reshape(-1), target, self.kernel_cast)
             nbytes = cast.numel() * cast.element_size()
             k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
             if self.buffers[k] is None or self.buffers[k].numel() < nbytes:
@@ -172,7 +178,7 @@ class _PinnedSlots:
         return host, ready
 
 
-def _cast_on_device(data, target: str):
+def _cast_on_device(data, target: str, kernel: bool = True):
     """`data` (flat, contiguous, on a GPU) as `target`, on the same GPU: by the extension's CUDA op
     where it is built and has the pair, else by torch's `.to()` (both round to nearest even)."""
     import torch
@@ -180,7 +186,7 @@ def _cast_on_device(data, target: str):
     source = dtype_name(data.dtype)
     if source == target:
         return data
-    if CAST == "native" and _ops.code(source) and _ops.code(target) and _ops.native_cuda_built():
+    if kernel and _ops.code(source) and _ops.code(target) and _ops.native_cuda_built():
         out = torch.empty(data.numel() * itemsize(target), dtype=torch.uint8, device=data.device)
         row = [0, 0, _ops.code(source), _ops.code(target), data.element_size(), itemsize(target)]
         plan = torch.tensor([[*row, 0, data.numel(), 0, 1, 0, 0]], dtype=torch.int64)  # csrc/plan_rows.h

@@ -189,10 +189,6 @@ def _share_with_tied(tensors: list[TensorPlan]) -> list[TensorPlan]:
 # --- computing a fused tensor ---------------------------------------------------------------------
 
 
-def device_for(engine_name: str) -> str:
-    return "cuda" if engine_name == "cuda" else "cpu"
-
-
 def compute(tensor: TensorPlan, sources, device: str, gather):
     """The fused tensor, in its target dtype, on the CPU; its inputs read by `gather` (execute.computed)."""
     import torch

@@ -18,13 +18,18 @@ from ..plan.normalise import prepare
 from ..plan.transform import ExpectedModels, ExtraFolder
 from .output import adapter_folders
 from .plan import describe, fuse_chosen, read_adapters
-from .split import find_adapter
 from .targets import check_targets
+from .verify import ADAPTER_FOLDERS
 
 
 def transforms(src: str, options: MergeOptions) -> list[LoraTransform]:
     """The pipeline's hook (pipeline.plan.TRANSFORMS)."""
     return [LoraTransform(src, options)]
+
+
+def folder_checks() -> list:
+    """What verify checks of the adapter folders (pipeline.plan.folder_checks)."""
+    return [ADAPTER_FOLDERS]
 
 
 @dataclass(frozen=True)
@@ -47,15 +52,14 @@ class LoraTransform:
             ]
         )
 
+    def expected_shapes(self, plan: MergePlan, shapes: dict) -> dict:
+        return shapes  # the base model keeps its names; the adapters are checked by check_targets
+
     def unchecked(self, plan: MergePlan) -> str | None:
         return "a LoRA-only checkpoint" if not plan.tensors and plan.adapters else None
 
     def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
         return adapter_folders(plan, out_dir)
-
-    def verified(self, plan: MergePlan, options: dict) -> MergePlan | None:
-        adapter = options.get("peft_adapter")  # recorded in each adapter folder's manifest (lora.plan)
-        return None if adapter is None else find_adapter(plan, adapter).plan
 
     def describe(self, plan: MergePlan) -> dict:
         """What inspect shows."""

@@ -6,8 +6,9 @@ checkpoint (`--against`: the adapter's tensors recomputed from the shards), or t
 of a reference (`--reference REF`: REF/lora_adapter, e.g. verl's merger output). Mismatches
 are named `lora_adapter/<tensor>`. `--smoke` loads each adapter onto the merged base model with
 peft (when installed): every tensor of the file must be loaded and the forward pass finite.
-verify hands in what this module needs of it (itself, its smoke test's base model loader), so the
-import runs one way: verify -> lora.verify.
+ADAPTER_FOLDERS is the plan transform's FolderChecks (plan.transform), which verify finds through
+the pipeline's registry; verify hands in what it needs of verify (itself, its smoke test's base
+model loader), so verify imports nothing of lora.
 """
 
 from __future__ import annotations
@@ -16,8 +17,41 @@ import json
 import os
 
 from ..errors import BadInput
+from .split import find_adapter
 
 CONFIG_FILE = "adapter_config.json"
+
+
+class AdapterFolderChecks:
+    """The PEFT adapter folders of a merge, as verify checks them (plan.transform.FolderChecks)."""
+
+    what = "peft adapters"
+    recorded = ("peft_adapter",)  # each adapter folder's manifest names its adapter (lora.plan)
+
+    def verified(self, plan, recorded: dict):
+        adapter = recorded.get("peft_adapter")
+        return None if adapter is None else find_adapter(plan, adapter).plan
+
+    def listed(self, manifest: dict | None) -> list:
+        return adapter_folders(manifest)
+
+    def model_less(self, out_dir: str) -> bool:
+        return adapters_only(out_dir)
+
+    def is_own_folder(self, folder: str) -> bool:
+        return is_adapter_folder(folder)
+
+    def check(self, report, out_dir: str, folders: list, *, verify_folder, **checks) -> None:
+        check_adapters(report, out_dir, folders, verify_folder=verify_folder, **checks)
+
+    def smoke(self, base_dir: str, folders: list, notes: list[str], load_base) -> list[str]:
+        return smoke_adapters(base_dir, folders, notes, load_base)
+
+    def smoke_folder(self, folder: str, notes: list[str], load_base) -> list[str]:
+        return smoke_adapter_folder(folder, notes, load_base)
+
+
+ADAPTER_FOLDERS = AdapterFolderChecks()
 
 
 def adapter_folders(manifest: dict | None) -> list:

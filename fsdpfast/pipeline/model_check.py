@@ -12,17 +12,28 @@ config; the cache answers the next time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import FsdpfastError, option
 from ..plan.expected_builds import ExpectedBuild
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel, check_against_model
 from ..plan.normalise import clean_name, planned_ties
+from ..plan.transform import PlanTransform
 
 
 class TiesChanged(FsdpfastError):
     """The model ties other names than the plan written without it (api.merge plans and writes again)."""
+
+
+def in_layout(expected: ExpectedModel | None, plan: MergePlan, transforms: list[PlanTransform]):
+    """The model's state dict as the transforms write it (per-expert Hub names): what the plan is checked against."""
+    if expected is None:
+        return None
+    shapes = expected.shapes
+    for transform in transforms:
+        shapes = transform.expected_shapes(plan, shapes)
+    return replace(expected, shapes=shapes)
 
 
 def model_checked(
@@ -51,6 +62,7 @@ class DeferredCheck:
 
     build: ExpectedBuild
     before: MergePlan
+    transforms: list[PlanTransform]  # applied to the plan: the model is checked in the layout they write
     allow_extra: bool
 
     def ready(self) -> bool:
@@ -65,7 +77,7 @@ class DeferredCheck:
                 f"{expected.architecture} ties other names than config.json's tie_word_embeddings says; "
                 "the merge is planned again with the model"
             )
-        return model_checked(plan, expected, why_not, None, self.allow_extra)
+        return model_checked(plan, in_layout(expected, plan, self.transforms), why_not, None, self.allow_extra)
 
     def cancel(self) -> None:
         self.build.cancel()

@@ -1,4 +1,5 @@
-"""Plan a merge from metadata: read -> checks -> copies -> transforms -> normalise -> model check.
+"""Plan a merge from metadata: read -> the layout's conversions -> checks -> copies -> transforms -> normalise
+-> model check.
 
 No tensor byte is written here; the copies a checkpoint holds twice are compared (checks.copies)
 and config.json's model class is built on the meta device (plan.model_check), in a child process
@@ -18,16 +19,21 @@ from ..options import MergeOptions
 from ..plan.checks import check_plan
 from ..plan.model import MergePlan
 from ..plan.normalise import prepare
-from ..plan.transform import ExpectedModels, PlanTransform
-from .model_check import DeferredCheck, model_checked
+from ..plan.transform import ExpectedModels, FolderChecks, PlanTransform
+from .model_check import DeferredCheck, in_layout, model_checked
 
-# Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order.
-# Named, not imported, so that the pipeline depends on no feature (plan.transform).
-TRANSFORMS = ("fsdpfast.lora.transform",)
+# Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
+# and whose folder_checks() give what verify checks of the folders they write (plan.transform).
+# Named, not imported, so that the pipeline and verify depend on no feature.
+TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.transform")
 
 
 def plan_transforms(src: str, options: MergeOptions) -> list[PlanTransform]:
     return [t for module in TRANSFORMS for t in importlib.import_module(module).transforms(src, options)]
+
+
+def folder_checks() -> list[FolderChecks]:
+    return [c for module in TRANSFORMS for c in importlib.import_module(module).folder_checks()]
 
 
 def plan_merge(src: str, options: MergeOptions) -> MergePlan:
@@ -47,6 +53,8 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
     build = deferred = None
     try:
         plan = readers.read_plan(src, options.layout, config, lora_r=options.lora.lora_r, **options.layout_options)
+        for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
+            plan = conversion.apply(plan.but(conversions=()), models)
         check_plan(plan)  # every element of every tensor exactly once, inside its file
         plan = check_copies(plan, full=options.full_copy_check)
         if config is not None:
@@ -60,7 +68,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
         if build is not None and not wait and not build.done():
             try:  # the ties without the model, checked against it before publishing
                 plan = prepare(before, options.dtype, before.config_dir, None, check_tied_bytes=check_tied_bytes)
-                deferred = DeferredCheck(build, before, options.allow_extra_tensors)
+                deferred = DeferredCheck(build, before, transforms, options.allow_extra_tensors)
             except FsdpfastError:  # perhaps a tie the model does not make: as the model says
                 pass
         if deferred is None:
@@ -68,9 +76,12 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
             plan = prepare(before, options.dtype, before.config_dir, expected, check_tied_bytes=check_tied_bytes)
         if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
             plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
+        if options.expert_layout != "hub":
+            plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
         if deferred is not None:
             return plan, deferred
-        return model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors), None
+        checked = in_layout(expected, plan, transforms)
+        return model_checked(plan, checked, why_not, unchecked, options.allow_extra_tensors), None
     finally:
         models.close(keep=deferred.build if deferred is not None else None)
 

@@ -195,7 +195,7 @@ def _assumed_lines(assumed: dict) -> list[str]:
         f"assumed: model {assumed['model']} from {assumed['config']}; wrap {', '.join(assumed['wrap']) or 'nothing'} "
         f"({assumed['wrap_source']}); use_orig_params={assumed['use_orig_params']} ({assumed['alignment_source']})"
     ]
-    for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (readers.fsdp1_peft)
+    for adapter in assumed.get("peft") or ():  # the peft model rebuilt over it (lora.fsdp1_model)
         targets, others = adapter["target_modules"], len(adapter["rank_pattern"] or {})
         lines.append(
             f"assumed: PEFT adapter {adapter['adapter']}: r {adapter['r']}"

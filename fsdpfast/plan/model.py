@@ -115,9 +115,13 @@ class MergePlan:
     # Plans written to folders of their own inside OUT, set by a plan transform (PEFT adapters:
     # lora.split.AdapterPlan, each with a `plan` and a `folder`).
     adapters: tuple = ()
+    # The layout's own plan transforms (plan.transform.PlanTransform), set by its reader: the
+    # checkpoint's names and shapes onto the model's (readers.megatron_names). The pipeline applies
+    # them before any check, then drops them: a plan whose tensors are the model's has none.
+    conversions: tuple = ()
 
     def __post_init__(self):
-        _freeze(self, ("sources", "tensors", "notes", "left_out", "warnings", "copies", "adapters"))
+        _freeze(self, ("sources", "tensors", "notes", "left_out", "warnings", "copies", "adapters", "conversions"))
 
     def noted(self, *notes: str, first: bool = False, warnings: tuple[str, ...] = ()) -> MergePlan:
         """The same plan with more notes (at the front with `first`) and warnings."""

@@ -5,17 +5,25 @@ before normalisation sets the written names, ties and dtypes. It maps names and 
 rename, a split of one tensor into several (experts), a permutation or transpose of a tensor's
 pieces, or a tensor computed from others (execute.computed: LoRA's fused weights). The executor
 sees only the resulting plan. A transform may also add folders written inside OUT beside the
-model (`outputs`: a PEFT adapter), each with its own manifest, and say which part of the plan an
-output folder it wrote is checked against (`verified`, for verify --against).
+model (`outputs`: a PEFT adapter), each with its own manifest. What `verify` checks of those
+folders (each against its own manifest, the checkpoint or a reference; which part of the
+checkpoint's plan a folder holds, for --against; `--smoke`) the transform's module gives as
+FolderChecks.
 
-Transforms are found through the pipeline's registry (pipeline.plan.TRANSFORMS), so the stages
-below never name a feature.
+Transforms and their folder checks are found through the pipeline's registry
+(pipeline.plan.TRANSFORMS), so no stage, verify included, names a feature. A layout whose names
+and shapes are not the model's has a transform of its own, its conversion (readers.megatron_names):
+its reader attaches it to the plan (MergePlan.conversions) and the pipeline applies it first,
+before the plan's checks, so the checks, the feature transforms and verify --against (which plans
+again) see the model's tensors. A conversion maps names and extents only (plan.windows): no
+folders, nothing of its own to verify.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import BadInput
 from .expected_builds import ExpectedBuild, start_build
@@ -84,14 +92,43 @@ class PlanTransform(Protocol):
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         """The new plan (names and extents only); `models` gives the model the plan describes."""
 
+    def expected_shapes(self, plan: MergePlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The model's state dict shapes (config.json's class, by its names) as this transform writes them:
+        what the model check compares the plan with (`shapes` itself for a transform that keeps names)."""
+
     def unchecked(self, plan: MergePlan) -> str | None:
         """Why the written names are not checked against a model class (no model is written), else None."""
 
     def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
         """The folders written beside the model; refuses (BadInput) one that cannot be written."""
 
-    def verified(self, plan: MergePlan, options: dict) -> MergePlan | None:
-        """The plan an output folder is checked against, from its manifest's layout options; None: not one of ours."""
-
     def describe(self, plan: MergePlan) -> dict:
         """What `inspect` shows of this transform's part of the plan, by key ({} for nothing)."""
+
+
+class FolderChecks(Protocol):
+    """What verify checks of the folders a transform wrote beside the model (ExtraFolder)."""
+
+    what: str  # what the folders hold, for the report ("peft adapters")
+    recorded: tuple[str, ...]  # the layout options a folder's manifest records for this transform, not a reader's
+
+    def verified(self, plan: MergePlan, recorded: dict) -> MergePlan | None:
+        """The part of the checkpoint's plan a folder holds, from its manifest's `recorded` options; None: not one."""
+
+    def listed(self, manifest: dict | None) -> list:
+        """The folders OUT's manifest lists as this transform's (each checked by `check`)."""
+
+    def model_less(self, out_dir: str) -> bool:
+        """Whether `out_dir` holds only this transform's folders and a manifest, no model files."""
+
+    def is_own_folder(self, folder: str) -> bool:
+        """Whether `folder` is one of this transform's folders, given to verify alone."""
+
+    def check(self, report, out_dir: str, folders: list, *, verify_folder: Callable[..., Any], **checks) -> None:
+        """Each folder checked with `verify_folder` (verify itself) and the same checks, into `report`."""
+
+    def smoke(self, base_dir: str, folders: list, notes: list[str], load_base) -> list[str]:
+        """Problems found using the folders with the model in `base_dir` (load_base: verify.smoke's loader)."""
+
+    def smoke_folder(self, folder: str, notes: list[str], load_base) -> list[str]:
+        """--smoke of one of the folders given alone."""

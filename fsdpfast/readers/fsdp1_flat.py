@@ -17,6 +17,7 @@ notes, `inspect`, the manifest's layout_options) with the transformers version i
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ _ACCELERATE = (
 _RANK_FILE = re.compile(r"(.*?rank_?)(\d+)\.(bin|pt|pth)")
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 _ALIGNMENT_BYTES = 16  # FSDP1 aligns each parameter of a use_orig_params flat parameter to 16 bytes
+# Modules that rebuild a model FSDP1 flattened as another library wrapped it for training (peft's
+# PeftModel), each with matches(unit_paths, names), rebuild(...) and leaf_units(model, unit_paths).
+# Named, not imported, so that the readers name no feature (as pipeline.plan.TRANSFORMS).
+WRAPPED_MODELS = ("fsdpfast.lora.fsdp1_model",)
 
 
 def matches(folder: str) -> bool:
@@ -63,7 +68,7 @@ def read(
 ) -> MergePlan:
     """`order_from`: the transformers version and class a merge took the parameter order from
     (recorded in its manifest; verify --against passes it back, and the plan notes a difference).
-    `lora_r` (--lora-r): a PEFT model's LoRA rank where the files do not show it (fsdp1_peft)."""
+    `lora_r` (--lora-r): a PEFT model's LoRA rank where the files do not show it (lora.fsdp1_model)."""
     families = _families(folder)
     if len(families) > 1:
         shown = ", ".join(f"{stem}*.{ext}" for stem, ext in families)
@@ -272,20 +277,19 @@ def _plan(
 
 
 def _as_trained(model, folder, config_dir, flats, states, lora_r):
-    """(the peft model over `model` when the files name one, else `model`; the saved units that are
-    peft's trainable leaves; notes; the adapters' configs for `inspect`)."""
-    from . import fsdp1_peft
-
+    """(the trained model over `model` when the files name a wrapper of it (WRAPPED_MODELS), else
+    `model`; the saved units that are the wrapper's trainable leaves; notes; its configs for `inspect`)."""
     sizes: dict[str, int] = {}  # plain tensors (views, buffers) by name, in rank 0's order, elements summed over ranks
     for state in states:
         for key, value in state.tensors.items():
             if isinstance(value, TensorRef):
                 name = ".".join(p for p in key.split(".") if p not in _WRAPPERS)
                 sizes[name] = sizes.get(name, 0) + prod(value.shape)
-    if not fsdp1_peft.is_peft(flats, sizes):
+    wrapper = next((w for w in map(importlib.import_module, WRAPPED_MODELS) if w.matches(flats, sizes)), None)
+    if wrapper is None:
         return model, frozenset(), [], []
-    built, notes, assumed = fsdp1_peft.rebuild(model, folder, config_dir, list(flats), sizes, lora_r)
-    return built, frozenset(fsdp1_peft.leaf_units(built, flats)), notes, assumed
+    built, notes, assumed = wrapper.rebuild(model, folder, config_dir, list(flats), sizes, lora_r)
+    return built, frozenset(wrapper.leaf_units(built, flats)), notes, assumed
 
 
 def _tied_notes(units) -> list[str]:

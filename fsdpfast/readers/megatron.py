@@ -4,13 +4,10 @@ The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's 
 shapes: TP, PP and virtual pipeline stages only decide which chunks exist, so all are handled by
 the chunk boxes. Layer tensors are stacked: `decoder.layers.self_attention.linear_qkv.weight` is
 (L, (n + 2g)·d, h), layer i at index i whatever the pipeline stage that saved it (per-layer
-`decoder.layers.{i}.` names, as a heterogeneous checkpoint has them, are read too). Each Hugging Face tensor is a set of windows into
-those tensors, so the split is byte placement, no arithmetic:
-- linear_qkv interleaves q, k, v per query group: layer i viewed as (g, (n/g + 2)·d, h), per group
-  the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
-  order, and so on. Its bias (Qwen2) is split the same way.
-- linear_fc1 is [gate; up] (f rows each) whatever the TP;
-- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
+`decoder.layers.{i}.` names, as a heterogeneous checkpoint has them, are read too). The plan holds
+those tensors under their own names; the map onto Hugging Face names (q/k/v and gate/up splits,
+per-layer tensors, the vocabulary padding left out) is the plan transform readers.megatron_names
+attaches (MergePlan.conversions), which the pipeline applies before any check.
 No output_layer.weight means tied embeddings. Embedding rows past config.json's vocab_size are
 Megatron's vocabulary padding and are left out. The model's sizes come from config.json (--config,
 or huggingface/ in or beside the folder); without one, from the training args a run keeps in common.pt
@@ -23,37 +20,34 @@ Optimizer state beside the model is not merged.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
-from math import prod
 
 from ..errors import BadInput, option
-from ..geometry.boxes import window_extents
+from ..geometry.boxes import box_extents
 from ..hf.config import load_config
 from ..plan.model import MergePlan, TensorPlan
 from . import dcp, megatron_checks, megatron_config
 from .megatron_args import COMMON, read_training_args
 from .megatron_folder import is_torch_dist
+from .megatron_names import (
+    EMBED,
+    FC1,
+    FC2,
+    FINAL_NORM,
+    LAYER,
+    NORMS,
+    OUTPUT,
+    PROJ,
+    QKV,
+    MegatronToHuggingFace,
+    Sizes,
+    layer_tensors,
+)
 from .reader import Reader
 
 NAME = "megatron"
 DESCRIPTION = "metadata.json (torch_dist) + .metadata + .distcp: Megatron-Core dist_checkpointing (iter_N/ folders)"
 _MODEL_TYPES = ("llama", "mistral", "qwen2")  # whose Hugging Face names and layout this mapping writes
-_LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
-_NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEngine names, and the local spec's)
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "input_layernorm.weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-}
-_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-_PROJ, _FC1, _FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
-_EMBED, _OUTPUT, _FINAL_NORM = (
-    "embedding.word_embeddings.weight",
-    "output_layer.weight",
-    "decoder.final_layernorm.weight",
-)
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
 _KNOWN_UNSUPPORTED = (
     (".experts.", "MoE layers"),
@@ -74,31 +68,6 @@ def matches(folder: str) -> bool:
     return is_torch_dist(folder) and os.path.isfile(os.path.join(folder, ".metadata"))
 
 
-@dataclass(frozen=True)
-class _Sizes:
-    """The model's sizes, from config.json."""
-
-    hidden: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    layers: int
-    vocab: int
-    tied: bool
-    tie_stated: bool  # False: config.json does not say, and means untied (transformers' default)
-
-
-@dataclass(frozen=True)
-class _Window:
-    """A box of a Megatron tensor (layer index first for a stacked one) placed at `at` in the output."""
-
-    tensor: dcp.ChunkedTensor
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    at: tuple[int, ...]
-
-
 def read(folder: str, config: str | None = None) -> MergePlan:
     chunked = dcp.read_chunks(folder)
     model = {k: t for k, t in chunked.tensors.items() if not k.startswith(_NOT_MODEL)}
@@ -113,7 +82,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     built, positions_note = None, None
     if config is None:  # no config.json anywhere: the run's own args say what the model is
         built, config_note = megatron_config.build(
-            folder, args, rows=found.rows, tied=found.tied, qkv_bias=found.qkv_bias, dtype=model[_EMBED].dtype
+            folder, args, rows=found.rows, tied=found.tied, qkv_bias=found.qkv_bias, dtype=model[EMBED].dtype
         )
         source = f"config.json built from {COMMON}"
         sizes = _sizes(built, source)
@@ -126,10 +95,17 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         _check_family(folder, source, values, found.qkv_bias)
         if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
             positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
-    by_layer: dict = {}  # stacked tensor -> layer -> its chunks
-    outputs = _outputs(model, layers, sizes)
-    tensors = [_plan(folder, name, shape, windows, by_layer) for name, shape, windows in outputs]
-    plan = MergePlan(NAME, chunked.world_size, chunked.sources, tensors, config_dir=config, built_config=built)
+    tensors = [_tensor(tensor) for tensor in model.values()]
+    conversion = MegatronToHuggingFace(folder, sizes)
+    plan = MergePlan(
+        NAME,
+        chunked.world_size,
+        chunked.sources,
+        tensors,
+        config_dir=config,
+        built_config=built,
+        conversions=(conversion,),
+    )
     plan = plan.noted(
         f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
         f"head dim {sizes.head_dim}, from {source}",
@@ -138,9 +114,9 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
         positions_note,
     )
-    if model[_EMBED].shape[0] > sizes.vocab:
+    if model[EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
-            f"left out: embedding rows {sizes.vocab}..{model[_EMBED].shape[0] - 1}, Megatron's vocabulary "
+            f"left out: embedding rows {sizes.vocab}..{model[EMBED].shape[0] - 1}, Megatron's vocabulary "
             f"padding past config.json's vocab_size {sizes.vocab}"
         )
     others = [k for k in chunked.tensors if k not in model] + [k for k in chunked.others if "_extra_state" not in k]
@@ -170,7 +146,7 @@ def _config_dir(folder: str, given: str | None, has_args: bool, args_note: str |
     )
 
 
-def _sizes(values: dict, path: str) -> _Sizes:
+def _sizes(values: dict, path: str) -> Sizes:
     model_type = values.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise BadInput(
@@ -190,7 +166,7 @@ def _sizes(values: dict, path: str) -> _Sizes:
         raise BadInput(f"{path}: {heads} attention heads do not divide into {groups} key/value heads")
     head_dim = number("head_dim") if values.get("head_dim") is not None else hidden // heads
     tied = values.get("tie_word_embeddings")
-    return _Sizes(
+    return Sizes(
         hidden,
         heads,
         groups,
@@ -213,18 +189,18 @@ def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
     def dim(shape, i):
         return shape[i] if len(shape) > i else 0
 
-    qkv = layers[_QKV[0]]
-    embedding = model[_EMBED].shape
+    qkv = layers[QKV[0]]
+    embedding = model[EMBED].shape
     return megatron_checks.TensorSizes(
         rows=dim(embedding, 0),
         hidden=dim(embedding, 1),
         layers=dim(qkv[None].shape, 0) if None in qkv else len(qkv),
-        qkv_rows=dim(layer_shape(_QKV[0]), 0),
-        attention=dim(layer_shape(_PROJ), 1),
-        fc1_rows=dim(layer_shape(_FC1), 0),
-        ffn=dim(layer_shape(_FC2), 1),
-        tied=_OUTPUT not in model,
-        qkv_bias=_QKV[1] in layers,
+        qkv_rows=dim(layer_shape(QKV[0]), 0),
+        attention=dim(layer_shape(PROJ), 1),
+        fc1_rows=dim(layer_shape(FC1), 0),
+        ffn=dim(layer_shape(FC2), 1),
+        tied=OUTPUT not in model,
+        qkv_bias=QKV[1] in layers,
     )
 
 
@@ -250,12 +226,7 @@ def _check_family(folder: str, path: str, values: dict, qkv_bias: bool) -> None:
 
 def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
     """Layer key -> {layer index: tensor} for per-layer names, or {None: the stacked tensor}."""
-    layers: dict[str, dict] = {}
-    for name, tensor in model.items():
-        match = _LAYER.fullmatch(name)
-        if match:
-            index = None if match.group(1) is None else int(match.group(1))
-            layers.setdefault(match.group(2), {})[index] = tensor
+    layers = layer_tensors(model)
     mixed = [key for key, found in layers.items() if None in found and len(found) > 1]
     if mixed:
         raise BadInput(
@@ -265,12 +236,12 @@ def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.C
 
 
 def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
-    known_layer = set(_NORMS) | set(_QKV) | {_PROJ, _FC1, _FC2}
+    known_layer = set(NORMS) | set(QKV) | {PROJ, FC1, FC2}
     unknown = [
         name
         for name in model
-        if not (_LAYER.fullmatch(name) and _LAYER.fullmatch(name).group(2) in known_layer)
-        and name not in (_EMBED, _OUTPUT, _FINAL_NORM)
+        if not (LAYER.fullmatch(name) and LAYER.fullmatch(name).group(2) in known_layer)
+        and name not in (EMBED, OUTPUT, FINAL_NORM)
     ]
     if unknown:
         kinds = list(dict.fromkeys(what for name in unknown for piece, what in _KNOWN_UNSUPPORTED if piece in name))
@@ -280,7 +251,7 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
             "SwiGLU and RoPE (Llama, Mistral, Qwen2) only"
         )
-    for needed in (_EMBED, _FINAL_NORM):
+    for needed in (EMBED, FINAL_NORM):
         if needed not in model:
             raise BadInput(f"{folder}: no {needed} in the checkpoint; not a whole Megatron GPT model")
     for names in _LAYER_NEEDED:
@@ -301,32 +272,32 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
 _LAYER_NEEDED = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-    (_QKV[0],),
-    (_PROJ,),
-    (_FC1,),
-    (_FC2,),
+    (QKV[0],),
+    (PROJ,),
+    (FC1,),
+    (FC2,),
 )
 
 
-def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Sizes) -> None:
+def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Sizes) -> None:
     """Every tensor's shape against config.json's sizes; the first that differs is refused in one line."""
     s = sizes
     qkv_rows = (s.heads + 2 * s.groups) * s.head_dim
     expected = {
-        _QKV[0]: (qkv_rows, s.hidden),
-        _QKV[1]: (qkv_rows,),
-        _PROJ: (s.hidden, s.heads * s.head_dim),
-        _FC1: (2 * s.ffn, s.hidden),
-        _FC2: (s.hidden, s.ffn),
-        **{key: (s.hidden,) for key in _NORMS},
+        QKV[0]: (qkv_rows, s.hidden),
+        QKV[1]: (qkv_rows,),
+        PROJ: (s.hidden, s.heads * s.head_dim),
+        FC1: (2 * s.ffn, s.hidden),
+        FC2: (s.hidden, s.ffn),
+        **{key: (s.hidden,) for key in NORMS},
     }
     why = {
-        _QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
-        _PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
-        _FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
-        _FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
+        QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
+        PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
+        FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
+        FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
     }
-    why[_QKV[1]] = why[_QKV[0]]
+    why[QKV[1]] = why[QKV[0]]
     for key, found in layers.items():
         indices = sorted(found) if None not in found else list(range(found[None].shape[0]))
         if indices != list(range(s.layers)):
@@ -341,20 +312,20 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Siz
                     f"{folder}: {tensor.name} has layer shape {list(shape)}; {path} gives {list(expected[key])} "
                     f"({why.get(key, f'hidden_size {s.hidden}')}): the config is not this checkpoint's model"
                 )
-    for name in (_EMBED, _OUTPUT):
+    for name in (EMBED, OUTPUT):
         if name in model and (model[name].shape[1:] != (s.hidden,) or model[name].shape[0] < s.vocab):
             raise BadInput(
                 f"{folder}: {name} is {list(model[name].shape)}; {path} gives vocab_size {s.vocab} and hidden_size "
                 f"{s.hidden}: the config is not this checkpoint's model"
             )
-    if model[_FINAL_NORM].shape != (s.hidden,):
+    if model[FINAL_NORM].shape != (s.hidden,):
         raise BadInput(
-            f"{folder}: {_FINAL_NORM} is {list(model[_FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
+            f"{folder}: {FINAL_NORM} is {list(model[FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
         )
-    if s.tied == (_OUTPUT in model):
+    if s.tied == (OUTPUT in model):
         holds = (
             "holds output_layer.weight (untied)"
-            if _OUTPUT in model
+            if OUTPUT in model
             else "holds no output_layer.weight (tied embeddings)"
         )
         raise BadInput(
@@ -364,91 +335,12 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: _Siz
         )
 
 
-def _outputs(model: dict, layers: dict, s: _Sizes):
-    """(Hugging Face name, the windows it is made of), in the model's order."""
-
-    def whole(tensor, at_rows=None):
-        return [
-            _Window(
-                tensor,
-                (0,) * len(tensor.shape),
-                tensor.shape if at_rows is None else (at_rows, *tensor.shape[1:]),
-                (0,) * len(tensor.shape),
-            )
-        ]
-
-    yield "model.embed_tokens.weight", (s.vocab, s.hidden), whole(model[_EMBED], s.vocab)
-    for i in range(s.layers):
-        prefix = f"model.layers.{i}."
-        for key, hf in _NORMS.items():
-            if key in layers:
-                yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
-        for key in _QKV:
-            if key in layers:
-                yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
-        h, inner = s.hidden, s.heads * s.head_dim
-        yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[_PROJ], i, ((0, h), (0, inner)))
-        yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[_FC1], i, ((0, s.ffn), (0, h)))
-        yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[_FC1], i, ((s.ffn, s.ffn), (0, h)))
-        yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[_FC2], i, ((0, h), (0, s.ffn)))
-    yield "model.norm.weight", (s.hidden,), whole(model[_FINAL_NORM])
-    if _OUTPUT in model:
-        yield "lm_head.weight", (s.vocab, s.hidden), whole(model[_OUTPUT], s.vocab)
-
-
-def _layer_window(found: dict, i: int, box, at_row: int = 0) -> list[_Window]:
-    """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`."""
-    offsets, sizes = tuple(start for start, _ in box), tuple(size for _, size in box)
-    at = (at_row,) + (0,) * (len(box) - 1)
-    if None in found:
-        return [_Window(found[None], (i, *offsets), (1, *sizes), at)]
-    return [_Window(found[i], offsets, sizes, at)]
-
-
-def _qkv(found: dict, i: int, s: _Sizes, prefix: str, kind: str):
-    """q_proj, k_proj, v_proj of layer i: per query group, (n/g)·d rows of q, then d of k, then d of v."""
-    per_group, d = s.heads // s.groups, s.head_dim
-    group_rows = (per_group + 2) * d
-    tail = ((0, s.hidden),) if kind == "weight" else ()
-    parts = (("q", 0, per_group * d), ("k", per_group * d, d), ("v", (per_group + 1) * d, d))
-    for proj, start, rows in parts:
-        windows = [
-            w
-            for group in range(s.groups)
-            for w in _layer_window(found, i, ((group * group_rows + start, rows), *tail), at_row=group * rows)
-        ]
-        shape = (s.groups * rows, s.hidden) if kind == "weight" else (s.groups * rows,)
-        yield f"{prefix}self_attn.{proj}_proj.{kind}", shape, windows
-
-
-def _plan(folder: str, name: str, shape: tuple[int, ...], windows: list[_Window], by_layer: dict) -> TensorPlan:
-    extents = []
-    for w in windows:
-        for chunk in _chunks_at(w, shape, by_layer):
-            extents += window_extents(
-                chunk.source, chunk.element_offset, chunk.offsets, chunk.sizes, w.offsets, w.sizes, shape, w.at
-            )
-    if sum(e.numel for e in extents) != prod(shape):
-        raise BadInput(
-            f"{folder}: the chunks of {windows[0].tensor.name} cover {sum(e.numel for e in extents)} of the "
-            f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
-        )
-    dtype = windows[0].tensor.dtype
-    return TensorPlan(name, shape, dtype, dtype, extents)
-
-
-def _chunks_at(w: _Window, shape: tuple[int, ...], by_layer: dict) -> list[dcp.Chunk]:
-    """The chunks that may meet the window: of its layer only, for a layer of a stacked tensor
-    (which has a chunk per layer and TP rank: looking at all of them would cost layers squared)."""
-    if len(w.sizes) == len(shape):
-        return list(w.tensor.chunks)
-    if w.tensor.name not in by_layer:
-        index: dict[int, list] = {}
-        for chunk in w.tensor.chunks:
-            for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
-                index.setdefault(layer, []).append(chunk)
-        by_layer[w.tensor.name] = index
-    return by_layer[w.tensor.name].get(w.offsets[0], [])
+def _tensor(tensor: dcp.ChunkedTensor) -> TensorPlan:
+    """A tensor of the checkpoint under its own name and global shape, its chunks placed."""
+    extents = [
+        e for c in tensor.chunks for e in box_extents(c.source, c.element_offset, tensor.shape, c.offsets, c.sizes)
+    ]
+    return TensorPlan(tensor.name, tensor.shape, tensor.dtype, tensor.dtype, extents)
 
 
 READER = Reader(NAME, DESCRIPTION, sniff=matches, read=read, reads_config=True)

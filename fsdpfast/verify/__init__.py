@@ -8,8 +8,9 @@
 Each mismatch names the tensor and, where known, the first differing element and byte.
 
 `verify` here runs the checks asked for, in order; each lives in its own module (manifest_check,
-against, reference, smoke), and all of them write to the report (report.py). PEFT adapter
-folders beside the model are checked by lora.verify, which is handed `verify` to run on each.
+against, reference, smoke), and all of them write to the report (report.py). Folders a plan
+transform wrote beside the model (PEFT adapters) are checked by that transform's FolderChecks
+(plan.transform, found through pipeline.plan.folder_checks), which is handed `verify` to run on each.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 
 from ..errors import BadInput, option
 from ..io.safetensors_folder import DamagedFile, MappedFiles, StoredTensor, read_folder
-from ..lora import verify as lora_verify
+from ..pipeline.plan import folder_checks
 from .against import check_against
 from .manifest_check import check_manifest, check_other_manifest, note_source_changes, other_manifest, own_manifest
 from .reference import check_reference
@@ -56,8 +57,9 @@ def verify(
     """
     out_dir = os.fspath(out_dir)
     # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
+    extras = folder_checks()
     try:
-        stored = {} if lora_verify.adapters_only(out_dir) else read_folder(out_dir)
+        stored = {} if any(c.model_less(out_dir) for c in extras) else read_folder(out_dir)
     except DamagedFile as exc:
         return VerifyReport(out_dir, checks=["headers"], mismatches=[Mismatch("(file)", str(exc))])
     report = VerifyReport(out_dir, tensors=len(stored))
@@ -80,21 +82,22 @@ def verify(
         manifest_of=manifest_of,
         options=options,
     )
-    folders = lora_verify.adapter_folders(manifest)  # PEFT adapter folders written beside the model
-    lora_verify.check_adapters(
-        report,
-        out_dir,
-        folders,
-        verify_folder=verify,
-        against=against,
-        reference=reference,
-        rtol=rtol,
-        atol=atol,
-        layout=layout,
-        options=options,
-    )
+    listed = [(c, c.listed(manifest)) for c in extras]  # the folders written beside the model, by transform
+    for c, folders in listed:
+        c.check(
+            report,
+            out_dir,
+            folders,
+            verify_folder=verify,
+            against=against,
+            reference=reference,
+            rtol=rtol,
+            atol=atol,
+            layout=layout,
+            options=options,
+        )
     if smoke:
-        _smoke(report, folders)
+        _smoke(report, [(c, folders) for c, folders in listed if folders])
     return report
 
 
@@ -135,12 +138,14 @@ def _check_tensors(
             check_reference(report, stored, files, os.fspath(reference), rtol, atol)
 
 
-def _smoke(report: VerifyReport, folders: list) -> None:
-    report.checks.append("smoke: transformers forward pass" + (" with peft adapters" if folders else ""))
-    if lora_verify.is_adapter_folder(report.out_dir):
-        problems = lora_verify.smoke_adapter_folder(report.out_dir, report.notes, smoke_base)
+def _smoke(report: VerifyReport, listed: list) -> None:
+    """The forward pass, with the folders beside the model (`listed`: (FolderChecks, folders)) applied to it."""
+    report.checks.append("smoke: transformers forward pass" + "".join(f" with {c.what}" for c, _ in listed))
+    alone = next((c for c in folder_checks() if c.is_own_folder(report.out_dir)), None)
+    if alone is not None:  # one such folder given by itself: its own base model
+        problems = alone.smoke_folder(report.out_dir, report.notes, smoke_base)
     else:
-        problems = smoke_test(report.out_dir) + lora_verify.smoke_adapters(
-            report.out_dir, folders, report.notes, smoke_base
-        )
+        problems = smoke_test(report.out_dir)
+        for c, folders in listed:
+            problems += c.smoke(report.out_dir, folders, report.notes, smoke_base)
     report.mismatches += [Mismatch("(smoke)", problem) for problem in problems]

@@ -13,12 +13,13 @@ from .. import _ops
 from ..dtypes import CASTABLE, itemsize, target_dtype
 from ..errors import BadInput, ModelMismatch
 from ..execute.compare import CompareSink
+from ..execute.engines import compute_device
 from ..execute.runner import run
 from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..io.sources import SourceFiles
 from ..manifest import CHECKSUM
 from ..options import layout_options_only, merge_options
-from ..pipeline.plan import plan_merge
+from ..pipeline.plan import folder_checks, plan_merge
 from ..plan.layout import PlacedTensor
 from .report import Mismatch, VerifyReport, compare_names
 
@@ -60,7 +61,9 @@ def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str |
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
     recorded = dict((manifest.get("layout_options") or {}) if layout == manifest.get("layout") else {})
-    adapter = recorded.pop("peft_adapter", None)  # this folder is one PEFT adapter of the checkpoint (lora.output)
+    # A folder a plan transform wrote beside the model (a PEFT adapter) records what it holds of the checkpoint.
+    checks = folder_checks()
+    held = {name: recorded.pop(name) for c in checks for name in c.recorded if name in recorded}
     # The merge's own checks run again (names and shapes against the model, ranks and steps), and every
     # byte of the copies the checkpoint holds twice is compared, where the merge compared a sample.
     try:
@@ -75,11 +78,7 @@ def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str |
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree
         report.mismatches.append(Mismatch("(model)", str(exc)))
         return None
-    if adapter is not None:
-        from ..lora.split import find_adapter
-
-        plan = find_adapter(plan, adapter).plan
-    return plan
+    return next(filter(None, (c.verified(plan, held) for c in checks)), plan)
 
 
 def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], manifest: dict) -> list:
@@ -107,10 +106,8 @@ def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], man
 
 
 def _fused_device(manifest: dict, plan) -> str:
-    """--merge-lora outputs: fused weights are recomputed on the kind of device the merge computed them on."""
-    from ..lora.fuse import device_for
-
-    device = device_for(manifest.get("engine", "cpu"))
+    """Computed tensors (--merge-lora's fused weights) are recomputed on the kind of device the merge computed them on."""
+    device = compute_device(manifest.get("engine", "cpu"))
     if device == "cuda" and any(t.compute is not None for t in plan.tensors) and not _ops.native_cuda():
         raise BadInput(
             "the LoRA weights of this output were fused on a GPU (engine cuda); recomputing them needs one: "

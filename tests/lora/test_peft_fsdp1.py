@@ -3,7 +3,7 @@
 Every checkpoint comes from a real peft model wrapped by real FSDP1 on gloo ranks and trained for a step
 (fsdpfast._testing.peft_fsdp1_examples): decoder-layer units with use_orig_params=True, or peft's own
 fsdp_auto_wrap_policy with use_orig_params=False. FSDP1 saves no parameter names or order, so fsdpfast
-rebuilds the peft model (readers.fsdp1_peft); the references come from the live model: FSDP1's
+rebuilds the peft model (lora.fsdp1_model); the references come from the live model: FSDP1's
 FULL_STATE_DICT, peft's own adapter state dict and merge_and_unload() of it, the training model's logits.
 """
 

@@ -180,56 +180,22 @@ def test_inspect_names_the_layout():
     assert "megatron" in result.stdout
 
 
-# --- the placement itself: windows of chunked tensors against torch indexing ---------------------
+def test_the_reader_plans_megatrons_own_tensors_and_its_conversion_the_models():
+    from fsdpfast import readers
 
-
-def _run_extents(extents, source: torch.Tensor, out: torch.Tensor) -> None:
-    flat = out.view(-1)
-    for e in extents:
-        for r in range(e.runs):
-            src, dst = e.src_offset + r * e.src_stride, e.dst_offset + r * e.dst_stride
-            flat[dst : dst + e.count] = source[src : src + e.count]
-
-
-def test_window_extents_place_what_torch_slicing_takes():
-    for seed in range(400):
-        _check_random_window(seed)
-
-
-def _check_random_window(seed: int) -> None:
-    from fsdpfast.geometry.boxes import window_extents
-
-    rng = torch.Generator().manual_seed(seed)
-
-    def randint(low, high):  # low..high inclusive
-        return int(torch.randint(low, high + 1, (1,), generator=rng))
-
-    ndim = randint(1, 4)
-    shape = tuple(randint(1, 6) for _ in range(ndim))
-    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
-    cuts = [sorted({0, size, *(randint(1, size) for _ in range(randint(0, 2)))}) for size in shape]
-    chunks, pieces, at = [], [], 0  # every chunk's row-major bytes, one after another in one source
-    for box in __import__("itertools").product(*(list(zip(c, c[1:])) for c in cuts)):
-        offsets, sizes = tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)
-        piece = whole[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
-        chunks.append((offsets, sizes, at))
-        pieces.append(piece)
-        at += piece.numel()
-    source = torch.cat(pieces)
-    dropped = randint(0, ndim - 1)
-    starts = [randint(0, size - 1) for size in shape]
-    sizes = [1 if d < dropped else randint(1, shape[d] - starts[d]) for d in range(ndim)]
-    margin = [randint(0, 2) * randint(0, 1) for _ in range(ndim - dropped)]  # often none: the output is the window
-    out_shape = tuple(s + m for s, m in zip(sizes[dropped:], margin))
-    out_at = tuple(randint(0, m) for m in margin)
-    out = torch.full(out_shape, -1.0, dtype=torch.float64)
-    for offsets, piece_sizes, element_offset in chunks:
-        extents = window_extents(0, element_offset, offsets, piece_sizes, starts, sizes, out_shape, out_at)
-        _run_extents(extents, source, out)
-    expected = torch.full(out_shape, -1.0, dtype=torch.float64)
-    window = whole[tuple(slice(s, s + n) for s, n in zip(starts, sizes))].reshape(sizes[dropped:])
-    expected[tuple(slice(a, a + n) for a, n in zip(out_at, sizes[dropped:]))] = window
-    assert torch.equal(out, expected), (seed, shape, cuts, starts, sizes, out_shape, out_at)
+    run, config = DATA / "tp2_pp2_vpp2_qwen2_tied_bf16" / "run", DATA / "tp2_pp2_vpp2_qwen2_tied_bf16" / "hf"
+    read = readers.read_plan(str(run), config=str(config))
+    shapes = {t.name: t.shape for t in read.tensors}
+    layers = json.loads((config / "config.json").read_text())["num_hidden_layers"]
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"][0] == layers  # stacked, as saved
+    assert all(not name.startswith("model.") for name in shapes)
+    (conversion,) = read.conversions
+    converted = conversion.apply(read.but(conversions=()))
+    planned = fsdpfast.plan_merge(run, config=config)
+    assert [t.name for t in converted.tensors] == [t.name for t in planned.tensors]
+    assert converted.sources == read.sources and not planned.conversions  # the pipeline applied it, once
+    # every element once: no padding rows in this fixture, so the model holds what the checkpoint does
+    assert sum(t.numel for t in converted.tensors) == sum(t.numel for t in read.tensors)
 
 
 def test_forcing_the_dcp_layout_names_the_one_found(tmp_path):

@@ -20,6 +20,9 @@ meta-device transformers model, with one LoraConfig per adapter made from
 No weight exists (meta device) and no initialisation runs; only peft's code runs, never the
 checkpoint's. The units, sizes and every view's place are then checked against the files as
 for a plain model, so a config that does not fit is refused, not merged.
+
+The FSDP1 reader finds this module through its registry of trained-model wrappers
+(readers.fsdp1_flat.WRAPPED_MODELS): matches, rebuild, leaf_units.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import BadInput, ModelMismatch, option
-from ..lora.config import CONFIG_NAME, META_NAME, config_folders, recorded_values, saved_config, source, train_meta
-from ..lora.split import PREFIX, lora_role
+from .config import CONFIG_NAME, META_NAME, config_folders, recorded_values, saved_config, source, train_meta
+from .split import PREFIX, lora_role
 
 # LoraConfig fields a saved adapter_config.json contributes: those that decide which modules get
 # which LoRA parameters. Initialisation (loftq, eva, pissa...) is left out: it needs the weights.
@@ -67,7 +70,7 @@ class _Named:
     copies: list[str] = field(default_factory=list)  # modules_to_save
 
 
-def is_peft(unit_paths, names) -> bool:
+def matches(unit_paths, names) -> bool:
     """The files name a peft model: units or tensors under `base_model.model.` (PeftModel -> LoraModel -> the model)."""
     return any(str(name).startswith(PREFIX) for name in (*unit_paths, *names))
 

@@ -1,0 +1,94 @@
+"""Tiny models of today's families (transformers 5 classes), sharded by real FSDP2 on gloo ranks.
+
+Each spec builds one family's model from a transformers config with small sizes, initialised
+from a seed, so every rank builds the same one. Rank 0 first writes the anchor: the unsharded
+model's own `save_pretrained` (the Hub layout transformers writes: per-expert names for the MoE
+families it converts, its dtype rules). Then FSDP2 shards every decoder layer and the root, and
+each rank saves its state dict as verl's rank files (`model_world_size_W_rank_R.pt`, config
+files in `huggingface/`), and the same state dict as a DCP folder (`dcp/`, config.json beside
+`.metadata` in `dcp/huggingface/`). No training step: the initial weights are random per
+element, which is what a byte placement test needs, and MoE routing on CPU adds nothing here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .fsdp2_writer import spawn_writers
+
+# Small sizes every family takes; each spec adds its own.
+_SMALL = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str  # sub-folder of the root folder
+    model_type: str  # transformers' config model_type
+    config: dict = field(default_factory=dict)  # the family's own sizes (experts, ...)
+    dtype: str = "float32"
+    seed: int = 0
+
+    def folder(self, root: str) -> str:
+        return os.path.join(root, self.name)
+
+    def ranks_folder(self, root: str) -> str:
+        return os.path.join(root, self.name, "ranks")
+
+    def dcp_folder(self, root: str) -> str:
+        return os.path.join(root, self.name, "dcp")
+
+    def anchor_folder(self, root: str) -> str:
+        """The unsharded model's save_pretrained."""
+        return os.path.join(root, self.name, "save_pretrained")
+
+
+def family_config(spec: FamilySpec):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(spec.model_type, **{**_SMALL, **spec.config})
+    config.dtype = getattr(torch, spec.dtype)
+    return config
+
+
+def build_family_model(spec: FamilySpec):
+    import transformers
+
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(spec))
+    return model.to(getattr(torch, spec.dtype))
+
+
+def write_family_checkpoints(root: str, specs: list[FamilySpec], world_size: int) -> None:
+    spawn_writers(root, specs, world_size, _write_one)
+
+
+def _write_one(rank: int, world_size: int, root: str, spec: FamilySpec) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_family_model(spec)
+    if rank == 0:
+        model.save_pretrained(spec.anchor_folder(root))
+        for folder in (spec.ranks_folder(root), spec.dcp_folder(root)):
+            model.config.save_pretrained(os.path.join(folder, "huggingface"))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = model.state_dict()
+    os.makedirs(spec.ranks_folder(root), exist_ok=True)
+    torch.save(state, os.path.join(spec.ranks_folder(root), f"model_world_size_{world_size}_rank_{rank}.pt"))
+    dcp.save(state, checkpoint_id=spec.dcp_folder(root))

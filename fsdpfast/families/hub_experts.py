@@ -1,0 +1,133 @@
+"""MoE experts as the Hub names them: one tensor per expert and projection, not transformers 5's packed ones.
+
+transformers 5 holds an MoE layer's experts packed (`mlp.experts.gate_up_proj` [E, 2I, H], gate
+rows first, then up; `mlp.experts.down_proj` [E, H, I]), so that is what a training checkpoint
+holds. For the families below, loading converts the Hub's per-expert tensors into the packed
+ones and `save_pretrained` converts them back (transformers 5.24, conversion_mapping.py: the
+`qwen2_moe` and `mixtral` patterns and the model types that use them). Each expert's projection is a
+contiguous block of rows of the packed tensor, so splitting it out is a window (plan.windows).
+Families whose Hub checkpoints keep the packed names (gpt-oss, Llama 4, Qwen3.5) are not listed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from ..errors import BadInput
+from ..plan.model import TensorPlan
+from ..plan.windows import Window, Windows
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's Hub names of an MoE layer: the module holding router and experts, each expert's projections."""
+
+    module: str
+    gate: str
+    up: str
+    down: str
+
+    def expert(self, prefix: str, e: int, projection: str) -> str:
+        return f"{prefix}.{self.module}.experts.{e}.{projection}.weight"
+
+
+_QWEN2_MOE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+_MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")  # the router too: block_sparse_moe.gate.weight
+
+# model_type -> Hub names (transformers 5.24's _MODEL_TO_CONVERSION_PATTERN, the two MoE patterns)
+PER_EXPERT: dict[str, ExpertNames] = {
+    **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL),
+    **dict.fromkeys(
+        (
+            "qwen2_moe",
+            "afmoe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "dots1",
+            "ernie4_5_moe",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "glm4v_moe",
+            "longcat_flash",
+            "solar_open",
+            "mellum",
+            "qwen3_moe",
+            "beam",
+            "qwen3_omni_moe",
+            "qwen3_omni_moe_thinker",
+            "qwen3_omni_moe_text",
+            "qwen3_next",
+            "hunyuan_v1_moe",
+            "flex_olmo",
+            "olmoe",
+            "sarvam_mla",
+            "exaone_moe",
+            "cohere2_moe",
+        ),
+        _QWEN2_MOE,
+    ),
+}
+
+_PACKED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)")
+_MLP = re.compile(r"(?P<prefix>.*)\.mlp\.(?P<rest>.+)")
+
+
+def hub_parts(name: str, shape: tuple[int, ...], names: ExpertNames) -> list[tuple[str, tuple[int, ...], Window]] | str:
+    """What tensor `name` is in the Hub layout: its new name (a rename, or `name` itself), or, for
+    packed experts, (Hub name, shape, the window of `name` it is) for each tensor it becomes."""
+    packed = _PACKED.fullmatch(name)
+    if packed is None:
+        mlp = _MLP.fullmatch(name)
+        if mlp is not None and names.module != "mlp":  # the router (and all else of the MoE module) moves
+            return f"{mlp['prefix']}.{names.module}.{mlp['rest']}"
+        return name
+    if len(shape) != 3:
+        raise BadInput(f"{name}: packed experts have 3 dimensions (experts, rows, columns), this one has {list(shape)}")
+    experts, rows, columns = shape
+    prefix = packed["prefix"]
+    if packed["what"] == "down_proj":
+        return [
+            (names.expert(prefix, e, names.down), (rows, columns), Window(name, (e, 0, 0), (1, rows, columns), (0, 0)))
+            for e in range(experts)
+        ]
+    if rows % 2:
+        raise BadInput(
+            f"{name}: {list(shape)} packs each expert's gate and up projections as rows [gate; up], "
+            f"but {rows} rows do not split in two"
+        )
+    half = rows // 2
+    return [
+        (names.expert(prefix, e, projection), (half, columns), Window(name, (e, start, 0), (1, half, columns), (0, 0)))
+        for e in range(experts)
+        for projection, start in ((names.gate, 0), (names.up, half))
+    ]
+
+
+def hub_shapes(shapes: dict[str, tuple[int, ...]], names: ExpertNames) -> dict[str, tuple[int, ...]]:
+    """A model's state dict shapes (its packed names) as the Hub layout names them: what the merge must write."""
+    out = {}
+    for name, shape in shapes.items():
+        parts = hub_parts(name, shape, names)
+        if isinstance(parts, str):
+            out[parts] = shape
+        else:
+            out.update((part, part_shape) for part, part_shape, _ in parts)
+    return out
+
+
+def split_experts(tensors: tuple[TensorPlan, ...], names: ExpertNames, clean) -> list[TensorPlan]:
+    """The plan's tensors in the Hub layout: packed experts split per expert, the MoE module renamed.
+    `clean`: the written name of a checkpoint name (plan.normalise.clean_name)."""
+    windows = Windows(tensors)
+    out = []
+    for tensor in tensors:
+        parts = hub_parts(clean(tensor.name), tensor.shape, names)
+        if isinstance(parts, str):
+            out.append(tensor if parts == clean(tensor.name) else replace(tensor, name=parts))
+            continue
+        for name, shape, window in parts:
+            out.append(windows.tensor(name, shape, [replace(window, tensor=tensor.name)]))
+    return out

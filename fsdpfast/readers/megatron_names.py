@@ -1,0 +1,153 @@
+"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 ones: a plan transform.
+
+readers.megatron reads the checkpoint's own tensors (Megatron's names and global shapes, layer
+tensors stacked (L, ...) or per layer), checks them against the model's sizes, and attaches this
+conversion to its plan (MergePlan.conversions), which the pipeline applies before any check. Each
+Hugging Face tensor is a set of windows of those tensors (plan.windows), so the split is byte
+placement, no arithmetic:
+- linear_qkv interleaves q, k, v per query group: layer i viewed as (g, (n/g + 2)·d, h), per group
+  the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
+  order, and so on. Its bias (Qwen2) is split the same way.
+- linear_fc1 is [gate; up] (f rows each) whatever the TP;
+- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
+Embedding rows past config.json's vocab_size are Megatron's vocabulary padding and are left out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from math import prod
+
+from ..errors import BadInput
+from ..plan.model import MergePlan, TensorPlan
+from ..plan.transform import ExpectedModels, ExtraFolder
+from ..plan.windows import Window, Windows
+
+LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
+NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEngine names, and the local spec's)
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+PROJ, FC1, FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
+EMBED, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model's sizes, from config.json."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    layers: int
+    vocab: int
+    tied: bool
+    tie_stated: bool  # False: config.json does not say, and means untied (transformers' default)
+
+
+def layer_tensors(tensors: dict) -> dict[str, dict]:
+    """Layer key -> {layer index: tensor} for per-layer names, or {None: the stacked tensor}."""
+    layers: dict[str, dict] = {}
+    for name, tensor in tensors.items():
+        match = LAYER.fullmatch(name)
+        if match:
+            index = None if match.group(1) is None else int(match.group(1))
+            layers.setdefault(match.group(2), {})[index] = tensor
+    return layers
+
+
+@dataclass(frozen=True)
+class MegatronToHuggingFace:
+    """The plan transform (plan.transform.PlanTransform) of a Megatron plan read with these sizes."""
+
+    folder: str  # the checkpoint folder, for the messages
+    sizes: Sizes
+
+    def apply(self, plan: MergePlan, models: ExpectedModels | None = None) -> MergePlan:
+        tensors = {t.name: t for t in plan.tensors}
+        windows = Windows(plan.tensors)
+        made = [
+            self._made(windows, name, shape, parts)
+            for name, shape, parts in _outputs(tensors, layer_tensors(tensors), self.sizes)
+        ]
+        return plan.but(tensors=made)
+
+    def _made(self, windows: Windows, name: str, shape: tuple[int, ...], parts: list[Window]) -> TensorPlan:
+        tensor = windows.tensor(name, shape, parts)
+        covered = sum(e.numel for e in tensor.extents)
+        if covered != prod(shape):
+            raise BadInput(
+                f"{self.folder}: the chunks of {parts[0].tensor} cover {covered} of the "
+                f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
+            )
+        return tensor
+
+    def unchecked(self, plan: MergePlan) -> str | None:
+        return None  # a Hugging Face model is written, checked against config.json's class
+
+    def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
+        return []
+
+    def expected_shapes(self, plan: MergePlan, shapes: dict) -> dict:
+        return shapes  # applied before the checks: the plan already has the model's names
+
+    def describe(self, plan: MergePlan) -> dict:
+        return {}
+
+
+def _outputs(model: dict, layers: dict, s: Sizes):
+    """(Hugging Face name, shape, the windows it is made of), in the model's order."""
+
+    def whole(tensor: TensorPlan, rows=None) -> list[Window]:
+        ndim = len(tensor.shape)
+        sizes = tensor.shape if rows is None else (rows, *tensor.shape[1:])
+        return [Window(tensor.name, (0,) * ndim, sizes, (0,) * ndim)]
+
+    yield "model.embed_tokens.weight", (s.vocab, s.hidden), whole(model[EMBED], s.vocab)
+    for i in range(s.layers):
+        prefix = f"model.layers.{i}."
+        for key, hf in NORMS.items():
+            if key in layers:
+                yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
+        for key in QKV:
+            if key in layers:
+                yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
+        h, inner = s.hidden, s.heads * s.head_dim
+        yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
+        yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((0, s.ffn), (0, h)))
+        yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((s.ffn, s.ffn), (0, h)))
+        yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
+    yield "model.norm.weight", (s.hidden,), whole(model[FINAL_NORM])
+    if OUTPUT in model:
+        yield "lm_head.weight", (s.vocab, s.hidden), whole(model[OUTPUT], s.vocab)
+
+
+def _layer_window(found: dict, i: int, box, at_row: int = 0) -> list[Window]:
+    """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`."""
+    offsets, sizes = tuple(start for start, _ in box), tuple(size for _, size in box)
+    at = (at_row,) + (0,) * (len(box) - 1)
+    if None in found:
+        return [Window(found[None].name, (i, *offsets), (1, *sizes), at)]
+    return [Window(found[i].name, offsets, sizes, at)]
+
+
+def _qkv(found: dict, i: int, s: Sizes, prefix: str, kind: str):
+    """q_proj, k_proj, v_proj of layer i: per query group, (n/g)·d rows of q, then d of k, then d of v."""
+    per_group, d = s.heads // s.groups, s.head_dim
+    group_rows = (per_group + 2) * d
+    tail = ((0, s.hidden),) if kind == "weight" else ()
+    parts = (("q", 0, per_group * d), ("k", per_group * d, d), ("v", (per_group + 1) * d, d))
+    for proj, start, rows in parts:
+        windows = [
+            w
+            for group in range(s.groups)
+            for w in _layer_window(found, i, ((group * group_rows + start, rows), *tail), at_row=group * rows)
+        ]
+        shape = (s.groups * rows, s.hidden) if kind == "weight" else (s.groups * rows,)
+        yield f"{prefix}self_attn.{proj}_proj.{kind}", shape, windows

@@ -1,0 +1,127 @@
+"""Today's MoE families merged to the layout `save_pretrained` of the same model writes (families.transform).
+
+Checkpoints: tiny transformers 5 models (fsdpfast._testing.family_writer) sharded by FSDP2 on gloo
+ranks, saved as verl's rank files and as DCP; the anchor is the unsharded model's own
+save_pretrained. Every merge must equal it bit for bit (names, dtypes, bytes) and load with
+from_pretrained with no missing or unexpected key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import read_merged
+from refusals import api_refuses
+
+import fsdpfast
+from fsdpfast._testing.family_writer import FamilySpec, build_family_model, write_family_checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+_DEEPSEEK = dict(
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+)
+SPECS = {
+    2: [
+        FamilySpec(
+            "qwen3_moe", "qwen3_moe", dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2), seed=1
+        ),
+        FamilySpec("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2), seed=2),
+        FamilySpec("deepseek_v3", "deepseek_v3", _DEEPSEEK, seed=3),
+        FamilySpec("gpt_oss", "gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), seed=4),  # keeps its names
+    ],
+    # 5 experts over 3 ranks: FSDP2's Shard(0) cuts the packed tensors between experts unevenly
+    3: [FamilySpec("glm4_moe-w3-bf16", "glm4_moe", {**_DEEPSEEK, "n_routed_experts": 5}, dtype="bfloat16", seed=5)],
+}
+FAMILIES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    for world, specs in SPECS.items():
+        write_family_checkpoints(str(root), specs, world)
+    return root
+
+
+def assert_same_files(merged: dict, anchor: dict) -> None:
+    assert sorted(merged) == sorted(anchor), sorted(set(merged) ^ set(anchor))
+    for name, want in anchor.items():
+        got = merged[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("layout", ["ranks", "dcp"])
+@pytest.mark.parametrize("world,spec", FAMILIES, ids=[spec.name for _, spec in FAMILIES])
+def test_merged_as_save_pretrained_writes_it(families, tmp_path, world, spec, layout):
+    src = spec.ranks_folder(str(families)) if layout == "ranks" else spec.dcp_folder(str(families))
+    out = tmp_path / "out"
+    report = fsdpfast.merge(src, out)
+    assert_same_files(read_merged(out), read_merged(spec.anchor_folder(str(families))))
+    assert report.world_size == world
+    if layout == "ranks":  # the folder is the model: from_pretrained finds every weight and nothing else
+        import transformers
+
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert not any(k for k in ("mismatched_keys", "error_msgs") if info.get(k)), info
+
+
+def test_packed_keeps_the_names_transformers_holds(families, tmp_path):
+    spec = SPECS[2][0]
+    out = tmp_path / "packed"
+    fsdpfast.merge(spec.ranks_folder(str(families)), out, expert_layout="packed")
+    merged = read_merged(out)
+    state = build_family_model(spec).state_dict()
+    assert sorted(merged) == sorted(state)
+    for name, value in state.items():
+        assert torch.equal(merged[name], value), name
+    assert fsdpfast.verify(out, against=spec.ranks_folder(str(families))).ok
+
+
+def test_verify_against_the_checkpoint_replans_the_hub_layout(families, tmp_path):
+    spec = SPECS[2][1]  # mixtral: split and renamed
+    out = tmp_path / "out"
+    fsdpfast.merge(spec.dcp_folder(str(families)), out, dtype="bf16")
+    report = fsdpfast.verify(out, against=spec.dcp_folder(str(families)))
+    assert report.ok and report.tensors == len(read_merged(out)), report.summary()
+
+
+def test_a_config_of_another_family_is_refused(families, tmp_path):
+    qwen, mixtral = SPECS[2][0], SPECS[2][1]
+    src = tmp_path / "ckpt"
+    shutil.copytree(qwen.ranks_folder(str(families)), src)
+    shutil.copy(f"{mixtral.ranks_folder(str(families))}/huggingface/config.json", src / "huggingface" / "config.json")
+    api_refuses(src, tmp_path / "out", mentions=["MixtralForCausalLM"])
+
+
+def test_expert_counts_that_disagree_with_config_are_refused(families, tmp_path):
+    spec = SPECS[2][0]
+    src = tmp_path / "ckpt"
+    shutil.copytree(spec.ranks_folder(str(families)), src)
+    path = src / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["num_local_experts"] = 8  # the checkpoint packs 4 (transformers 5 saves num_experts under this name)
+    path.write_text(json.dumps(config))
+    api_refuses(src, tmp_path / "out", mentions=["experts"])
+
+
+def test_an_unknown_expert_layout_is_refused(families, tmp_path):
+    api_refuses(
+        SPECS[2][0].ranks_folder(str(families)), tmp_path / "out", mentions=["expert_layout"], expert_layout="x"
+    )
