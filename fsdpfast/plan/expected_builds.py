@@ -107,6 +107,7 @@ class ExpectedBuild:
         if self._child is not None and self._child.poll() is None:
             self._child.kill()
             self._child.wait()
+        self._child = None  # asked for after all: built here
         self._close_files()
         if _running.get(self.key) is self:
             del _running[self.key]
