@@ -69,13 +69,17 @@ def main() -> None:
         for size in SHAPES:
             folder = os.path.join(root, size)
             write_config(folder, size)
-            runs = [
+            runs = [  # each with a cache folder of its own: built, never read back (plan.model_cache)
                 json.loads(
                     subprocess.run(
-                        [sys.executable, "-c", _CHILD, folder], check=True, capture_output=True, text=True
+                        [sys.executable, "-c", _CHILD, folder],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "FSDPFAST_CACHE_DIR": os.path.join(root, f"cache-{size}-{i}")},
                     ).stdout
                 )
-                for _ in range(args.repeat)
+                for i in range(args.repeat)
             ]
             cells = []
             for key in ("import", "build", "check"):

@@ -10,6 +10,7 @@ from .errors import InterruptedAfterPublishing
 from .options import MergeOptions, layout_options_only, merge_options
 from .pipeline import job as merge_job
 from .pipeline import plan as pipeline_plan
+from .pipeline.model_check import TiesChanged
 from .pipeline.processes import MergeGroup
 from .pipeline.report import DryRun, Inspection, MergeReport
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE
@@ -158,9 +159,17 @@ def _merge(src, dst, options_of, given: dict, progress: bool, group) -> MergeRep
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     processes = MergeGroup(group)
+    try:
+        return _merge_once(src, dst, options_of, given, processes, progress, start)
+    except TiesChanged as changed:  # one process alone, first build of this config: now planned with the model
+        log.info("%s", changed)
+        return _merge_once(src, dst, options_of, given, processes, progress, start)
+
+
+def _merge_once(src: str, dst: str, options_of, given: dict, processes, progress: bool, start: float) -> MergeReport:
     job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
         lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone),
-        abandon=lambda job: job.target.discard(),
+        abandon=lambda job: job.close(),
     )
     log.info("planned in %.2f s", time.perf_counter() - start)
     try:
@@ -173,8 +182,7 @@ def _merge(src, dst, options_of, given: dict, progress: bool, group) -> MergeRep
             raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
         raise
     finally:
-        if job.target is not None:  # None: another rank that never joined it
-            job.target.discard()
+        job.close()  # the staging folder removed unless published, the model check stopped if still running
 
 
 def dry_run(

@@ -6,7 +6,10 @@ a test asks for any of them.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -14,6 +17,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # DeviceMesh pickling cha
 # `--engine auto` follows engine timings recorded on the machine (fsdpfast/execute/measurements.py);
 # the tests, and the merges they spawn, must not depend on what a benchmark left there.
 os.environ["FSDPFAST_MEASUREMENTS"] = os.devnull
+# The model check's cache (plan.model_cache) of this session only, shared with the merges it spawns:
+# a test never reads what an earlier session, or the user, left in ~/.cache/fsdpfast.
+os.environ["FSDPFAST_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdpfast-test-cache-")
+atexit.register(shutil.rmtree, os.environ["FSDPFAST_CACHE_DIR"], True)
 
 from corpus import SPECS  # noqa: E402
 from helpers import CheckpointsByWorld  # noqa: E402

@@ -40,7 +40,8 @@ class LoraTransform:
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         lora = asdict(self.options.lora)
         plan = read_adapters(plan, self.src, **lora)
-        expected, why_not = models.of(plan)  # --base may have brought the config folder
+        # --base may have brought the config folder; waited for only if there are adapters to check
+        expected, why_not = models.of(plan) if plan.adapters else (None, "")
         plan = check_targets(plan, expected, why_not)  # each adapted module the model's, written or fused
         plan = fuse_chosen(plan, self.src, **lora)
         # PEFT's own names: not checked against the model class

@@ -29,7 +29,8 @@ from ..plan.transform import ExtraFolder
 from ..progress import Progress
 from ..rank_agreement import check_same_copy, check_same_options, compared_options, content_of
 from .finish import FolderFiles, Provenance, write_small_files, written_names
-from .plan import plan_merge, plan_transforms
+from .model_check import DeferredCheck
+from .plan import plan_transforms, planned_merge
 from .processes import MergeGroup, local_processes
 from .report import MergeReport
 
@@ -56,9 +57,10 @@ class MergeJob:
     options: dict = field(default_factory=dict)  # rank_agreement.compared_options
     content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
     read_mode: tuple[str, str | None] = ("mmap", None)  # io.read_modes.chosen_read_mode: the mode, and why
+    check: DeferredCheck | None = None  # the model check still running (one process alone), done before publishing
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
-        state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token)
+        state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token, check=None)
         state["plan"] = self.plan.but(copies=())  # checked by rank 0 already
         return state
 
@@ -76,6 +78,24 @@ class MergeJob:
     def check_sources(self) -> None:
         check_unchanged(self.src, self.identity)
 
+    def after_file(self, _part) -> None:
+        """Once a file is written: the sources unchanged, and the model check if it has finished."""
+        self.check_sources()
+        self.check_model(wait=False)
+
+    def check_model(self, wait: bool) -> None:
+        """The model check of the plan, if it was left running: now if it is done (a refusal stops the
+        writing early) or `wait`; the plan gets its notes."""
+        if self.check is not None and (wait or self.check.ready()):
+            self.plan = self.check.checked(self.plan)
+            self.check = None
+
+    def close(self) -> None:
+        if self.check is not None:
+            self.check.cancel()
+        if self.target is not None:  # None: another rank that never joined it
+            self.target.discard()
+
     @property
     def all_files(self) -> list[OutputFile]:
         """Every weights file executed: the extra folders' read the plan's sources too."""
@@ -85,20 +105,42 @@ class MergeJob:
 def lay_out(src: str, dst: str, options: MergeOptions) -> tuple[MergePlan, list[OutputFile], list[ExtraFolder]]:
     """What merge and dry_run both do first: check the output's place, plan, and lay out the files
     (none when only extra folders are written: a LoRA-only checkpoint's adapter)."""
-    check_output_place(dst, src, options.config_dir)
-    if options.lora.base:
-        check_output_place(dst, options.lora.base, None)
-    plan = plan_merge(src, options)
-    extras = [extra for t in plan_transforms(src, options) for extra in t.outputs(plan, dst)]
-    files = plan_files(plan, options.max_shard_bytes) if plan.tensors or not extras else []
-    if files:  # the config folder's files are copied beside the weights: said where their eos ids disagree
-        plan = plan.noted(warnings=tuple(eos_disagreements(plan.config_dir)))
+    plan, files, extras, _ = _lay_out(src, dst, options, wait=True)
     return plan, files, extras
 
 
+def _lay_out(src: str, dst: str, options: MergeOptions, wait: bool):
+    """lay_out, and the model check left running (None unless not `wait`)."""
+    check_output_place(dst, src, options.config_dir)
+    if options.lora.base:
+        check_output_place(dst, options.lora.base, None)
+    plan, check = planned_merge(src, options, wait=wait)
+    try:
+        extras = [extra for t in plan_transforms(src, options) for extra in t.outputs(plan, dst)]
+        files = plan_files(plan, options.max_shard_bytes) if plan.tensors or not extras else []
+        if files:  # the config folder's files are copied beside the weights: said where their eos ids disagree
+            plan = plan.noted(warnings=tuple(eos_disagreements(plan.config_dir)))
+    except BaseException:
+        if check is not None:
+            check.cancel()
+        raise
+    return plan, files, extras, check
+
+
 def prepare(src: str, dst: str, options: MergeOptions, several: bool) -> MergeJob:
-    """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder)."""
-    plan, files, extras = lay_out(src, dst, options)
+    """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder).
+    One process alone writes while the model check runs (pipeline.model_check); with several, rank 0
+    waits for it before the others are given the job."""
+    plan, files, extras, check = _lay_out(src, dst, options, wait=several)
+    try:
+        return _job(src, dst, options, several, plan, files, extras, check)
+    except BaseException:
+        if check is not None:
+            check.cancel()
+        raise
+
+
+def _job(src, dst, options: MergeOptions, several: bool, plan, files, extras, check) -> MergeJob:
     runner = select_engine(options.engine, job_kind(plan.tensors), threads_share=local_processes())
     runner = large_writes_on_remote_output(runner, dst)
     _log_plan(plan, files, runner.name)
@@ -110,7 +152,20 @@ def prepare(src: str, dst: str, options: MergeOptions, several: bool) -> MergeJo
     read_mode = chosen_read_mode(options.read_mode, plan.sources)
     log.info("sources read with %s%s", read_mode[0], f" ({read_mode[1]})" if read_mode[1] else "")
     return MergeJob(
-        src, dst, options.dtype, plan, files, extras, identity, runner, target, "", compared, content, read_mode
+        src,
+        dst,
+        options.dtype,
+        plan,
+        files,
+        extras,
+        identity,
+        runner,
+        target,
+        "",
+        compared,
+        content,
+        read_mode=read_mode,
+        check=check,
     )
 
 
@@ -130,7 +185,7 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
                 engine=job.engine,
                 sources=sources,
                 progress=bar.advance,
-                after_file=lambda _: job.check_sources(),
+                after_file=job.after_file,
             )
     finally:
         bar.close()
@@ -156,7 +211,9 @@ def large_writes_on_remote_output(engine, dst: str):
 
 
 def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeReport:
-    """The small files (index, config, extra folders, manifest), a last look at the sources, then publish."""
+    """The model check (if it was still running), the small files (index, config, extra folders,
+    manifest), a last look at the sources, then publish."""
+    job.check_model(wait=True)
     plan, files, target = job.plan, job.files, job.target
     beside = FolderFiles(
         config_dir=plan.config_dir if files else None,

@@ -2,7 +2,8 @@
 -> model check.
 
 No tensor byte is written here; the copies a checkpoint holds twice are compared (checks.copies)
-and config.json's model class is built on the meta device (plan.model_check).
+and config.json's model class is built on the meta device (plan.model_check), in a child process
+started first (plan.expected_builds); a merge may wait for it only before publishing (pipeline.model_check).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import os
 from .. import readers
 from ..checks.copies import check_copies
 from ..checks.ties import check_tied_bytes
-from ..errors import BadInput, option
+from ..errors import BadInput, FsdpfastError
 from ..families import keep_fp32
 from ..families.transform import model_type
 from ..options import MergeOptions
 from ..plan.checks import check_plan
 from ..plan.model import MergePlan
-from ..plan.model_check import check_against_model
-from ..plan.normalise import clean_name, prepare
+from ..plan.normalise import prepare
 from ..plan.transform import ExpectedModels, FolderChecks, PlanTransform
+from .model_check import DeferredCheck, in_layout, model_checked
 
 # Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
 # and whose folder_checks() give what verify checks of the folders they write (plan.transform).
@@ -39,32 +40,57 @@ def folder_checks() -> list[FolderChecks]:
 
 def plan_merge(src: str, options: MergeOptions) -> MergePlan:
     """The MergePlan of checkpoint folder `src` (fsdpfast.plan_merge, the face, says what is checked)."""
+    plan, _ = planned_merge(src, options, wait=True)
+    return plan
+
+
+def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[MergePlan, DeferredCheck | None]:
+    """(the plan, None) once checked against the model; or, if the model is still being built and not
+    `wait`, (the plan prepared without it, the check to finish before publishing: pipeline.model_check)."""
     config = options.config_dir
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
-    plan = readers.read_plan(src, options.layout, config, lora_r=options.lora.lora_r, **options.layout_options)
     models = ExpectedModels()
-    for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
-        plan = conversion.apply(plan.but(conversions=()), models)
-    check_plan(plan)  # every element of every tensor exactly once, inside its file
-    plan = check_copies(plan, full=options.full_copy_check)
-    if config is not None:
-        plan = plan.but(config_dir=config)
-    transforms = plan_transforms(src, options)
-    for transform in transforms:
-        plan = transform.apply(plan, models)
-    expected, why_not = models.of(plan)
-    expected = in_layout(expected, plan, transforms)  # ties and the model check by the names written
-    unchecked = next(filter(None, (t.unchecked(plan) for t in transforms)), None)
-    if unchecked:
-        expected, why_not = None, unchecked
-    keep = kept_in_fp32(plan, options.dtype)
-    plan = prepare(plan, options.dtype, plan.config_dir, expected, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep)
-    if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
-        plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
-    if options.expert_layout != "hub":
-        plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
-    return _model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors)
+    models.start(config if config is not None else _likely_config(src))  # built while the files are read
+    build = deferred = None
+    try:
+        plan = readers.read_plan(src, options.layout, config, lora_r=options.lora.lora_r, **options.layout_options)
+        for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
+            plan = conversion.apply(plan.but(conversions=()), models)
+        check_plan(plan)  # every element of every tensor exactly once, inside its file
+        plan = check_copies(plan, full=options.full_copy_check)
+        if config is not None:
+            plan = plan.but(config_dir=config)
+        transforms = plan_transforms(src, options)
+        for transform in transforms:
+            plan = transform.apply(plan, models)
+        unchecked = next(filter(None, (t.unchecked(plan) for t in transforms)), None)
+        build = None if unchecked else models.build(plan)
+        before = plan
+        keep = kept_in_fp32(plan, options.dtype)
+        if build is not None and not wait and not build.done():
+            try:  # the ties without the model, checked against it before publishing
+                plan = prepare(
+                    before, options.dtype, before.config_dir, None, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep
+                )
+                deferred = DeferredCheck(build, before, transforms, options.allow_extra_tensors)
+            except FsdpfastError:  # perhaps a tie the model does not make: as the model says
+                pass
+        if deferred is None:
+            expected, why_not = build.result() if build is not None else (None, unchecked)
+            expected = in_layout(expected, before, transforms)  # ties and the check by the names written
+            plan = prepare(
+                before, options.dtype, before.config_dir, expected, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep
+            )
+        if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
+            plan = plan.but(options={**plan.options, "allow_extra_tensors": True})
+        if options.expert_layout != "hub":
+            plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
+        if deferred is not None:
+            return plan, deferred
+        return model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors), None
+    finally:
+        models.close(keep=deferred.build if deferred is not None else None)
 
 
 def kept_in_fp32(plan: MergePlan, dtype: str | None):
@@ -73,25 +99,8 @@ def kept_in_fp32(plan: MergePlan, dtype: str | None):
     return None if lists is None else keep_fp32.matcher(keep_fp32.kept_patterns(lists, dtype))
 
 
-def in_layout(expected, plan: MergePlan, transforms: list[PlanTransform]):
-    """The model's state dict as the transforms write it (per-expert Hub names, Hub prefixes)."""
-    for transform in transforms:
-        expected = expected if expected is None else transform.expected_in_layout(plan, expected)
-    return expected
-
-
-def _model_checked(plan: MergePlan, expected, why_not: str, unchecked: str | None, allow_extra: bool) -> MergePlan:
-    if expected is not None:
-        shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
-        left_out = tuple(map(clean_name, plan.left_out))
-        return plan.noted(*check_against_model(shapes, expected, allow_extra, left_out))
-    if why_not == "no config.json":
-        return plan.noted(
-            warnings=(
-                "the output has no config.json, so from_pretrained cannot load it until one is added: "
-                f"pass {option('config', meta='DIR')} (a folder with the model's config.json), or copy it in",
-            )
-        )
-    if not unchecked:
-        return plan.noted(f"the names and shapes were not checked against the model: {why_not}")
-    return plan
+def _likely_config(src: str) -> str | None:
+    """Where a reader will most likely find config.json (verl's huggingface/, a Hugging Face folder)."""
+    return next(
+        (d for d in (os.path.join(src, "huggingface"), src) if os.path.isfile(os.path.join(d, "config.json"))), None
+    )

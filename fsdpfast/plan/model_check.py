@@ -4,124 +4,36 @@ A merge whose names or shapes differ from the model's would exit 0 and then load
 weights (a missing tensor is initialised silently by transformers) or not load at all. So when
 config.json is known and transformers is importable, the class it names is built on the meta
 device (no memory, no weights, no code from the checkpoint: only classes transformers itself
-ships) and the merge's tensors are checked against its state dict before any byte is written.
-The same model tells which names transformers ties on load (written once).
+ships; plan.model_build, in a child process, or read back from the cache of models built before,
+plan.model_cache) and the merge's tensors are checked against its state dict before the output is
+published. The same model tells which names transformers ties on load (written once).
 """
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass
 
 from ..errors import ModelMismatch, option
-from ..hf.config import load_config
+from .expected_builds import start_build
+from .expected_model import ExpectedModel
+
+__all__ = ["ExpectedModel", "check_against_model", "load_expected_model", "match_names", "FROM_CACHE"]
 
 SHOWN = 3  # names listed per kind of problem in the one-line error
+FROM_CACHE = "the model's names, shapes and ties were read from the cache"  # a note's start (the report's)
 
 
-@dataclass(frozen=True)
-class ExpectedModel:
-    """What `from_pretrained` of config.json's class expects to find in the folder."""
-
-    architecture: str
-    config_path: str
-    shapes: dict[str, tuple[int, ...]]  # its state dict: parameters and persistent buffers
-    tied: dict[str, str]  # a name transformers re-ties on load -> the name it shares the parameter with
-    prefix: str  # base_model_prefix: a base model's names lack it, and transformers maps them
-    ignore_missing: tuple[str, ...]  # patterns transformers itself does not miss
-    ignore_unexpected: tuple[str, ...]
-    base_only: bool = False  # config.json names no class: the base model, the head's tensors unchecked
-
-
-def load_expected_model(config_dir: str | None, built: dict | None = None) -> tuple[ExpectedModel | None, str]:
-    """(the model config.json describes, "") or (None, why the check cannot run).
+def load_expected_model(
+    config_dir: str | None, built: dict | None = None, *, transformers_version: str | None = None
+) -> tuple[ExpectedModel | None, str]:
+    """(the model config.json describes, "") or (None, why the check cannot run), waiting for it.
 
     `built`: the config.json a reader built (MergePlan.built_config), used when there is no config_dir.
     A config.json without `architectures` (saved from a bare config, not a model) names no head:
     the base model of its `model_type` is built instead, and only the tensors under it are checked.
+    `transformers_version`: the version the cache key is made of (default: the installed one).
     """
-    if not config_dir and built is not None:
-        path, config = "config.json (built from the checkpoint's own records)", built
-    elif not config_dir or not os.path.isfile(os.path.join(config_dir, "config.json")):
-        return None, "no config.json"
-    else:
-        path = os.path.join(config_dir, "config.json")
-        config = load_config(path)
-    architectures = config.get("architectures")
-    named = isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
-    if not named and not isinstance(config.get("model_type"), str):
-        return None, f"{path} has neither an 'architectures' field naming the model class nor a 'model_type'"
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None, "transformers is not installed"
-    if named:
-        cls = getattr(transformers, architectures[0], None)
-        if not isinstance(cls, type) or not hasattr(cls, "config_class"):
-            return None, (
-                f"{path} names {architectures[0]}, which this transformers ({transformers.__version__}) "
-                "does not ship (custom model code is never run)"
-            )
-    else:
-        cls = _base_model_class(transformers, config["model_type"])
-        if cls is None:
-            return None, (
-                f"{path} has no 'architectures' field and transformers ({transformers.__version__}) "
-                f"knows no model_type {config['model_type']!r}"
-            )
-    try:
-        model = _build_on_meta(torch, transformers, cls, config)
-    except Exception as exc:  # noqa: BLE001 - any failure to build means the check cannot run, said in a note
-        return None, f"{cls.__name__} could not be built from {path} ({type(exc).__name__}: {str(exc)[:200]})"
-    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    return ExpectedModel(
-        cls.__name__,
-        path,
-        shapes,
-        _tied_names(model),
-        getattr(model, "base_model_prefix", "") or "",
-        _patterns(model, "_keys_to_ignore_on_load_missing"),
-        _patterns(model, "_keys_to_ignore_on_load_unexpected"),
-        base_only=not named,
-    ), ""
-
-
-def _base_model_class(transformers, model_type: str):
-    try:
-        config_class = transformers.CONFIG_MAPPING[model_type]
-        return transformers.MODEL_MAPPING[config_class]
-    except (KeyError, ValueError):
-        return None
-
-
-def _build_on_meta(torch, transformers, cls, config: dict):
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        hf_config = cls.config_class.from_dict(dict(config))
-        hf_config._attn_implementation = "eager"  # the kernels are irrelevant on meta; flash-attn may be absent
-        with torch.device("meta"):
-            return cls(hf_config)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-
-
-def _tied_names(model) -> dict[str, str]:
-    first: dict[int, str] = {}
-    tied = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return tied
-
-
-def _patterns(model, attribute: str) -> tuple[str, ...]:
-    value = getattr(model, attribute, None) or ()
-    return tuple(str(p) for p in value)
+    return start_build(config_dir, built, version=transformers_version).result()
 
 
 def match_names(names: list[str], expected: ExpectedModel) -> dict[str, str]:
@@ -183,6 +95,8 @@ def check_against_model(
         f"checked against {expected.architecture} built from {expected.config_path} on the meta device: "
         f"every weight present with the model's shape"
     ]
+    if expected.cached:
+        notes.append(f"{FROM_CACHE} ({expected.cached}), built before from the same config.json bytes")
     if head:
         notes.append(
             f"{expected.config_path} has no 'architectures' field, so only the base model was checked; "

@@ -59,8 +59,7 @@ def prepare(
     """
     wanted = dtype
     tensors = _rename(plan.tensors)
-    config = _read_config(config_dir) if config_dir else dict(plan.built_config or {})
-    pairs = tied_pairs(tensors, expected, config)
+    pairs = tied_pairs(tensors, expected, _config_of(plan, config_dir))
     tensors, notes = _drop_tied(tensors, pairs, plan, check_tied_bytes)
     kept = [t.name for t in tensors if kept_in_fp32 is not None and wanted is not None and kept_in_fp32(t.name)]
     tensors = [
@@ -72,6 +71,16 @@ def prepare(
             f"({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})"
         )
     return plan.but(tensors=tensors).noted(*notes)
+
+
+def planned_ties(plan: MergePlan, config_dir: str | None, expected: ExpectedModel | None) -> list[tuple[str, str]]:
+    """The (kept, dropped) pairs `prepare` would tie, given the same arguments: a plan prepared without
+    the model (still being built) is the one prepared with it when these agree."""
+    return tied_pairs(_rename(plan.tensors), expected, _config_of(plan, config_dir))
+
+
+def _config_of(plan: MergePlan, config_dir: str | None) -> dict:
+    return _read_config(config_dir) if config_dir else dict(plan.built_config or {})
 
 
 def _rename(tensors) -> list[TensorPlan]:

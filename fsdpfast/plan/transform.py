@@ -25,23 +25,47 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from ..errors import BadInput
+from .expected_builds import ExpectedBuild, start_build
 from .layout import OutputFile
 from .model import MergePlan
-from .model_check import ExpectedModel, load_expected_model
+from .model_check import ExpectedModel
 
 
 class ExpectedModels:
     """The model config.json names (plan.model_check), built once for the config a plan points at:
-    a transform may change where that is (a base model folder), so it is looked up on demand."""
+    a transform may change where that is (a base model folder), so it is looked up on demand. Each
+    build starts when first asked for (`start`, `build`) and runs beside planning and writing; `of`
+    waits for it. `close` stops the builds nobody waited for."""
 
     def __init__(self):
-        self._built: dict[tuple, tuple[ExpectedModel | None, str]] = {}
+        self._builds: dict[tuple, ExpectedBuild] = {}
+
+    def start(self, config_dir: str | None) -> None:
+        """Begin building config_dir's model before the plan says it is the one (a guess: a wrong
+        one costs a child process's CPU, stopped at `close`). Nothing for a config that cannot be read."""
+        try:
+            self._build(config_dir, None)
+        except BadInput:  # said again, in its turn, when the plan's own config is read
+            pass
+
+    def build(self, plan: MergePlan) -> ExpectedBuild:
+        """The build of the plan's model, started (or done): `done()`, `result()`."""
+        return self._build(plan.config_dir, plan.built_config)
 
     def of(self, plan: MergePlan) -> tuple[ExpectedModel | None, str]:
-        key = (plan.config_dir, id(plan.built_config))
-        if key not in self._built:
-            self._built[key] = load_expected_model(plan.config_dir, plan.built_config)
-        return self._built[key]
+        return self.build(plan).result()
+
+    def close(self, keep: ExpectedBuild | None = None) -> None:
+        for build in self._builds.values():
+            if build is not keep:
+                build.cancel()
+
+    def _build(self, config_dir: str | None, built: dict | None) -> ExpectedBuild:
+        key = (config_dir, id(built))
+        if key not in self._builds:
+            self._builds[key] = start_build(config_dir, built)
+        return self._builds[key]
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from fsdpfast._testing.fsdp1_examples import Fsdp1Spec, write_fsdp1_checkpoints 
 from fsdpfast._testing.fsdp2_writer import CheckpointSpec, build_model, write_checkpoints  # noqa: E402
 from fsdpfast._testing.live_examples import LiveSpec, save_live  # noqa: E402
 from fsdpfast._testing.peft_examples import PeftSpec, write_peft_checkpoints  # noqa: E402
+from fsdpfast.plan.model_check import FROM_CACHE  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent.parent
 # One recording per corpus: each machine's CPU trains the corpus's models to other last bits, so the
@@ -251,8 +252,9 @@ SAME_AS_THE_FILE = "= the file's"  # a size or mtime in a manifest that is the f
 
 class Normaliser:
     """Takes out of outputs and reports what depends on where and when a run happened: the folders'
-    absolute paths (named <corpus>, <out>, <data>), timings, and the sizes and mtimes a manifest records
-    of its sources and of the files it lists, which are checked against those files instead."""
+    absolute paths (named <corpus>, <out>, <data>), timings, whether the model check read its model
+    from the cache, and the sizes and mtimes a manifest records of its sources and of the files it
+    lists, which are checked against those files instead."""
 
     def __init__(self, corpus: Path, out: Path):
         places = {"<corpus>": corpus, "<out>": out, "<data>": TESTS / "data"}
@@ -275,8 +277,8 @@ class Normaliser:
             value = dataclasses.asdict(value)
         if isinstance(value, dict):
             return {k: self.value(v) for k, v in value.items() if k != "seconds"}
-        if isinstance(value, (list, tuple)):
-            return [self.value(v) for v in value]
+        if isinstance(value, (list, tuple)):  # a note that the model came from the cache: an earlier run's doing
+            return [self.value(v) for v in value if not (isinstance(v, str) and v.startswith(FROM_CACHE))]
         if isinstance(value, str):
             return self.text(value)
         return value

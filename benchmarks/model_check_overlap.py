@@ -1,0 +1,148 @@
+"""What the model-shape check costs a merge and a dry run now that it runs beside them, side by side.
+
+    python benchmarks/model_check_overlap.py [--merge DIR] [--plan 8B:64] [--repeat 3]
+
+For each case, in turn and repeated: the check off (transformers hidden from the run, as if not
+installed: the config files are still copied, the names are not checked), the check on a cold
+cache (a fresh FSDPFAST_CACHE_DIR: a child process imports torch and transformers and builds the
+model while the bytes move; the merge waits for it before publishing) and on a warm one (the
+model read from the cache: nothing imported). Each run is `python -m fsdpfast merge` as its own
+process: wall time, CPU time (user + sys, children included) and peak RSS of the whole process
+tree (benchmarks/measure.py), and the other CPU work on the machine meanwhile.
+
+Cases: `--merge DIR` merges a checkpoint with huggingface/config.json to bf16 (cpu engine; default:
+a 16-layer Llama of hidden 1024 in fp32 over 4 ranks written once by benchmarks/make_checkpoint.py,
+about 1 GB); `--plan MODEL:W` plans (`--dry-run`) a verl-style folder of W rank files of a Llama-3
+shape with its config.json (fsdpfast._testing.many_ranks, sparse data; `8B:1024` is issue 25's
+target: <= 4 s and <= 150 MB once the cache is warm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)
+
+from measure import Run, run_measured, size  # noqa: E402
+
+# the command line with transformers hidden: the check cannot run (a note says so), all else as usual
+CHECK_OFF = (
+    "import sys; sys.modules['transformers'] = None; from fsdpfast.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+MODES = ("check off", "cold cache", "warm cache")
+
+
+def default_merge_case(root: str) -> str:
+    folder = os.path.join(root, "llama-h1024-l16-w4")
+    if not os.path.isfile(os.path.join(folder, "huggingface", "config.json")):
+        print(f"writing {folder} ...", flush=True)
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "make_checkpoint.py"), folder, "--hidden", "1024", "--layers", "16",
+             "--intermediate", "2816", "--heads", "16", "--world-size", "4"],
+            check=True,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )  # fmt: skip
+    return folder
+
+
+def plan_case(root: str, text: str, jobs: int) -> str:
+    model, world = text.split(":")
+    folder = os.path.join(root, f"many-{model}-w{world}")
+    done = folder + ".complete"
+    if not os.path.exists(done):
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"writing {folder} ...", flush=True)
+        command = [sys.executable, "-m", "fsdpfast._testing.many_ranks", folder, "--model", model]
+        command += ["--world-size", world]
+        env = {**os.environ, "PYTHONPATH": REPO, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        cuts = [int(world) * i // jobs for i in range(jobs + 1)]
+        workers = [
+            subprocess.Popen(command + ["--ranks", f"{a}:{b}"] + (["--config"] if a == 0 else []), env=env)
+            for a, b in zip(cuts, cuts[1:])
+            if b > a
+        ]
+        if any(worker.wait() for worker in workers):
+            raise SystemExit(f"writing {folder} failed")
+        open(done, "w").close()
+    return folder
+
+
+def run(mode: str, argv: list[str], cache: str) -> Run:
+    env = ["env", f"PYTHONPATH={REPO}", f"FSDPFAST_CACHE_DIR={cache}", "FSDPFAST_MEASUREMENTS=/dev/null"]
+    python = [sys.executable, "-c", CHECK_OFF] if mode == "check off" else [sys.executable, "-m", "fsdpfast"]
+    result = run_measured([*env, *python, *argv])
+    if result.returncode != 0:
+        raise SystemExit(f"{mode} {' '.join(argv)} failed ({result.returncode}): {result.stderr.strip()[-400:]}")
+    return result
+
+
+def measure_case(argv: list[str], out: str | None, root: str, repeat: int) -> dict[str, list[Run]]:
+    warm = os.path.join(root, "warm-cache")
+    shutil.rmtree(warm, ignore_errors=True)
+    if out:
+        shutil.rmtree(out, ignore_errors=True)
+    run("warm cache", argv, warm)  # fills it (and the page cache with the checkpoint)
+    runs = {mode: [] for mode in MODES}
+    for _ in range(repeat):
+        for mode in MODES:
+            if out:
+                shutil.rmtree(out, ignore_errors=True)
+                os.sync()
+            cache = warm if mode == "warm cache" else tempfile.mkdtemp(prefix="cold-", dir=root)
+            runs[mode].append(run(mode, argv, cache))
+            if cache != warm:
+                shutil.rmtree(cache, ignore_errors=True)
+    if out:
+        shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def table(title: str, runs: dict[str, list[Run]]) -> None:
+    base = statistics.median(r.seconds for r in runs["check off"])
+    print(f"\n{title}, median of {len(runs['check off'])} (wall min-max):")
+    print("| check | wall s | CPU s | peak RSS (tree) | wall / check off | other CPU s meanwhile |")
+    print("|---|---|---|---|---|---|")
+    for mode, found in runs.items():
+        wall = sorted(r.seconds for r in found)
+        shown = f"{statistics.median(wall):.2f}" + (f" ({wall[0]:.2f}-{wall[-1]:.2f})" if len(wall) > 1 else "")
+        cpu = statistics.median(r.cpu_seconds for r in found)
+        others = statistics.median(r.others_cpu_seconds for r in found)
+        peak = size(max(r.peak_rss for r in found))
+        print(f"| {mode} | {shown} | {cpu:.2f} | {peak} | {statistics.median(wall) / base:.2f} | {others:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--merge", action="append", default=None, help="checkpoint folders to merge (repeatable)")
+    parser.add_argument("--plan", default="8B:64", help="MODEL:W cases to dry-run, comma-separated ('' for none)")
+    parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "fsdpfast-check-bench"))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2, help="processes writing the rank files")
+    parser.add_argument("--dtype", default="bf16")
+    args = parser.parse_args()
+    os.makedirs(args.root, exist_ok=True)
+    merges = args.merge if args.merge is not None else [default_merge_case(args.root)]
+    plans = [(text, plan_case(args.root, text, args.jobs)) for text in args.plan.split(",") if text]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "fsdpfast")], check=True)
+    out = os.path.join(args.root, "out")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"machine: {os.cpu_count()} CPUs, load average {load} at the start")
+    for folder in merges:
+        argv = ["merge", folder, "--out", out, "--dtype", args.dtype, "--engine", "cpu", "--quiet"]
+        table(f"merge of {folder} to {args.dtype} (cpu engine)", measure_case(argv, out, args.root, args.repeat))
+    for text, folder in plans:
+        argv = ["merge", folder, "--out", out, "--dry-run", "--quiet"]
+        table(f"`merge --dry-run` of {text} ({folder})", measure_case(argv, None, args.root, args.repeat))
+
+
+if __name__ == "__main__":
+    main()
