@@ -25,7 +25,7 @@ from ..plan.transform import ExpectedModels, FolderChecks, PlanTransform
 # Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
 # and whose folder_checks() give what verify checks of the folders they write (plan.transform).
 # Named, not imported, so that the pipeline and verify depend on no feature.
-TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.transform")
+TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.torchtitan", "fsdpfast.families.transform")
 
 
 def plan_transforms(src: str, options: MergeOptions) -> list[PlanTransform]:
