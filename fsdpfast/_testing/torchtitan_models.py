@@ -84,6 +84,41 @@ def titan_config(family: str):
                 rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=1000000.0),
             ),
         )
+    if family == "deepseek_v3":
+        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+        from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers, _build_mtp_layers
+
+        layers = _build_dsv3_layers(
+            n_layers=s["n_layers"],
+            n_dense_layers=1,
+            dim=s["dim"],
+            n_heads=s["n_heads"],
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            mscale=0.70,
+            dense_hidden_dim=s["hidden"],
+            moe_hidden_dim=s["moe_hidden"],
+            num_experts=s["experts"],
+            num_shared_experts=1,
+            router_top_k=2,
+            router_score_func="sigmoid",
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim=8, max_seq_len=256, theta=10000.0),
+        )
+        return DeepSeekV3Model.Config(
+            vocab_size=s["vocab"],
+            dim=s["dim"],
+            tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"]),
+            norm=RMSNorm.Config(normalized_shape=s["dim"]),
+            lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"]),
+            layers=layers,
+            mtp_layers=_build_mtp_layers(layers[-1], dim=s["dim"], num_mtp_layers=1),
+        )
     raise ValueError(f"no tiny torchtitan config for {family}")
 
 
@@ -116,6 +151,28 @@ def hf_config(family: str):
             num_experts_per_tok=2,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            **common,
+        )
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        common.update(num_key_value_heads=s["n_heads"], head_dim=8)
+        return DeepseekV3Config(
+            architectures=["DeepseekV3ForCausalLM"],
+            intermediate_size=s["hidden"],
+            moe_intermediate_size=s["moe_hidden"],
+            n_routed_experts=s["experts"],
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_nextn_predict_layers=1,
             **common,
         )
     raise ValueError(f"no transformers config for {family}")

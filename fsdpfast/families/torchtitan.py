@@ -80,7 +80,15 @@ class TorchtitanToHub:
         return plan.but(tensors=tuple(tensors)).noted(*notes)
 
     def expected_shapes(self, plan: MergePlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        return shapes  # writes the model's own names (the Hub layout transform then splits experts)
+        """The model's own names (the Hub layout transform then splits experts), and deepseek_v3's multi-token
+        prediction layers where config.json counts them (num_nextn_predict_layers): the Hub's checkpoints hold
+        them after the main layers, transformers builds none (it ignores them on load) and vLLM loads them."""
+        config = _config(plan) or {}
+        layers, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+        if config.get("model_type") != "deepseek_v3" or not isinstance(layers, int) or not isinstance(extra, int):
+            return shapes
+        mtp = tuple(f"model.layers.{i}." for i in range(layers, layers + extra))
+        return {**shapes, **{t.name: t.shape for t in plan.tensors if t.name.startswith(mtp)}}
 
     def unchecked(self, plan: MergePlan) -> str | None:
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ..errors import BadInput
+from ..errors import BadInput, option
 from ..plan.model import TensorPlan
 from ..plan.windows import Window, Windows
 
@@ -89,6 +89,11 @@ DEEPSEEK_V3 = TitanFamily("deepseek_v3", {**_COMMON, **_ROUTER, **_MLA})
 # config.json's model_type -> the torchtitan model whose adapter writes it
 FAMILIES: dict[str, TitanFamily] = {"llama": LLAMA3, "qwen3": QWEN3, "qwen3_moe": QWEN3, "deepseek_v3": DEEPSEEK_V3}
 
+
+def _config_option() -> str:
+    return option("config", meta="HF_DIR")
+
+
 _LAYER = re.compile(r"(?P<stack>mtp_layers|layers)\.(?P<layer>\d+)\.(?P<rest>.+)")
 
 
@@ -135,8 +140,8 @@ def hub_tensors(tensors: tuple[TensorPlan, ...], family: TitanFamily, heads: Hea
         hub = family.layer_names.get(rest) if layer else _TOP.get(name)
         if hub is None:
             raise BadInput(
-                f"{tensor.name}: a torchtitan tensor {family.name}'s adapter has no Hugging Face name for; "
-                f"pass --config with the base model of the run ({family.name} was chosen from its config.json)"
+                f"{tensor.name}: a torchtitan tensor with no Hugging Face name in the {family.name} map "
+                f"(chosen by config.json's model_type); pass {_config_option()} with the base model the run started from"
             )
         hub = f"{_hub_layer(layer, main_layers)}.{hub}" if layer else hub
         if family.permuted and rest in ("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight"):
@@ -162,7 +167,7 @@ def _permuted_heads(tensor: TensorPlan, rest: str, heads: Heads | None) -> int:
     if not rows or rows % (2 * n) or (heads.head_dim is not None and rows != n * heads.head_dim):
         raise BadInput(
             f"{tensor.name}: {list(tensor.shape)} is not {n} heads of {heads.head_dim or 'even'} rows as config.json "
-            "says; pass --config with the base model of the run"
+            f"says; pass {_config_option()} with the base model the run started from"
         )
     return n
 
