@@ -125,6 +125,31 @@ def test_a_family_without_a_map_is_refused(titan, tmp_path):
     api_refuses(titan.folder("llama3"), tmp_path / "out", config=titan.config("deepseek_v3"), mentions=("torchtitan",))
 
 
+@needs_titan_models
+@pytest.mark.slow
+def test_tied_embeddings_written_once_as_to_hf_does(tmp_path):
+    """torchtitan's enable_weight_tying (llama3 1B and 3B): to_hf drops lm_head; config.json says tied."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpfast._testing.torchtitan_models import hf_config, titan_config
+
+    config = dataclasses.replace(titan_config("llama3"), enable_weight_tying=True)
+    torch.manual_seed(5)
+    model = config.build()
+    model.init_states()
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-1"))
+    hf = hf_config("llama3")
+    hf.tie_word_embeddings = True
+    hf.save_pretrained(tmp_path / "hf")
+    fsdpfast.merge(tmp_path / "step-1", tmp_path / "merged", config=tmp_path / "hf")
+    want = type(_adapter("llama3"))(config, None).to_hf(state)
+    assert "lm_head.weight" not in want
+    _assert_equal(read_merged(tmp_path / "merged"), want)
+
+
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_rope_permutation_windows_are_torchtitans_formula(pieces):
     """permuted_rows over a tensor in `pieces` row pieces (FSDP's Shard(0)) equals
