@@ -27,7 +27,7 @@ from .model_check import DeferredCheck, in_layout, model_checked
 # Modules whose transforms(src, options) give the plan transforms of a merge, applied in this order,
 # and whose folder_checks() give what verify checks of the folders they write (plan.transform).
 # Named, not imported, so that the pipeline and verify depend on no feature.
-TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.transform")
+TRANSFORMS = ("fsdpfast.lora.transform", "fsdpfast.families.torchtitan", "fsdpfast.families.transform")
 
 
 def plan_transforms(src: str, options: MergeOptions) -> list[PlanTransform]:
