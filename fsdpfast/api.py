@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 
-from .errors import InterruptedAfterPublishing
 from .options import MergeOptions, layout_options_only, merge_options
 from .pipeline import job as merge_job
 from .pipeline import plan as pipeline_plan
-from .pipeline.model_check import TiesChanged
-from .pipeline.processes import MergeGroup
 from .pipeline.report import DryRun, Inspection, MergeReport
+from .pipeline.run import run_merge
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE
 from .plan.model import MergePlan
 
 __all__ = ["MergeReport", "dry_run", "inspect", "merge", "plan_merge"]
 
-log = logging.getLogger("fsdpfast")
 _NOT_OPTIONS = ("src", "dst", "progress", "group", "options")  # the public functions' other arguments
 
 
@@ -146,43 +141,13 @@ def merge(
     """
     given = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
     given.update(options)  # what decides the output, as given: the same on every process (rank_agreement)
-    return _merge(src, dst, lambda: merge_options(**given), given, progress, group)
+    return run_merge(src, dst, lambda: merge_options(**given), given, progress, group)
 
 
 def merge_with(src: str, dst: str, options: MergeOptions, *, progress: bool = False) -> MergeReport:
     """`merge` in this process with options parsed already (options.merge_options): one parse for
     the many merges of a `watch`."""
-    return _merge(src, dst, lambda: options, options.given, progress, None)
-
-
-def _merge(src, dst, options_of, given: dict, progress: bool, group) -> MergeReport:
-    start = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
-    processes = MergeGroup(group)
-    try:
-        return _merge_once(src, dst, options_of, given, processes, progress, start)
-    except TiesChanged as changed:  # one process alone, first build of this config: now planned with the model
-        log.info("%s", changed)
-        return _merge_once(src, dst, options_of, given, processes, progress, start)
-
-
-def _merge_once(src: str, dst: str, options_of, given: dict, processes, progress: bool, start: float) -> MergeReport:
-    job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
-        lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone),
-        abandon=lambda job: job.close(),
-    )
-    log.info("planned in %.2f s", time.perf_counter() - start)
-    try:
-        pieces = processes.write(lambda: merge_job.write_share(job, processes, src, dst, progress, given))
-        return processes.finish(
-            lambda: merge_job.finish(job, [p for share in pieces for p in share], start, processes.size)
-        )
-    except KeyboardInterrupt:
-        if job.target is not None and job.target.published:  # Ctrl-C or SIGTERM came after the rename
-            raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
-        raise
-    finally:
-        job.close()  # the staging folder removed unless published, the model check stopped if still running
+    return run_merge(src, dst, lambda: options, options.given, progress, None)
 
 
 def dry_run(
