@@ -33,7 +33,11 @@ class Events:
 def _sentence(event: str, f: dict) -> str:
     name = f.get("checkpoint", "")
     if event == "watching":
-        how = "once" if f.get("once") else f"every {f['interval']:g} s"
+        how = (
+            "once"
+            if f.get("once")
+            else f"every {f['interval']:g} s" + (", sooner on changes" if f.get("notified") else "")
+        )
         return f"watching {f['run_dir']} ({how}), publishing into {f['out_root']}"
     if event == "found":
         return f"found {name} ({f['framework']})"

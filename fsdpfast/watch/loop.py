@@ -1,6 +1,7 @@
 """The watcher: find each complete checkpoint of a run (watch.discover), merge it into
 OUT_ROOT/<its name> unless that already holds it (watch.published), then run --then and apply
---keep-last; poll again after `interval` seconds, or stop (`once`).
+--keep-last; poll again after `interval` seconds (sooner when inotify says the run folder
+changed: watch.wakeups), or stop (`once`).
 
 One merge at a time, in this process, with the options parsed once (options.MergeOptions). A
 checkpoint that is refused or fails is said (watch.events) and tried again only once its files
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 from ..api import merge_with
@@ -24,6 +24,7 @@ from .discover import Checkpoint, complete_checkpoints, step_of
 from .events import Events
 from .published import outputs_of_run, published, remove_output
 from .then import run_then
+from .wakeups import Wakeups
 
 
 class Stop(KeyboardInterrupt):
@@ -46,6 +47,7 @@ def watch(settings: WatchSettings, events: Events) -> int:
     """Watch until stopped (`once`: one pass); the exit status (once: 2 if a checkpoint was refused,
     1 if one failed, else 0; 0 when stopped by a signal)."""
     watcher = _Watcher(settings, events)
+    wakeups = Wakeups(settings.run_dir)
     previous = _on_sigterm()
     events(
         "watching",
@@ -53,19 +55,21 @@ def watch(settings: WatchSettings, events: Events) -> int:
         out_root=os.path.abspath(settings.out_root),
         once=settings.once,
         interval=settings.interval,
+        notified=wakeups.notified,
     )
     try:
         while True:
             watcher.one_pass()
             if settings.once:
                 return watcher.status
-            time.sleep(settings.interval)
+            wakeups.wait(settings.interval)
     except KeyboardInterrupt as exc:
         why = str(exc) if isinstance(exc, Stop) else "interrupted"
         current = f"; the merge of {watcher.current} was discarded, nothing of it published" if watcher.current else ""
         events("stopped", reason=why + current)
         return 0
     finally:
+        wakeups.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
