@@ -31,6 +31,36 @@ _SMALL = dict(
     max_position_embeddings=64,
 )
 
+# The sizes of each family's tiny model the tests use (its own config keys beside _SMALL's).
+DEEPSEEK_V3 = dict(
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+)
+TEXT = _SMALL  # a vision-language model's text_config
+QWEN2_5_VL = dict(
+    text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
+    ),
+)
+GEMMA3 = dict(
+    text_config=TEXT,
+    vision_config=dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    ),
+    mm_tokens_per_image=4,
+)
+
 
 @dataclass(frozen=True)
 class FamilySpec:

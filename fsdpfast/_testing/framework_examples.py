@@ -186,7 +186,7 @@ def _full_state_dict(model, fsdp_version: int) -> dict:
 # ---- torchtitan ---------------------------------------------------------------------------------
 
 
-class _TrainState:
+class TrainState:
     """torchtitan's Trainer hands itself to the checkpoint manager as `train_state`; this is its state_dict."""
 
     def __init__(self, step: int):
@@ -231,7 +231,7 @@ def _torchtitan(rank: int, root: str, spec: FrameworkSpec) -> None:
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=schedulers,
-        states={"train_state": _TrainState(1)},
+        states={"train_state": TrainState(1)},
         sd_adapter=None,
         base_folder=spec.root(root),
     )

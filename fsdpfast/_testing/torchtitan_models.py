@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from .framework_examples import TrainState
 from .fsdp2_writer import _free_port, serve_rank
 
 FAMILIES = ("llama3", "qwen3_moe", "deepseek_v3")
@@ -190,17 +191,6 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Tit
     serve_rank(rank, world_size, port, "gloo", [partial(_write_one, rank, root, spec) for spec in specs])
 
 
-class _TrainState:
-    def __init__(self, step: int):
-        self.step = step
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.step = state_dict["step"]
-
-
 def _write_one(rank: int, root: str, spec: TitanSpec) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -230,7 +220,7 @@ def _write_one(rank: int, root: str, spec: TitanSpec) -> None:
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=schedulers,
-        states={"train_state": _TrainState(1)},
+        states={"train_state": TrainState(1)},
         sd_adapter=None,
         base_folder=os.path.join(root, spec.name),
     )

@@ -17,7 +17,7 @@ from ..hf.config import load_config
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
-from ..plan.transform import ExpectedModels
+from ..plan.transform import ExpectedModels, NamesOnly
 from .torchtitan_names import FAMILIES, Heads, hub_tensors, is_torchtitan
 
 
@@ -46,7 +46,7 @@ def _heads(config: dict) -> Heads | None:
 
 
 @dataclass(frozen=True)
-class TorchtitanToHub:
+class TorchtitanToHub(NamesOnly):
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         if not is_torchtitan(clean_name(t.name) for t in plan.tensors):
             return plan
@@ -91,12 +91,3 @@ class TorchtitanToHub:
         mtp = tuple(f"model.layers.{i}." for i in range(layers, layers + extra))
         shapes = {**expected.shapes, **{t.name: t.shape for t in plan.tensors if t.name.startswith(mtp)}}
         return replace(expected, shapes=shapes)
-
-    def unchecked(self, plan: MergePlan) -> str | None:
-        return None
-
-    def outputs(self, plan: MergePlan, out_dir: str) -> list:
-        return []
-
-    def describe(self, plan: MergePlan) -> dict:
-        return {}

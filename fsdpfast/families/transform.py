@@ -18,7 +18,7 @@ from ..options import MergeOptions
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
-from ..plan.transform import ExpectedModels
+from ..plan.transform import ExpectedModels, NamesOnly
 from .hub_experts import PER_EXPERT, TRANSPOSED, ExpertNames, has_packed, hub_shapes, split_experts
 from .hub_prefixes import hub_name, renamed, rules_for
 
@@ -46,7 +46,7 @@ def model_type(plan: MergePlan) -> str | None:
 
 
 @dataclass(frozen=True)
-class HubPrefixes:
+class HubPrefixes(NamesOnly):
     """A vision-language model's parts under the prefixes its Hub checkpoints use (families.hub_prefixes)."""
 
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
@@ -68,18 +68,9 @@ class HubPrefixes:
             tied={hub_name(a, rules): hub_name(b, rules) for a, b in expected.tied.items()},
         )
 
-    def unchecked(self, plan: MergePlan) -> str | None:
-        return None
-
-    def outputs(self, plan: MergePlan, out_dir: str) -> list:
-        return []
-
-    def describe(self, plan: MergePlan) -> dict:
-        return {}
-
 
 @dataclass(frozen=True)
-class HubLayout:
+class HubLayout(NamesOnly):
     def _names(self, plan: MergePlan) -> ExpertNames | None:
         return PER_EXPERT.get(model_type(plan) or "")
 
@@ -103,12 +94,3 @@ class HubLayout:
     def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
         names = self._names(plan)
         return expected if names is None else replace(expected, shapes=hub_shapes(expected.shapes, names))
-
-    def unchecked(self, plan: MergePlan) -> str | None:
-        return None
-
-    def outputs(self, plan: MergePlan, out_dir: str) -> list:
-        return []
-
-    def describe(self, plan: MergePlan) -> dict:
-        return {}

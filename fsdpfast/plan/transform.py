@@ -133,3 +133,20 @@ class FolderChecks(Protocol):
 
     def smoke_folder(self, folder: str, notes: list[str], load_base) -> list[str]:
         """--smoke of one of the folders given alone."""
+
+
+class NamesOnly:
+    """The parts of PlanTransform a transform that only maps names and extents leaves as they are:
+    the model's names are checked as written, no folders of its own, nothing for inspect."""
+
+    def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
+        return expected
+
+    def unchecked(self, plan: MergePlan) -> str | None:
+        return None
+
+    def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
+        return []
+
+    def describe(self, plan: MergePlan) -> dict:
+        return {}

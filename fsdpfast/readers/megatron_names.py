@@ -21,7 +21,7 @@ from math import prod
 
 from ..errors import BadInput
 from ..plan.model import MergePlan, TensorPlan
-from ..plan.transform import ExpectedModels, ExtraFolder
+from ..plan.transform import ExpectedModels, NamesOnly
 from ..plan.windows import Window, Windows
 
 LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
@@ -63,7 +63,7 @@ def layer_tensors(tensors: dict) -> dict[str, dict]:
 
 
 @dataclass(frozen=True)
-class MegatronToHuggingFace:
+class MegatronToHuggingFace(NamesOnly):
     """The plan transform (plan.transform.PlanTransform) of a Megatron plan read with these sizes."""
 
     folder: str  # the checkpoint folder, for the messages
@@ -87,18 +87,6 @@ class MegatronToHuggingFace:
                 f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
             )
         return tensor
-
-    def unchecked(self, plan: MergePlan) -> str | None:
-        return None  # a Hugging Face model is written, checked against config.json's class
-
-    def outputs(self, plan: MergePlan, out_dir: str) -> list[ExtraFolder]:
-        return []
-
-    def expected_in_layout(self, plan: MergePlan, expected):
-        return expected  # applied before the checks: the plan already has the model's names
-
-    def describe(self, plan: MergePlan) -> dict:
-        return {}
 
 
 def _outputs(model: dict, layers: dict, s: Sizes):

@@ -17,60 +17,32 @@ from helpers import read_merged
 from refusals import api_refuses
 
 import fsdpfast
-from fsdpfast._testing.family_writer import FamilySpec, build_family_model, write_family_checkpoints
+from fsdpfast._testing.family_writer import (
+    DEEPSEEK_V3,
+    GEMMA3,
+    QWEN2_5_VL,
+    TEXT,
+    FamilySpec,
+    build_family_model,
+    write_family_checkpoints,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-_DEEPSEEK = dict(
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    n_group=1,
-    topk_group=1,
-)
-_TEXT = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=96,
-    head_dim=8,
-)
-_QWEN2_5_VL = dict(
-    text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-    vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
-    ),
-)
-_GEMMA3 = dict(
-    text_config=_TEXT,
-    vision_config=dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    ),
-    mm_tokens_per_image=4,
-)
 SPECS = {
     2: [
         FamilySpec(
             "qwen3_moe", "qwen3_moe", dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2), seed=1
         ),
         FamilySpec("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2), seed=2),
-        FamilySpec("deepseek_v3", "deepseek_v3", _DEEPSEEK, seed=3),
+        FamilySpec("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, seed=3),
         FamilySpec("gpt_oss", "gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), seed=4),  # keeps its names
         # vision-language models: the Hub's prefixes (visual., language_model.model., ...)
-        FamilySpec("qwen2_5_vl", "qwen2_5_vl", _QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
-        FamilySpec("gemma3", "gemma3", _GEMMA3, seed=7, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("qwen2_5_vl", "qwen2_5_vl", QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("gemma3", "gemma3", GEMMA3, seed=7, auto_class="AutoModelForImageTextToText"),
     ],
     # 5 experts over 3 ranks: FSDP2's Shard(0) cuts the packed tensors between experts unevenly
-    3: [FamilySpec("glm4_moe-w3-bf16", "glm4_moe", {**_DEEPSEEK, "n_routed_experts": 5}, dtype="bfloat16", seed=5)],
+    3: [FamilySpec("glm4_moe-w3-bf16", "glm4_moe", {**DEEPSEEK_V3, "n_routed_experts": 5}, dtype="bfloat16", seed=5)],
 }
 FAMILIES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
 
@@ -179,7 +151,7 @@ def test_transposed_hub_experts_are_refused_and_packed_kept_on_request(tmp_path)
         "qwen3_vl_moe",
         dict(
             text_config=dict(
-                _TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+                TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
             ),
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32),
         ),

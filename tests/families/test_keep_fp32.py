@@ -5,23 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdpfast._testing.family_writer import FamilySpec, family_config
+from fsdpfast._testing.family_writer import DEEPSEEK_V3, FamilySpec, family_config
 from fsdpfast.families.keep_fp32 import LOOSE, STRICT, kept_lists, kept_patterns, matcher
 
-_DEEPSEEK_SIZES = dict(
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    n_group=1,
-    topk_group=1,
-)
 FAMILIES = ["deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen2"]
 
 
@@ -58,7 +44,7 @@ def test_a_live_cast_keeps_them_too(tmp_path):
     import fsdpfast
     from fsdpfast._testing.family_writer import build_family_model
 
-    spec = FamilySpec("deepseek_v3", "deepseek_v3", _DEEPSEEK_SIZES, seed=7)
+    spec = FamilySpec("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, seed=7)
     model = build_family_model(spec)
     model.save_pretrained(tmp_path / "fp32")
     cast = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
