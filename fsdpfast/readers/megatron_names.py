@@ -1,4 +1,4 @@
-"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 ones: a plan transform.
+"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE ones: a plan transform.
 
 readers.megatron reads the checkpoint's own tensors (Megatron's names and global shapes, layer
 tensors stacked (L, ...) or per layer), checks them against the model's sizes, and attaches this
@@ -9,7 +9,13 @@ placement, no arithmetic:
   the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
   order, and so on. Its bias (Qwen2) is split the same way.
 - linear_fc1 is [gate; up] (f rows each) whatever the TP;
-- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
+- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm);
+  Qwen3's per-head q_layernorm / k_layernorm are self_attn.q_norm / k_norm, one to one.
+- MoE layers (Qwen3-MoE): the router is mlp.gate; the routed experts are stacked on a global expert
+  axis whatever the expert parallelism (experts.experts.linear_fc1.weight (L, E, 2F, H), each
+  expert's rows [gate; up] as the dense fc1; linear_fc2 (L, E, H, F)), so layer i is transformers'
+  packed mlp.experts.gate_up_proj (E, 2F, H) and down_proj (E, H, F); families.hub_experts then
+  writes them one tensor per expert, as save_pretrained does (or keeps them packed).
 Embedding rows past config.json's vocab_size are Megatron's vocabulary padding and are left out.
 """
 
@@ -33,6 +39,14 @@ NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEn
 }
 QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 PROJ, FC1, FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
+QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+ROUTER = "mlp.router.weight"
+EXPERT_FC1, EXPERT_FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
+MOE_KEYS = (ROUTER, EXPERT_FC1, EXPERT_FC2)
+DENSE_KEYS = (FC1, FC2)
 EMBED, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
 
 
@@ -49,6 +63,10 @@ class Sizes:
     vocab: int
     tied: bool
     tie_stated: bool  # False: config.json does not say, and means untied (transformers' default)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k
+    experts: int = 0  # routed experts of an MoE layer (Qwen3-MoE); 0: a dense model
+    expert_ffn: int = 0  # each expert's intermediate size
+    moe_layers: frozenset[int] = frozenset()  # the layers with experts; the others have a dense MLP
 
 
 def layer_tensors(tensors: dict) -> dict[str, dict]:
@@ -118,8 +136,19 @@ def _outputs(model: dict, layers: dict, s: Sizes):
         for key in QKV:
             if key in layers:
                 yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
-        h, inner = s.hidden, s.heads * s.head_dim
+        h, inner, d = s.hidden, s.heads * s.head_dim, s.head_dim
         yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
+        for key, hf in QK_NORMS.items():
+            if key in layers:
+                yield prefix + hf, (d,), _layer_window(layers[key], i, ((0, d),))
+        if i in s.moe_layers:
+            e, f = s.experts, s.expert_ffn
+            yield prefix + "mlp.gate.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
+            box = ((0, e), (0, 2 * f), (0, h))
+            yield prefix + "mlp.experts.gate_up_proj", (e, 2 * f, h), _layer_window(layers[EXPERT_FC1], i, box)
+            box = ((0, e), (0, h), (0, f))
+            yield prefix + "mlp.experts.down_proj", (e, h, f), _layer_window(layers[EXPERT_FC2], i, box)
+            continue
         yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((0, s.ffn), (0, h)))
         yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((s.ffn, s.ffn), (0, h)))
         yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
