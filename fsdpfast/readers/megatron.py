@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE models.
+Qwen3-MoE / DeepSeek-V3 models.
 
 The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
 shapes: TP, PP, virtual pipeline stages, expert parallelism (EP) and expert tensor parallelism (ETP)
@@ -34,12 +34,15 @@ from .megatron_folder import is_torch_dist
 from .megatron_names import (
     DENSE_KEYS,
     EMBED,
+    EXPERT_BIAS,
     EXPERT_FC1,
     EXPERT_FC2,
     FC1,
     FC2,
     FINAL_NORM,
     LAYER,
+    MLA,
+    MLA_MARKS,
     MOE_KEYS,
     NORMS,
     OUTPUT,
@@ -47,16 +50,28 @@ from .megatron_names import (
     QK_NORMS,
     QKV,
     ROUTER,
+    SHARED_FC1,
+    SHARED_KEYS,
     MegatronToHuggingFace,
     Sizes,
     layer_tensors,
+    mla_shapes,
 )
 from .reader import Reader
 
 NAME = "megatron"
 DESCRIPTION = "metadata.json (torch_dist) + .metadata + .distcp: Megatron-Core dist_checkpointing (iter_N/ folders)"
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # whose Hugging Face names and layout this writes
+_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+)  # whose Hugging Face names and layout this writes
 _QK_NORM = ("qwen3", "qwen3_moe")  # families with an RMSNorm over each head of q and k
+_MOE = ("qwen3_moe", "deepseek_v3")  # the MoE families this layout writes
+_MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS)  # tensors of the layers with experts only
 _HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
@@ -67,9 +82,6 @@ _KNOWN_UNSUPPORTED = (
     ("linear_fc1.bias", "MLP biases"),
     ("linear_fc2.bias", "MLP biases"),
     ("linear_proj.bias", "an attention output bias"),
-    ("linear_q_down_proj", "multi-latent attention (MLA)"),
-    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
-    ("kv_layernorm", "multi-latent attention (MLA)"),
     ("position_embeddings", "learned position embeddings (not RoPE)"),
     ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
     ("mtp", "multi-token prediction layers"),
@@ -102,6 +114,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
             qkv_bias=found.qkv_bias,
             qk_norm=found.qk_norm,
             experts=found.experts,
+            mla=found.mla,
             dtype=model[EMBED].dtype,
         )
         source = f"config.json built from {COMMON}"
@@ -111,7 +124,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         source = os.path.join(config, "config.json")
         values = load_config(source)
         sizes = _sizes(values, source)
-        _check_family(folder, source, values, found)
+        _check_family(folder, source, values, found, sizes)
         _check_shapes(folder, source, model, layers, sizes)
         if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
             positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
@@ -132,8 +145,13 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         else ""
     )
     plan = plan.noted(
-        f"Megatron GPT: {sizes.layers} layers{moe}, {sizes.heads} heads in {sizes.groups} query groups of "
-        f"head dim {sizes.head_dim}, from {source}",
+        f"Megatron GPT: {sizes.layers} layers{moe}, "
+        + (
+            f"multi-latent attention with {sizes.heads} heads, "
+            if sizes.mla
+            else f"{sizes.heads} heads in {sizes.groups} query groups of head dim {sizes.head_dim}, "
+        )
+        + f"from {source}",
         config_note,
         args_note,
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
@@ -192,6 +210,8 @@ def _sizes(values: dict, path: str) -> Sizes:
     head_dim = number("head_dim") if values.get("head_dim") is not None else _HEAD_DIM.get(model_type, hidden // heads)
     tied = values.get("tie_word_embeddings")
     layers = number("num_hidden_layers")
+    if model_type == "deepseek_v3":
+        return _deepseek_sizes(values, path, number, hidden, heads, tied)
     experts, expert_ffn, moe_layers = 0, 0, frozenset()
     if model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
         experts, expert_ffn, step = (
@@ -220,6 +240,40 @@ def _sizes(values: dict, path: str) -> Sizes:
     )
 
 
+def _deepseek_sizes(values: dict, path: str, number, hidden: int, heads: int, tied) -> Sizes:
+    """DeepSeek-V3: MLA (no query groups; o_proj's columns are heads x v_head_dim), layers from
+    first_k_dense_replace on with routed experts, the shared ones and the router's correction bias."""
+    layers, q_rank = number("num_hidden_layers"), values.get("q_lora_rank")
+    experts, expert_ffn = number("n_routed_experts"), number("moe_intermediate_size")
+    shared = values.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise BadInput(f"{path}: n_shared_experts is {shared!r}, not a whole number")
+    dense = values.get("first_k_dense_replace") or 0
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise BadInput(f"{path}: first_k_dense_replace is {dense!r}, not a whole number")
+    return Sizes(
+        hidden,
+        heads,
+        heads,
+        number("v_head_dim"),
+        number("intermediate_size"),
+        layers,
+        number("vocab_size"),
+        tied is True,
+        isinstance(tied, bool),
+        experts=experts,
+        expert_ffn=expert_ffn,
+        moe_layers=frozenset(range(dense, layers)),
+        shared_ffn=shared * expert_ffn,
+        expert_bias=True,  # DeepseekV3's gate always has e_score_correction_bias
+        mla=True,
+        q_rank=0 if q_rank is None else number("q_lora_rank"),
+        kv_rank=number("kv_lora_rank"),
+        nope=number("qk_nope_head_dim"),
+        rope=number("qk_rope_head_dim"),
+    )
+
+
 def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
     """What the tensors show, for the checks of the args (a missing dimension reads 0)."""
 
@@ -233,32 +287,63 @@ def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
     def first(key, i):
         return dim(layer_shape(key), i) if key in layers else 0
 
-    qkv = layers[QKV[0]]
+    proj = layers[PROJ]
     embedding = model[EMBED].shape
+    mla = any(key in layers for key in MLA_MARKS)
     return megatron_checks.TensorSizes(
         rows=dim(embedding, 0),
         hidden=dim(embedding, 1),
-        layers=dim(qkv[None].shape, 0) if None in qkv else len(qkv),
-        qkv_rows=dim(layer_shape(QKV[0]), 0),
+        layers=dim(proj[None].shape, 0) if None in proj else len(proj),
+        qkv_rows=first(QKV[0], 0),
         attention=dim(layer_shape(PROJ), 1),
         fc1_rows=first(FC1, 0),
         ffn=first(FC2, 1),
         tied=OUTPUT not in model,
         qkv_bias=QKV[1] in layers,
-        qk_norm=any(key in layers for key in QK_NORMS),
+        qk_norm=any(key in layers for key in QK_NORMS) and not mla,
         experts=first(ROUTER, 0),
+        mla=mla,
+        shared=SHARED_FC1 in layers,
+        expert_bias=EXPERT_BIAS in layers,
     )
 
 
-def _check_family(folder: str, path: str, values: dict, found: megatron_checks.TensorSizes) -> None:
+def _check_family(folder: str, path: str, values: dict, found: megatron_checks.TensorSizes, sizes: Sizes) -> None:
     """The tensors against config.json's family, for what the shapes cannot tell: the other pairings load with
     weights dropped or missing, or compute another model.
     - A QKV bias is Qwen2's (q, k and v carry one, o does not); Llama's attention_bias puts one on o_proj too,
       Mistral and Qwen3 have none.
     - q_layernorm / k_layernorm are Qwen3's q_norm / k_norm (Qwen3 and Qwen3-MoE have them, the others not).
-    - Routed experts are Qwen3-MoE's (the only MoE family this layout writes); Qwen3-MoE has experts."""
+    - Multi-latent attention is DeepSeek-V3's, and so are shared experts and the router's expert_bias.
+    - Routed experts are Qwen3-MoE's or DeepSeek-V3's; those have experts."""
     model_type = values["model_type"]
     how = f"pass {option('config', meta='DIR')} with"
+    mla = model_type == "deepseek_v3"
+    if found.mla != mla:
+        holds = (
+            "holds multi-latent attention (self_attention.linear_q_down_proj / linear_kv_down_proj)"
+            if found.mla
+            else "holds no multi-latent attention (linear_qkv)"
+        )
+        fits = "a deepseek_v3 config" if found.mla else "a config without multi-latent attention (not deepseek_v3)"
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
+            f"checkpoint's model; {how} {fits}"
+        )
+    if mla:
+        for present, wanted, what in (
+            (
+                found.shared,
+                bool(sizes.shared_ffn),
+                f"shared experts (n_shared_experts {values.get('n_shared_experts')!r})",
+            ),
+            (found.expert_bias, bool(found.experts), "the router's expert_bias (e_score_correction_bias)"),
+        ):
+            if present != wanted:
+                raise BadInput(
+                    f"{folder}: the checkpoint holds {'' if present else 'no '}{what.split(' (')[0]}, but {path} "
+                    f"{'has none' if present else 'has ' + what}: the config is not this checkpoint's model"
+                )
     has_flag = model_type in ("llama", *_QK_NORM)  # attention_bias: a bias on q, k, v and o
     wants = model_type == "qwen2" or (has_flag and values.get("attention_bias") is True)
     if (model_type != "qwen2") if found.qkv_bias else wants:
@@ -276,6 +361,12 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             f"{folder}: the checkpoint {holds}, but {path} has {given}: the config is not this checkpoint's model; "
             f"{how} {fits}"
         )
+    if not mla and (found.shared or found.expert_bias):
+        what = "shared experts" if found.shared else "a router expert_bias"
+        raise BadInput(
+            f"{folder}: the checkpoint holds {what}, which {model_type!r} models have not; the megatron layout writes "
+            f"them as DeepSeek-V3's; {how} a deepseek_v3 config"
+        )
     if found.qk_norm != (model_type in _QK_NORM):
         holds = (
             "holds self_attention.q_layernorm / k_layernorm (Qwen3's q_norm / k_norm)"
@@ -287,13 +378,17 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
             f"checkpoint's model; {how} {fits}"
         )
-    if bool(found.experts) != (model_type == "qwen3_moe"):
+    if bool(found.experts) != (model_type in _MOE):
         holds = (
             f"holds MoE layers ({found.experts} experts: decoder.layers.{ROUTER})"
             if found.experts
             else "holds no MoE layers (no decoder.layers.mlp.router.weight)"
         )
-        fits = "a qwen3_moe config (the only MoE family the megatron layout writes)" if found.experts else "a dense one"
+        fits = (
+            "a qwen3_moe or deepseek_v3 config (the MoE families the megatron layout writes)"
+            if found.experts
+            else "a dense one"
+        )
         raise BadInput(
             f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
             f"checkpoint's model; {how} {fits}"
@@ -312,7 +407,9 @@ def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.C
 
 
 def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
-    known_layer = set(NORMS) | set(QKV) | set(QK_NORMS) | {PROJ, *DENSE_KEYS, *MOE_KEYS}
+    known_layer = (
+        set(NORMS) | set(QKV) | set(QK_NORMS) | set(MLA) | {PROJ, *DENSE_KEYS, *MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS}
+    )
     unknown = [
         name
         for name in model
@@ -335,15 +432,15 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         both = [i for i in layers.get(present[0], {}) if all(i in layers[key] for key in present)] if present else []
         if len(present) > 1 and both:
             raise BadInput(
-                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two names "
-                "for one norm; the checkpoint is not one model"
+                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two forms "
+                "of one tensor; the checkpoint is not one model"
             )
         if not present:
             raise BadInput(
                 f"{folder}: no decoder.layers.{names[0]} in the checkpoint; not a Megatron GPT model "
                 "with SwiGLU and RMSNorm"
             )
-    for kind in (DENSE_KEYS, MOE_KEYS):  # a dense MLP's or an MoE layer's tensors: all of them or none
+    for kind in (DENSE_KEYS, MOE_KEYS, SHARED_KEYS):  # a dense MLP's or an MoE layer's tensors: all of them or none
         present = [key for key in kind if key in layers]
         if present and len(present) < len(kind):
             missing = next(key for key in kind if key not in layers)
@@ -360,7 +457,7 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
 _LAYER_NEEDED = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-    (QKV[0],),
+    (QKV[0], *MLA_MARKS),  # attention: grouped q/k/v, or multi-latent (q from a LoRA pair or one projection)
     (PROJ,),
 )
 
@@ -380,16 +477,28 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         ROUTER: (s.experts, s.hidden),
         EXPERT_FC1: (s.experts, 2 * s.expert_ffn, s.hidden),
         EXPERT_FC2: (s.experts, s.hidden, s.expert_ffn),
+        EXPERT_BIAS: (s.experts,),
+        SHARED_KEYS[0]: (2 * s.shared_ffn, s.hidden),
+        SHARED_KEYS[1]: (s.hidden, s.shared_ffn),
+        **(mla_shapes(s) if s.mla else {}),  # MLA's q_layernorm is over the q LoRA rank, not a head
     }
+    experts_key = "n_routed_experts" if s.mla else "num_experts"
     why = {
         QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
         PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
         FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
         FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
         **{key: f"head_dim {s.head_dim}" for key in QK_NORMS},
-        ROUTER: f"num_experts {s.experts}, hidden_size {s.hidden}",
-        EXPERT_FC1: f"num_experts {s.experts}, 2 x moe_intermediate_size {s.expert_ffn}, hidden_size {s.hidden}",
-        EXPERT_FC2: f"num_experts {s.experts}, hidden_size {s.hidden}, moe_intermediate_size {s.expert_ffn}",
+        ROUTER: f"{experts_key} {s.experts}, hidden_size {s.hidden}",
+        EXPERT_FC1: f"{experts_key} {s.experts}, 2 x moe_intermediate_size {s.expert_ffn}, hidden_size {s.hidden}",
+        EXPERT_FC2: f"{experts_key} {s.experts}, hidden_size {s.hidden}, moe_intermediate_size {s.expert_ffn}",
+        SHARED_KEYS[0]: f"2 x shared experts' size {s.shared_ffn}, hidden_size {s.hidden}",
+        SHARED_KEYS[1]: f"hidden_size {s.hidden}, shared experts' size {s.shared_ffn}",
+        **{
+            key: f"q_lora_rank {s.q_rank}, kv_lora_rank {s.kv_rank}, {s.heads} heads x (qk_nope_head_dim {s.nope} + "
+            f"qk_rope_head_dim {s.rope} or v_head_dim {s.head_dim}), hidden_size {s.hidden}"
+            for key in MLA
+        },
     }
     why[QKV[1]] = why[QKV[0]]
     every = set(range(s.layers))
@@ -403,9 +512,9 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         if key in NORMS:  # the pre-MLP norm may have a dense layer's name in some layers, an MoE layer's in others
             indices, wanted = set().union(*(held(k) for k in NORMS if NORMS[k] == NORMS[key])), every
         else:
-            indices, wanted = held(key), (dense if key in DENSE_KEYS else s.moe_layers if key in MOE_KEYS else every)
+            indices, wanted = held(key), (dense if key in DENSE_KEYS else s.moe_layers if key in _MOE_LAYER else every)
         if indices != wanted:
-            listed = bool(s.experts) and key in (*DENSE_KEYS, *MOE_KEYS)
+            listed = bool(s.experts) and key in (*DENSE_KEYS, *_MOE_LAYER)
             raise BadInput(
                 f"{folder}: decoder.layers.{key} holds {_layers_named(indices, listed)}; {path} gives "
                 f"{_layers_named(wanted, listed)} ({_which_layers(key, s)}): the config is not this checkpoint's model"
@@ -450,10 +559,11 @@ def _layers_named(indices: set[int], listed: bool) -> str:
 
 
 def _which_layers(key: str, s: Sizes) -> str:
-    if key in MOE_KEYS:
-        return "the layers with experts: num_experts, mlp_only_layers, decoder_sparse_step" if s.experts else "no MoE"
+    which = "first_k_dense_replace" if s.mla else "mlp_only_layers, decoder_sparse_step"
+    if key in _MOE_LAYER:
+        return f"the layers with experts: {which}" if s.experts else "no MoE"
     if key in DENSE_KEYS and s.experts:
-        return "the layers without experts: mlp_only_layers, decoder_sparse_step"
+        return f"the layers without experts: {which}"
     return f"num_hidden_layers {s.layers}"
 
 

@@ -49,6 +49,9 @@ class TensorSizes:
     qkv_bias: bool
     qk_norm: bool = False  # self_attention.q_layernorm / k_layernorm (Qwen3)
     experts: int = 0  # the router's rows; 0: no MoE layer
+    mla: bool = False  # multi-latent attention (no linear_qkv: qkv_rows is 0)
+    shared: bool = False  # shared experts
+    expert_bias: bool = False  # the router's expert_bias
 
 
 def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
@@ -66,7 +69,7 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
     r = args.recorded
     qkv = "decoder.layers.self_attention.linear_qkv"
     attention = None
-    if args.heads and args.groups and args.head_dim:
+    if args.heads and args.groups and args.head_dim and found.qkv_rows:  # MLA has no linear_qkv
         n, g, d = args.heads, args.groups, args.head_dim
         names = f"num_attention_heads {n}, num_query_groups {g}, kv_channels {d}"
         if (n + 2 * g) * d != found.qkv_rows:

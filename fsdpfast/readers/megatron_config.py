@@ -36,11 +36,25 @@ _NEEDS_CONFIG = (
 
 
 def build(
-    folder: str, args: TrainingArgs, *, rows: int, tied: bool, qkv_bias: bool, qk_norm: bool, experts: int, dtype: str
+    folder: str,
+    args: TrainingArgs,
+    *,
+    rows: int,
+    tied: bool,
+    qkv_bias: bool,
+    qk_norm: bool,
+    experts: int,
+    mla: bool,
+    dtype: str,
 ) -> tuple[dict, str]:
     """(config.json's values, a note saying where they came from)."""
     r = args.recorded
     how = f"pass {option('config', meta='DIR')} (a folder with the model's config.json)"
+    if mla:
+        raise BadInput(
+            f"{folder}: no config.json, and the checkpoint has multi-latent attention (DeepSeek-V3), whose "
+            f"config.json is not built from the training args in {COMMON}; {how}"
+        )
     if experts:  # the routing (top-k, normalisation, which layers) is more than these args are checked for
         raise BadInput(
             f"{folder}: no config.json, and the checkpoint holds MoE layers ({experts} experts), whose config.json "
