@@ -75,7 +75,8 @@ _MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS)  # tensors of the layers wit
 _HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
-_KNOWN_UNSUPPORTED = (
+_KNOWN_UNSUPPORTED = (  # the first piece a name holds says what it is
+    ("mtp.", "multi-token prediction (MTP) layers"),
     ("shared_experts", "shared experts"),
     ("router.expert_bias", "a router expert_bias (balancing without an auxiliary loss)"),
     ("router.bias", "a router bias"),
@@ -84,7 +85,6 @@ _KNOWN_UNSUPPORTED = (
     ("linear_proj.bias", "an attention output bias"),
     ("position_embeddings", "learned position embeddings (not RoPE)"),
     ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
-    ("mtp", "multi-token prediction layers"),
     ("vision", "a vision tower"),
 )
 
@@ -417,12 +417,19 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         and name not in (EMBED, OUTPUT, FINAL_NORM)
     ]
     if unknown:
-        kinds = list(dict.fromkeys(what for name in unknown for piece, what in _KNOWN_UNSUPPORTED if piece in name))
+        kinds = list(
+            dict.fromkeys(
+                what
+                for name in unknown
+                for what in [next((what for piece, what in _KNOWN_UNSUPPORTED if piece in name), None)]
+                if what
+            )
+        )
         shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3) and Qwen3-MoE's routed experts only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (without MTP) only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:

@@ -42,7 +42,11 @@ MERGED = [
     *MOE,
 ]
 ITERATION = "iter_0000007"
-REFUSED = ["tp1_pp1_moe", "tp1_pp1_moe_shared_expert"]  # MoE checkpoints without a reference, only refused
+REFUSED = [
+    "tp1_pp1_moe",
+    "tp1_pp1_moe_shared_expert",
+    "tp1_pp1_deepseek_v3_mtp",
+]  # MoE checkpoints without a reference, only refused
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -682,3 +686,10 @@ def test_a_deepseek_v3_config_that_disagrees_with_the_tensors_is_refused(tmp_pat
 
 def test_without_config_an_mla_checkpoint_is_refused_naming_the_option(tmp_path):
     cli_refuses(DATA / "tp2_ep2_deepseek_v3" / "run", tmp_path / "out", mentions=("--config",))
+
+
+def test_multi_token_prediction_layers_are_refused_naming_them(tmp_path):
+    # DeepSeek-V3-like with one MTP layer, written by megatron-core: its tensors are not written yet (on the Hub
+    # they are model.layers.{L+k}.*, which transformers ignores), so the model is refused, not merged without them
+    run = DATA / "tp1_pp1_deepseek_v3_mtp" / "run"
+    cli_refuses(run, tmp_path / "out", mentions=("multi-token prediction (MTP)", "mtp.layers.0.enorm.weight"))
