@@ -1,10 +1,13 @@
-"""Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 models.
+"""Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
+Qwen3-MoE / DeepSeek-V3 models.
 
 The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
-shapes: TP, PP and virtual pipeline stages only decide which chunks exist, so all are handled by
-the chunk boxes. Layer tensors are stacked: `decoder.layers.self_attention.linear_qkv.weight` is
-(L, (n + 2g)·d, h), layer i at index i whatever the pipeline stage that saved it (per-layer
-`decoder.layers.{i}.` names, as a heterogeneous checkpoint has them, are read too). The plan holds
+shapes: TP, PP, virtual pipeline stages, expert parallelism (EP) and expert tensor parallelism (ETP)
+only decide which chunks exist, so all are handled by the chunk boxes. Layer tensors are stacked:
+`decoder.layers.self_attention.linear_qkv.weight` is (L, (n + 2g)·d, h), layer i at index i whatever
+the pipeline stage that saved it (per-layer `decoder.layers.{i}.` names, as a heterogeneous checkpoint
+or an MoE model with dense layers has them, are read too); routed experts are stacked on a global
+expert axis too, whatever the EP rank that saved them. The plan holds
 those tensors under their own names; the map onto Hugging Face names (q/k/v and gate/up splits,
 per-layer tensors, the vocabulary padding left out) is the plan transform readers.megatron_names
 attaches (MergePlan.conversions), which the pipeline applies before any check.
@@ -29,37 +32,59 @@ from . import dcp, megatron_checks, megatron_config
 from .megatron_args import COMMON, read_training_args
 from .megatron_folder import is_torch_dist
 from .megatron_names import (
+    DENSE_KEYS,
     EMBED,
+    EXPERT_BIAS,
+    EXPERT_FC1,
+    EXPERT_FC2,
     FC1,
     FC2,
     FINAL_NORM,
     LAYER,
+    MLA,
+    MLA_MARKS,
+    MOE_KEYS,
     NORMS,
     OUTPUT,
     PROJ,
+    QK_NORMS,
     QKV,
+    ROUTER,
+    SHARED_FC1,
+    SHARED_KEYS,
     MegatronToHuggingFace,
     Sizes,
     layer_tensors,
+    mla_shapes,
 )
 from .reader import Reader
 
 NAME = "megatron"
 DESCRIPTION = "metadata.json (torch_dist) + .metadata + .distcp: Megatron-Core dist_checkpointing (iter_N/ folders)"
-_MODEL_TYPES = ("llama", "mistral", "qwen2")  # whose Hugging Face names and layout this mapping writes
+_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+)  # whose Hugging Face names and layout this writes
+_QK_NORM = ("qwen3", "qwen3_moe")  # families with an RMSNorm over each head of q and k
+_MOE = ("qwen3_moe", "deepseek_v3")  # the MoE families this layout writes
+_MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS)  # tensors of the layers with experts only
+_HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
-_KNOWN_UNSUPPORTED = (
-    (".experts.", "MoE layers"),
-    ("mlp.router", "MoE layers"),
-    ("shared_experts", "MoE layers"),
-    ("linear_q_down_proj", "multi-latent attention (MLA)"),
-    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
-    ("q_layernorm", "QK layernorm"),
-    ("k_layernorm", "QK layernorm"),
+_KNOWN_UNSUPPORTED = (  # the first piece a name holds says what it is
+    ("mtp.", "multi-token prediction (MTP) layers"),
+    ("shared_experts", "shared experts"),
+    ("router.expert_bias", "a router expert_bias (balancing without an auxiliary loss)"),
+    ("router.bias", "a router bias"),
+    ("linear_fc1.bias", "MLP biases"),
+    ("linear_fc2.bias", "MLP biases"),
+    ("linear_proj.bias", "an attention output bias"),
     ("position_embeddings", "learned position embeddings (not RoPE)"),
     ("layer_norm_bias", "LayerNorm (not RMSNorm)"),
-    ("mtp", "multi-token prediction layers"),
     ("vision", "a vision tower"),
 )
 
@@ -82,7 +107,15 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     built, positions_note = None, None
     if config is None:  # no config.json anywhere: the run's own args say what the model is
         built, config_note = megatron_config.build(
-            folder, args, rows=found.rows, tied=found.tied, qkv_bias=found.qkv_bias, dtype=model[EMBED].dtype
+            folder,
+            args,
+            rows=found.rows,
+            tied=found.tied,
+            qkv_bias=found.qkv_bias,
+            qk_norm=found.qk_norm,
+            experts=found.experts,
+            mla=found.mla,
+            dtype=model[EMBED].dtype,
         )
         source = f"config.json built from {COMMON}"
         sizes = _sizes(built, source)
@@ -91,8 +124,8 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         source = os.path.join(config, "config.json")
         values = load_config(source)
         sizes = _sizes(values, source)
+        _check_family(folder, source, values, found, sizes)
         _check_shapes(folder, source, model, layers, sizes)
-        _check_family(folder, source, values, found.qkv_bias)
         if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
             positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
     tensors = [_tensor(tensor) for tensor in model.values()]
@@ -106,9 +139,19 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         built_config=built,
         conversions=(conversion,),
     )
+    moe = (
+        f", {len(sizes.moe_layers)} of them MoE with {sizes.experts} experts of ffn size {sizes.expert_ffn}"
+        if sizes.moe_layers
+        else ""
+    )
     plan = plan.noted(
-        f"Megatron GPT: {sizes.layers} layers, {sizes.heads} heads in {sizes.groups} query groups of "
-        f"head dim {sizes.head_dim}, from {source}",
+        f"Megatron GPT: {sizes.layers} layers{moe}, "
+        + (
+            f"multi-latent attention with {sizes.heads} heads, "
+            if sizes.mla
+            else f"{sizes.heads} heads in {sizes.groups} query groups of head dim {sizes.head_dim}, "
+        )
+        + f"from {source}",
         config_note,
         args_note,
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
@@ -164,18 +207,70 @@ def _sizes(values: dict, path: str) -> Sizes:
     groups = number("num_key_value_heads", heads)
     if heads % groups:
         raise BadInput(f"{path}: {heads} attention heads do not divide into {groups} key/value heads")
-    head_dim = number("head_dim") if values.get("head_dim") is not None else hidden // heads
+    head_dim = number("head_dim") if values.get("head_dim") is not None else _HEAD_DIM.get(model_type, hidden // heads)
     tied = values.get("tie_word_embeddings")
+    layers = number("num_hidden_layers")
+    if model_type == "deepseek_v3":
+        return _deepseek_sizes(values, path, number, hidden, heads, tied)
+    experts, expert_ffn, moe_layers = 0, 0, frozenset()
+    if model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
+        experts, expert_ffn, step = (
+            number("num_experts"),
+            number("moe_intermediate_size"),
+            number("decoder_sparse_step", 1),
+        )
+        dense = values.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise BadInput(f"{path}: mlp_only_layers is {dense!r}, not a list of layer numbers")
+        moe_layers = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     return Sizes(
         hidden,
         heads,
         groups,
         head_dim,
         number("intermediate_size"),
-        number("num_hidden_layers"),
+        layers,
         number("vocab_size"),
         tied is True,  # absent (or not a bool): untied, the default of Llama, Mistral and Qwen2
         isinstance(tied, bool),
+        qk_norm=model_type in _QK_NORM,
+        experts=experts,
+        expert_ffn=expert_ffn,
+        moe_layers=moe_layers,
+    )
+
+
+def _deepseek_sizes(values: dict, path: str, number, hidden: int, heads: int, tied) -> Sizes:
+    """DeepSeek-V3: MLA (no query groups; o_proj's columns are heads x v_head_dim), layers from
+    first_k_dense_replace on with routed experts, the shared ones and the router's correction bias."""
+    layers, q_rank = number("num_hidden_layers"), values.get("q_lora_rank")
+    experts, expert_ffn = number("n_routed_experts"), number("moe_intermediate_size")
+    shared = values.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise BadInput(f"{path}: n_shared_experts is {shared!r}, not a whole number")
+    dense = values.get("first_k_dense_replace") or 0
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise BadInput(f"{path}: first_k_dense_replace is {dense!r}, not a whole number")
+    return Sizes(
+        hidden,
+        heads,
+        heads,
+        number("v_head_dim"),
+        number("intermediate_size"),
+        layers,
+        number("vocab_size"),
+        tied is True,
+        isinstance(tied, bool),
+        experts=experts,
+        expert_ffn=expert_ffn,
+        moe_layers=frozenset(range(dense, layers)),
+        shared_ffn=shared * expert_ffn,
+        expert_bias=True,  # DeepseekV3's gate always has e_score_correction_bias
+        mla=True,
+        q_rank=0 if q_rank is None else number("q_lora_rank"),
+        kv_rank=number("kv_lora_rank"),
+        nope=number("qk_nope_head_dim"),
+        rope=number("qk_rope_head_dim"),
     )
 
 
@@ -189,39 +284,115 @@ def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
     def dim(shape, i):
         return shape[i] if len(shape) > i else 0
 
-    qkv = layers[QKV[0]]
+    def first(key, i):
+        return dim(layer_shape(key), i) if key in layers else 0
+
+    proj = layers[PROJ]
     embedding = model[EMBED].shape
+    mla = any(key in layers for key in MLA_MARKS)
     return megatron_checks.TensorSizes(
         rows=dim(embedding, 0),
         hidden=dim(embedding, 1),
-        layers=dim(qkv[None].shape, 0) if None in qkv else len(qkv),
-        qkv_rows=dim(layer_shape(QKV[0]), 0),
+        layers=dim(proj[None].shape, 0) if None in proj else len(proj),
+        qkv_rows=first(QKV[0], 0),
         attention=dim(layer_shape(PROJ), 1),
-        fc1_rows=dim(layer_shape(FC1), 0),
-        ffn=dim(layer_shape(FC2), 1),
+        fc1_rows=first(FC1, 0),
+        ffn=first(FC2, 1),
         tied=OUTPUT not in model,
         qkv_bias=QKV[1] in layers,
+        qk_norm=any(key in layers for key in QK_NORMS) and not mla,
+        experts=first(ROUTER, 0),
+        mla=mla,
+        shared=SHARED_FC1 in layers,
+        expert_bias=EXPERT_BIAS in layers,
     )
 
 
-def _check_family(folder: str, path: str, values: dict, qkv_bias: bool) -> None:
-    """A QKV bias is Qwen2's (q, k and v carry one, o does not); Llama's attention_bias puts one on o_proj
-    too, and Mistral has none: the other pairings load with biases dropped or missing."""
+def _check_family(folder: str, path: str, values: dict, found: megatron_checks.TensorSizes, sizes: Sizes) -> None:
+    """The tensors against config.json's family, for what the shapes cannot tell: the other pairings load with
+    weights dropped or missing, or compute another model.
+    - A QKV bias is Qwen2's (q, k and v carry one, o does not); Llama's attention_bias puts one on o_proj too,
+      Mistral and Qwen3 have none.
+    - q_layernorm / k_layernorm are Qwen3's q_norm / k_norm (Qwen3 and Qwen3-MoE have them, the others not).
+    - Multi-latent attention is DeepSeek-V3's, and so are shared experts and the router's expert_bias.
+    - Routed experts are Qwen3-MoE's or DeepSeek-V3's; those have experts."""
     model_type = values["model_type"]
-    wants = model_type == "qwen2" or (model_type == "llama" and values.get("attention_bias") is True)
-    if (model_type == "qwen2") if qkv_bias else not wants:
-        return
-    found = "holds linear_qkv.bias (a bias on q, k and v only)" if qkv_bias else "holds no linear_qkv.bias"
-    given = (
-        f"model_type {model_type!r}"
-        + (f" with attention_bias {values.get('attention_bias')!r}" if model_type == "llama" else "")
-        + (", whose q, k and v carry a bias" if wants else "")
-    )
-    fits = "a qwen2 config" if qkv_bias else "a llama or mistral config without attention_bias"
-    raise BadInput(
-        f"{folder}: the checkpoint {found}, but {path} has {given}: the config is not this checkpoint's model; "
-        f"pass {option('config', meta='DIR')} with {fits}"
-    )
+    how = f"pass {option('config', meta='DIR')} with"
+    mla = model_type == "deepseek_v3"
+    if found.mla != mla:
+        holds = (
+            "holds multi-latent attention (self_attention.linear_q_down_proj / linear_kv_down_proj)"
+            if found.mla
+            else "holds no multi-latent attention (linear_qkv)"
+        )
+        fits = "a deepseek_v3 config" if found.mla else "a config without multi-latent attention (not deepseek_v3)"
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
+            f"checkpoint's model; {how} {fits}"
+        )
+    if mla:
+        for present, wanted, what in (
+            (
+                found.shared,
+                bool(sizes.shared_ffn),
+                f"shared experts (n_shared_experts {values.get('n_shared_experts')!r})",
+            ),
+            (found.expert_bias, bool(found.experts), "the router's expert_bias (e_score_correction_bias)"),
+        ):
+            if present != wanted:
+                raise BadInput(
+                    f"{folder}: the checkpoint holds {'' if present else 'no '}{what.split(' (')[0]}, but {path} "
+                    f"{'has none' if present else 'has ' + what}: the config is not this checkpoint's model"
+                )
+    has_flag = model_type in ("llama", *_QK_NORM)  # attention_bias: a bias on q, k, v and o
+    wants = model_type == "qwen2" or (has_flag and values.get("attention_bias") is True)
+    if (model_type != "qwen2") if found.qkv_bias else wants:
+        holds = "holds linear_qkv.bias (a bias on q, k and v only)" if found.qkv_bias else "holds no linear_qkv.bias"
+        given = (
+            f"model_type {model_type!r}"
+            + (f" with attention_bias {values.get('attention_bias')!r}" if has_flag else "")
+            + (", whose q, k and v carry a bias" if wants else "")
+        )
+        if found.qkv_bias and model_type in _QK_NORM:
+            fits = "a qwen2 config (Qwen3 has no QKV bias; the megatron layout writes none with one)"
+        else:
+            fits = "a qwen2 config" if found.qkv_bias else "a llama, mistral or qwen3 config without attention_bias"
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has {given}: the config is not this checkpoint's model; "
+            f"{how} {fits}"
+        )
+    if not mla and (found.shared or found.expert_bias):
+        what = "shared experts" if found.shared else "a router expert_bias"
+        raise BadInput(
+            f"{folder}: the checkpoint holds {what}, which {model_type!r} models have not; the megatron layout writes "
+            f"them as DeepSeek-V3's; {how} a deepseek_v3 config"
+        )
+    if found.qk_norm != (model_type in _QK_NORM):
+        holds = (
+            "holds self_attention.q_layernorm / k_layernorm (Qwen3's q_norm / k_norm)"
+            if found.qk_norm
+            else "holds no self_attention.q_layernorm / k_layernorm"
+        )
+        fits = "a qwen3 or qwen3_moe config" if found.qk_norm else "a config without per-head q/k norms (not qwen3)"
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
+            f"checkpoint's model; {how} {fits}"
+        )
+    if bool(found.experts) != (model_type in _MOE):
+        holds = (
+            f"holds MoE layers ({found.experts} experts: decoder.layers.{ROUTER})"
+            if found.experts
+            else "holds no MoE layers (no decoder.layers.mlp.router.weight)"
+        )
+        fits = (
+            "a qwen3_moe or deepseek_v3 config (the MoE families the megatron layout writes)"
+            if found.experts
+            else "a dense one"
+        )
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
+            f"checkpoint's model; {how} {fits}"
+        )
 
 
 def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.ChunkedTensor]]:
@@ -236,7 +407,9 @@ def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.C
 
 
 def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
-    known_layer = set(NORMS) | set(QKV) | {PROJ, FC1, FC2}
+    known_layer = (
+        set(NORMS) | set(QKV) | set(QK_NORMS) | set(MLA) | {PROJ, *DENSE_KEYS, *MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS}
+    )
     unknown = [
         name
         for name in model
@@ -244,38 +417,55 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         and name not in (EMBED, OUTPUT, FINAL_NORM)
     ]
     if unknown:
-        kinds = list(dict.fromkeys(what for name in unknown for piece, what in _KNOWN_UNSUPPORTED if piece in name))
+        kinds = list(
+            dict.fromkeys(
+                what
+                for name in unknown
+                for what in [next((what for piece, what in _KNOWN_UNSUPPORTED if piece in name), None)]
+                if what
+            )
+        )
         shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2) only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (without MTP) only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
             raise BadInput(f"{folder}: no {needed} in the checkpoint; not a whole Megatron GPT model")
     for names in _LAYER_NEEDED:
         present = [key for key in names if key in layers]
-        if len(present) > 1:
+        both = [i for i in layers.get(present[0], {}) if all(i in layers[key] for key in present)] if present else []
+        if len(present) > 1 and both:
             raise BadInput(
-                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two names "
-                "for one norm; the checkpoint is not one model"
+                f"{folder}: holds both decoder.layers.{present[0]} and decoder.layers.{present[1]}, two forms "
+                "of one tensor; the checkpoint is not one model"
             )
         if not present:
             raise BadInput(
                 f"{folder}: no decoder.layers.{names[0]} in the checkpoint; not a Megatron GPT model "
                 "with SwiGLU and RMSNorm"
             )
+    for kind in (DENSE_KEYS, MOE_KEYS, SHARED_KEYS):  # a dense MLP's or an MoE layer's tensors: all of them or none
+        present = [key for key in kind if key in layers]
+        if present and len(present) < len(kind):
+            missing = next(key for key in kind if key not in layers)
+            raise BadInput(
+                f"{folder}: holds decoder.layers.{present[0]} but no decoder.layers.{missing}; not a whole "
+                "Megatron GPT model"
+            )
+    if not any(key in layers for key in (FC1, ROUTER)):
+        raise BadInput(f"{folder}: no decoder.layers.{FC1} in the checkpoint (nor MoE experts); not a whole GPT model")
 
 
-# Each layer's tensors (alternatives: the TransformerEngine name, the local spec's)
+# Each layer's tensors (alternatives: the TransformerEngine name, the local spec's; an MoE layer of
+# the TransformerEngine spec names its pre-MLP norm pre_mlp_layernorm, a dense one linear_fc1.layer_norm_weight)
 _LAYER_NEEDED = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-    (QKV[0],),
+    (QKV[0], *MLA_MARKS),  # attention: grouped q/k/v, or multi-latent (q from a LoRA pair or one projection)
     (PROJ,),
-    (FC1,),
-    (FC2,),
 )
 
 
@@ -290,20 +480,51 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         FC1: (2 * s.ffn, s.hidden),
         FC2: (s.hidden, s.ffn),
         **{key: (s.hidden,) for key in NORMS},
+        **{key: (s.head_dim,) for key in QK_NORMS},
+        ROUTER: (s.experts, s.hidden),
+        EXPERT_FC1: (s.experts, 2 * s.expert_ffn, s.hidden),
+        EXPERT_FC2: (s.experts, s.hidden, s.expert_ffn),
+        EXPERT_BIAS: (s.experts,),
+        SHARED_KEYS[0]: (2 * s.shared_ffn, s.hidden),
+        SHARED_KEYS[1]: (s.hidden, s.shared_ffn),
+        **(mla_shapes(s) if s.mla else {}),  # MLA's q_layernorm is over the q LoRA rank, not a head
     }
+    experts_key = "n_routed_experts" if s.mla else "num_experts"
     why = {
         QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
         PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
         FC1: f"2 x intermediate_size {s.ffn}, hidden_size {s.hidden}",
         FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
+        **{key: f"head_dim {s.head_dim}" for key in QK_NORMS},
+        ROUTER: f"{experts_key} {s.experts}, hidden_size {s.hidden}",
+        EXPERT_FC1: f"{experts_key} {s.experts}, 2 x moe_intermediate_size {s.expert_ffn}, hidden_size {s.hidden}",
+        EXPERT_FC2: f"{experts_key} {s.experts}, hidden_size {s.hidden}, moe_intermediate_size {s.expert_ffn}",
+        SHARED_KEYS[0]: f"2 x shared experts' size {s.shared_ffn}, hidden_size {s.hidden}",
+        SHARED_KEYS[1]: f"hidden_size {s.hidden}, shared experts' size {s.shared_ffn}",
+        **{
+            key: f"q_lora_rank {s.q_rank}, kv_lora_rank {s.kv_rank}, {s.heads} heads x (qk_nope_head_dim {s.nope} + "
+            f"qk_rope_head_dim {s.rope} or v_head_dim {s.head_dim}), hidden_size {s.hidden}"
+            for key in MLA
+        },
     }
     why[QKV[1]] = why[QKV[0]]
+    every = set(range(s.layers))
+    dense = every - s.moe_layers
+
+    def held(key) -> set[int]:
+        found = layers.get(key, {})
+        return set(range(found[None].shape[0])) if None in found else set(found)
+
     for key, found in layers.items():
-        indices = sorted(found) if None not in found else list(range(found[None].shape[0]))
-        if indices != list(range(s.layers)):
-            have = len(indices) if None not in found else found[None].shape[0]
+        if key in NORMS:  # the pre-MLP norm may have a dense layer's name in some layers, an MoE layer's in others
+            indices, wanted = set().union(*(held(k) for k in NORMS if NORMS[k] == NORMS[key])), every
+        else:
+            indices, wanted = held(key), (dense if key in DENSE_KEYS else s.moe_layers if key in _MOE_LAYER else every)
+        if indices != wanted:
+            listed = bool(s.experts) and key in (*DENSE_KEYS, *_MOE_LAYER)
             raise BadInput(
-                f"{folder}: decoder.layers.{key} holds {have} layers; {path} has num_hidden_layers {s.layers}"
+                f"{folder}: decoder.layers.{key} holds {_layers_named(indices, listed)}; {path} gives "
+                f"{_layers_named(wanted, listed)} ({_which_layers(key, s)}): the config is not this checkpoint's model"
             )
         for index, tensor in found.items():
             shape = tensor.shape[1:] if index is None else tensor.shape
@@ -333,6 +554,24 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
             + (f"tie_word_embeddings {str(s.tied).lower()}" if s.tie_stated else "no tie_word_embeddings (untied)")
             + f": the config is not this checkpoint's model; pass {option('config', meta='DIR')} with its own"
         )
+
+
+def _layers_named(indices: set[int], listed: bool) -> str:
+    """`listed`: the layers by number (which layers have experts), else how many from 0 (the layer count)."""
+    if not indices:
+        return "no layers"
+    if not listed and indices == set(range(len(indices))):
+        return f"{len(indices)} layer{'s' if len(indices) > 1 else ''}"
+    return f"layers {sorted(indices)}"
+
+
+def _which_layers(key: str, s: Sizes) -> str:
+    which = "first_k_dense_replace" if s.mla else "mlp_only_layers, decoder_sparse_step"
+    if key in _MOE_LAYER:
+        return f"the layers with experts: {which}" if s.experts else "no MoE"
+    if key in DENSE_KEYS and s.experts:
+        return f"the layers without experts: {which}"
+    return f"num_hidden_layers {s.layers}"
 
 
 def _tensor(tensor: dcp.ChunkedTensor) -> TensorPlan:

@@ -47,6 +47,11 @@ class TensorSizes:
     ffn: int  # linear_fc2 columns
     tied: bool  # no output_layer.weight
     qkv_bias: bool
+    qk_norm: bool = False  # self_attention.q_layernorm / k_layernorm (Qwen3)
+    experts: int = 0  # the router's rows; 0: no MoE layer
+    mla: bool = False  # multi-latent attention (no linear_qkv: qkv_rows is 0)
+    shared: bool = False  # shared experts
+    expert_bias: bool = False  # the router's expert_bias
 
 
 def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
@@ -64,7 +69,7 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
     r = args.recorded
     qkv = "decoder.layers.self_attention.linear_qkv"
     attention = None
-    if args.heads and args.groups and args.head_dim:
+    if args.heads and args.groups and args.head_dim and found.qkv_rows:  # MLA has no linear_qkv
         n, g, d = args.heads, args.groups, args.head_dim
         names = f"num_attention_heads {n}, num_query_groups {g}, kv_channels {d}"
         if (n + 2 * g) * d != found.qkv_rows:
@@ -81,7 +86,7 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
         (args.hidden is not None and args.hidden != found.hidden)
         and (f"hidden_size {args.hidden}", f"embedding.word_embeddings.weight has {found.hidden} columns"),
         attention,
-        (ffn is not None and (2 * ffn != found.fc1_rows or ffn != found.ffn))
+        (ffn is not None and found.fc1_rows and (2 * ffn != found.fc1_rows or ffn != found.ffn))
         and (
             f"ffn_hidden_size {ffn}",
             f"decoder.layers.mlp.linear_fc1.weight has {found.fc1_rows} rows and linear_fc2.weight {found.ffn} "
@@ -97,8 +102,20 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
             else "the checkpoint holds no output_layer.weight (tied embeddings)",
         ),
         _qkv_bias(r, found.qkv_bias),
-        (_whole(r.get("num_experts")))
-        and (f"num_experts {r['num_experts']}", "the checkpoint holds no expert tensors (a dense model)"),
+        (isinstance(r.get("qk_layernorm"), bool) and r["qk_layernorm"] != found.qk_norm)
+        and (
+            f"qk_layernorm {r['qk_layernorm']}",
+            f"{'a' if found.qk_norm else 'no'} self_attention.q_layernorm.weight is in the checkpoint",
+        ),
+        (_whole(r.get("num_experts")) and r["num_experts"] != found.experts)
+        and (
+            f"num_experts {r['num_experts']}",
+            f"decoder.layers.mlp.router.weight has {found.experts} rows"
+            if found.experts
+            else "the checkpoint holds no expert tensors (a dense model)",
+        ),
+        (found.experts and "num_experts" in r and not _whole(r.get("num_experts")))
+        and (f"num_experts {r['num_experts']!r}", f"the checkpoint holds MoE layers of {found.experts} experts"),
     )
     for contradiction in contradictions:
         if contradiction:

@@ -1,4 +1,5 @@
-"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 ones: a plan transform.
+"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3
+ones: a plan transform.
 
 readers.megatron reads the checkpoint's own tensors (Megatron's names and global shapes, layer
 tensors stacked (L, ...) or per layer), checks them against the model's sizes, and attaches this
@@ -9,7 +10,15 @@ placement, no arithmetic:
   the first (n/g)·d rows are q, the next d rows k, the last d v; q_proj is the groups' q rows in
   order, and so on. Its bias (Qwen2) is split the same way.
 - linear_fc1 is [gate; up] (f rows each) whatever the TP;
-- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm).
+- the norms carry TransformerEngine's names (linear_qkv.layer_norm_weight is input_layernorm);
+  Qwen3's per-head q_layernorm / k_layernorm are self_attn.q_norm / k_norm, one to one.
+- MoE layers (Qwen3-MoE): the router is mlp.gate; the routed experts are stacked on a global expert
+  axis whatever the expert parallelism (experts.experts.linear_fc1.weight (L, E, 2F, H), each
+  expert's rows [gate; up] as the dense fc1; linear_fc2 (L, E, H, F)), so layer i is transformers'
+  packed mlp.experts.gate_up_proj (E, 2F, H) and down_proj (E, H, F); families.hub_experts then
+  writes them one tensor per expert, as save_pretrained does (or keeps them packed).
+- DeepSeek-V3: multi-latent attention, the shared experts (fc1 [gate; up] as the dense one) and the
+  router's expert_bias (e_score_correction_bias) are one-to-one renames (megatron-bridge's map).
 Embedding rows past config.json's vocab_size are Megatron's vocabulary padding and are left out.
 """
 
@@ -33,6 +42,31 @@ NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEn
 }
 QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 PROJ, FC1, FC2 = "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
+QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+ROUTER = "mlp.router.weight"
+EXPERT_FC1, EXPERT_FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
+MOE_KEYS = (ROUTER, EXPERT_FC1, EXPERT_FC2)
+EXPERT_BIAS = "mlp.router.expert_bias"  # DeepSeek-V3's e_score_correction_bias (float32 by design)
+SHARED_FC1, SHARED_FC2 = "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"
+SHARED_KEYS = (SHARED_FC1, SHARED_FC2)
+# Multi-latent attention (DeepSeek-V3), one to one: Megatron key -> Hugging Face name in the layer. The local
+# spec's q/kv norms are q_layernorm / kv_layernorm, TransformerEngine's the up projections' layer_norm_weight.
+MLA = {
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",  # q_lora_rank None
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+MLA_MARKS = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_q_proj.weight")  # one per MLA layer
+DENSE_KEYS = (FC1, FC2)
 EMBED, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
 
 
@@ -49,6 +83,33 @@ class Sizes:
     vocab: int
     tied: bool
     tie_stated: bool  # False: config.json does not say, and means untied (transformers' default)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k
+    experts: int = 0  # routed experts of an MoE layer (Qwen3-MoE); 0: a dense model
+    expert_ffn: int = 0  # each expert's intermediate size
+    moe_layers: frozenset[int] = frozenset()  # the layers with experts; the others have a dense MLP
+    shared_ffn: int = 0  # the shared experts' intermediate size (DeepSeek-V3); 0: none
+    expert_bias: bool = False  # the router's expert_bias (DeepSeek-V3's e_score_correction_bias)
+    mla: bool = False  # multi-latent attention (DeepSeek-V3): head_dim is then v_head_dim
+    q_rank: int = 0  # q_lora_rank; 0: q is one projection (linear_q_proj)
+    kv_rank: int = 0
+    nope: int = 0  # qk_nope_head_dim
+    rope: int = 0  # qk_rope_head_dim
+
+
+def mla_shapes(s: Sizes) -> dict[str, tuple[int, ...]]:
+    """Each MLA tensor's layer shape (Megatron key -> shape) from config.json's sizes."""
+    q_rows, h = s.heads * (s.nope + s.rope), s.hidden
+    return {
+        "self_attention.linear_q_down_proj.weight": (s.q_rank, h),
+        "self_attention.q_layernorm.weight": (s.q_rank,),
+        "self_attention.linear_q_up_proj.layer_norm_weight": (s.q_rank,),
+        "self_attention.linear_q_up_proj.weight": (q_rows, s.q_rank),
+        "self_attention.linear_q_proj.weight": (q_rows, h),
+        "self_attention.linear_kv_down_proj.weight": (s.kv_rank + s.rope, h),
+        "self_attention.kv_layernorm.weight": (s.kv_rank,),
+        "self_attention.linear_kv_up_proj.layer_norm_weight": (s.kv_rank,),
+        "self_attention.linear_kv_up_proj.weight": (s.heads * (s.nope + s.head_dim), s.kv_rank),
+    }
 
 
 def layer_tensors(tensors: dict) -> dict[str, dict]:
@@ -106,14 +167,44 @@ def _outputs(model: dict, layers: dict, s: Sizes):
         for key in QKV:
             if key in layers:
                 yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
-        h, inner = s.hidden, s.heads * s.head_dim
+        if s.mla:
+            shapes = mla_shapes(s)
+            for key, hf in MLA.items():
+                if key in layers and i in _held(layers[key]):
+                    shape = shapes[key]
+                    yield prefix + hf, shape, _layer_window(layers[key], i, tuple((0, n) for n in shape))
+        h, inner, d = s.hidden, s.heads * s.head_dim, s.head_dim
         yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
+        for key, hf in QK_NORMS.items():
+            if key in layers and not s.mla:
+                yield prefix + hf, (d,), _layer_window(layers[key], i, ((0, d),))
+        if i in s.moe_layers:
+            e, f = s.experts, s.expert_ffn
+            yield prefix + "mlp.gate.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
+            if s.expert_bias:
+                bias = "mlp.gate.e_score_correction_bias"
+                yield prefix + bias, (e,), _layer_window(layers[EXPERT_BIAS], i, ((0, e),))
+            if s.shared_ffn:
+                g, fc1, fc2 = s.shared_ffn, layers[SHARED_FC1], layers[SHARED_FC2]
+                yield prefix + "mlp.shared_experts.gate_proj.weight", (g, h), _layer_window(fc1, i, ((0, g), (0, h)))
+                yield prefix + "mlp.shared_experts.up_proj.weight", (g, h), _layer_window(fc1, i, ((g, g), (0, h)))
+                yield prefix + "mlp.shared_experts.down_proj.weight", (h, g), _layer_window(fc2, i, ((0, h), (0, g)))
+            box = ((0, e), (0, 2 * f), (0, h))
+            yield prefix + "mlp.experts.gate_up_proj", (e, 2 * f, h), _layer_window(layers[EXPERT_FC1], i, box)
+            box = ((0, e), (0, h), (0, f))
+            yield prefix + "mlp.experts.down_proj", (e, h, f), _layer_window(layers[EXPERT_FC2], i, box)
+            continue
         yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((0, s.ffn), (0, h)))
         yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((s.ffn, s.ffn), (0, h)))
         yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
     yield "model.norm.weight", (s.hidden,), whole(model[FINAL_NORM])
     if OUTPUT in model:
         yield "lm_head.weight", (s.vocab, s.hidden), whole(model[OUTPUT], s.vocab)
+
+
+def _held(found: dict) -> set[int]:
+    """The layers a stacked or per-layer tensor holds."""
+    return set(range(found[None].shape[0])) if None in found else set(found)
 
 
 def _layer_window(found: dict, i: int, box, at_row: int = 0) -> list[Window]:

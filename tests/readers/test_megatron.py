@@ -1,4 +1,4 @@
-"""Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 folders.
+"""Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE folders.
 
 The fixtures in tests/data/megatron/ were written by real megatron-core (versions.json) with
 tests/fixtures/make_megatron_checkpoints.py, run by hand: CI never installs Megatron. Each holds
@@ -27,9 +27,26 @@ pytestmark = pytest.mark.slow
 DATA = Path(__file__).parents[1] / "data" / "megatron"
 # every fixture with a reference; per_layer: decoder.layers.{i}.* names (hetereogenous_dist_checkpoint);
 # the last: virtual pipeline stages (layers 0, 2 on stage 0), embeddings
-# tied across stages, QKV bias, bf16 parameters
-MERGED = ["tp2_pp1", "tp2_pp2", "tp1_pp1_qwen2_tied", "tp2_pp1_per_layer_bf16", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+# tied across stages, QKV bias, bf16 parameters; Qwen3 (q/k layernorms) and Qwen3-MoE (4 experts, SequentialMLP)
+# with the experts split over 2 EP ranks or each expert's rows over 2 expert-TP ranks
+# (and a 3-layer one whose layer 0 is dense, saved per layer: decoder.layers.{i}.*)
+# (and DeepSeek-V3-like: multi-latent attention, layer 0 dense, layer 1 with a shared expert and expert_bias, EP2)
+MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3"]
+MERGED = [
+    "tp2_pp1",
+    "tp2_pp2",
+    "tp1_pp1_qwen2_tied",
+    "tp2_pp1_per_layer_bf16",
+    "tp2_pp2_vpp2_qwen2_tied_bf16",
+    "tp2_pp1_qwen3",
+    *MOE,
+]
 ITERATION = "iter_0000007"
+REFUSED = [
+    "tp1_pp1_moe",
+    "tp1_pp1_moe_shared_expert",
+    "tp1_pp1_deepseek_v3_mtp",
+]  # MoE checkpoints without a reference, only refused
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -39,7 +56,7 @@ def _copy(name: str, tmp_path: Path) -> Path:
 def test_the_fixtures_are_the_ones_recorded():
     versions = json.loads((DATA / "versions.json").read_text())
     assert versions["megatron-core"] == "0.16.1"
-    assert sorted(f["name"] for f in versions["fixtures"]) == sorted([*MERGED, "tp1_pp1_moe"])
+    assert sorted(f["name"] for f in versions["fixtures"]) == sorted([*MERGED, *REFUSED])
     for fixture in versions["fixtures"]:
         assert (DATA / fixture["name"] / "run" / ITERATION / "metadata.json").is_file()
 
@@ -73,7 +90,7 @@ def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, 
         str(tmp_path / "out"), dtype="auto", output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    reference = load_file(str(DATA / name / "reference.safetensors"))
+    reference = _packed(load_file(str(DATA / name / "reference.safetensors")))
     for key, value in model.state_dict().items():  # tied lm_head included: it is the embedding
         wanted = reference.get(key, reference["model.embed_tokens.weight"] if key == "lm_head.weight" else None)
         assert torch.equal(value, wanted.to(value.dtype)), key  # as loaded: in config.json's dtype
@@ -83,6 +100,26 @@ def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, 
         with torch.no_grad():
             logits = model(probe["input_ids"]).logits
         torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _packed(reference: dict) -> dict:
+    """Per-expert tensors (the Hub's names) as transformers 5 holds them in memory: gate_up_proj [E, 2F, H]
+    ([gate; up] per expert) and down_proj [E, H, F]."""
+    out, experts = {}, {}
+    for key, tensor in reference.items():
+        prefix, sep, rest = key.partition(".mlp.experts.")
+        if not sep:
+            out[key] = tensor
+            continue
+        expert, projection = rest.split(".")[:2]
+        experts.setdefault(prefix, {}).setdefault(int(expert), {})[projection] = tensor
+    for prefix, found in experts.items():
+        ordered = [found[e] for e in sorted(found)]
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered]
+        )
+        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+    return out
 
 
 def test_the_latest_iteration_is_merged_and_the_others_named(tmp_path):
@@ -162,9 +199,18 @@ def test_an_unknown_model_type_is_refused(tmp_path):
     cli_refuses(DATA / "tp2_pp1" / "run", tmp_path / "out", "--config", config, mentions=("gpt2", "llama"))
 
 
-def test_an_moe_checkpoint_is_refused_naming_what_was_found(tmp_path):
-    # written by megatron-core with 2 experts: refused before any config is asked for
-    cli_refuses(DATA / "tp1_pp1_moe" / "run", tmp_path / "out", mentions=("MoE", "decoder.layers.mlp.router.weight"))
+def test_an_moe_checkpoint_without_qk_norms_is_refused_naming_what_was_found(tmp_path):
+    # written by megatron-core with 2 experts and no q/k layernorms (a Mixtral-like model): no MoE family but
+    # Qwen3-MoE is written
+    config = _config(tmp_path, num_hidden_layers=1)
+    cli_refuses(DATA / "tp1_pp1_moe" / "run", tmp_path / "out", mentions=("--config",))
+    cli_refuses(
+        DATA / "tp1_pp1_moe" / "run",
+        tmp_path / "out",
+        "--config",
+        config,
+        mentions=("MoE layers (2 experts", "decoder.layers.mlp.router.weight", "qwen3_moe"),
+    )
 
 
 def test_a_missing_iteration_is_refused(tmp_path):
@@ -235,7 +281,7 @@ def test_a_common_pt_that_pickles_other_classes_is_not_read(tmp_path):
 # --- no config.json: the training args in common.pt give it ---------------------------------------
 
 # fixtures whose common.pt holds Megatron-LM's args (a Llama and a Qwen2 with tied embeddings, bf16)
-WITH_ARGS = ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16"]
+WITH_ARGS = ["tp2_pp2", "tp2_pp2_vpp2_qwen2_tied_bf16", "tp2_pp1_qwen3"]
 # what a Llama / Qwen2 computes with: the built config.json must give what the fixture's HF config gives
 _MODEL_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -326,6 +372,10 @@ AGAINST_THE_TENSORS = [
     ("tp2_pp2", dict(add_qkv_bias=True), ("add_qkv_bias True", "no linear_qkv.bias")),
     ("tp2_pp2", dict(add_bias_linear=True), ("add_bias_linear True", "linear_proj")),
     ("tp2_pp2", dict(num_experts=8), ("num_experts 8", "no expert tensors")),
+    ("tp2_pp2", dict(qk_layernorm=True), ("qk_layernorm True", "no self_attention.q_layernorm")),
+    ("tp2_pp1_qwen3", dict(qk_layernorm=False), ("qk_layernorm False", "a self_attention.q_layernorm")),
+    ("tp2_ep2_qwen3_moe", dict(num_experts=8), ("num_experts 8", "router.weight has 4 rows")),
+    ("tp2_ep2_qwen3_moe", dict(num_experts=None), ("num_experts None", "MoE layers of 4 experts")),
     (
         "tp2_pp2_vpp2_qwen2_tied_bf16",
         dict(untie_embeddings_and_output_weights=True),
@@ -477,3 +527,169 @@ def test_a_config_without_tie_word_embeddings_is_read_as_untied(tmp_path, name):
         assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors")))
     else:
         cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=("no tie_word_embeddings",))
+
+
+# --- Qwen3 and Qwen3-MoE -----------------------------------------------------------------------------
+
+
+def test_qwen3_norms_are_q_norm_and_k_norm_and_the_experts_one_tensor_each(tmp_path):
+    merged = {}
+    for name in ("tp2_pp1_qwen3", "tp2_ep2_qwen3_moe"):
+        fsdpfast.merge(DATA / name / "run", tmp_path / name, config=DATA / name / "hf")
+        merged[name] = read_merged(str(tmp_path / name))
+    assert merged["tp2_pp1_qwen3"]["model.layers.1.self_attn.q_norm.weight"].shape == (16,)  # per head
+    moe = merged["tp2_ep2_qwen3_moe"]
+    assert moe["model.layers.0.mlp.gate.weight"].shape == (4, 64)
+    assert sorted(k for k in moe if k.startswith("model.layers.1.mlp.experts.3.")) == [
+        f"model.layers.1.mlp.experts.3.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")
+    ]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_qwen3_moe_packed_experts_are_the_reference_stacked(tmp_path, name):
+    import transformers
+
+    fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf", expert_layout="packed")
+    merged = read_merged(str(tmp_path / "out"))
+    assert_bit_exact(merged, _packed(load_file(str(DATA / name / "reference.safetensors"))))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), dtype="auto", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    megatron = DATA / name / "megatron_logits.safetensors"
+    if megatron.exists():  # not for MLA: the fixture's patched core attention cannot run it
+        probe = load_file(str(megatron))
+        with torch.no_grad():
+            torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, changes, mentions",
+    [
+        ("tp2_pp1_qwen3", dict(model_type="llama", architectures=["LlamaForCausalLM"]), ("q_layernorm", "qwen3")),
+        ("tp2_pp1", dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]), ("no self_attention.q_layernorm",)),
+        ("tp1_pp1_qwen2_tied", dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]), ("linear_qkv.bias",)),
+        ("tp2_pp1_qwen3", dict(attention_bias=True), ("attention_bias True",)),
+        ("tp2_ep2_qwen3_moe", dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]), ("MoE layers (4 experts",)),
+        ("tp2_pp1_qwen3", dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32), ("no MoE layers",)),
+    ],
+)
+def test_a_config_of_another_qwen_family_is_refused(tmp_path, name, changes, mentions):
+    config = _config(tmp_path, name, **changes)
+    cli_refuses(DATA / name / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "--config"))
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(num_experts=8), ("router.weight", "num_experts 8")),
+        (dict(moe_intermediate_size=16), ("experts.linear_fc1.weight", "moe_intermediate_size 16")),
+        (dict(mlp_only_layers=[0]), ("router.weight holds layers [0, 1]", "gives layers [1]", "mlp_only_layers")),
+        (dict(decoder_sparse_step=2), ("router.weight holds layers [0, 1]", "gives layers [1]", "decoder_sparse_step")),
+    ],
+)
+def test_qwen3_moe_expert_counts_and_sizes_that_disagree_with_the_config_are_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, "tp2_etp2_qwen3_moe", **changes)
+    run = DATA / "tp2_etp2_qwen3_moe" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=(*mentions, "not this checkpoint's model"))
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(mlp_only_layers=[]), ("decoder.layers.mlp.linear_fc1.weight holds layers [0]", "no layers")),
+        (dict(mlp_only_layers=[0, 1]), ("linear_fc1.weight holds layers [0]", "gives layers [0, 1]")),
+        (dict(intermediate_size=64), ("decoder.layers.0.mlp.linear_fc1.weight", "intermediate_size 64")),
+    ],
+)
+def test_qwen3_moe_dense_layers_that_disagree_with_the_config_are_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, "tp2_ep2_qwen3_moe_dense0", **changes)
+    run = DATA / "tp2_ep2_qwen3_moe_dense0" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=(*mentions, "not this checkpoint's model"))
+
+
+def test_a_qwen3_config_without_head_dim_means_transformers_default(tmp_path):
+    # Qwen3Config's head_dim defaults to 128, not hidden / heads: the fixture's 16 is then refused
+    config = _config(tmp_path, "tp2_pp1_qwen3", head_dim=None)
+    cli_refuses(DATA / "tp2_pp1_qwen3" / "run", tmp_path / "out", "--config", config, mentions=("head dim 128",))
+
+
+def test_without_config_an_moe_checkpoint_is_refused_naming_the_option(tmp_path):
+    cli_refuses(DATA / "tp2_ep2_qwen3_moe" / "run", tmp_path / "out", mentions=("MoE layers (4 experts)", "--config"))
+
+
+def test_shared_experts_and_an_expert_bias_without_mla_are_refused_naming_them(tmp_path):
+    # written by megatron-core (Qwen3-MoE-like with a shared expert, sigmoid routing with expert_bias): Qwen3-MoE
+    # has neither; they are DeepSeek-V3's
+    config = _config(tmp_path, "tp2_ep2_qwen3_moe", num_hidden_layers=1, num_experts=2)
+    run = DATA / "tp1_pp1_moe_shared_expert" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=("shared experts", "deepseek_v3", "--config"))
+
+
+# --- DeepSeek-V3: multi-latent attention, shared experts, the router's correction bias -------------------
+
+
+def test_deepseek_v3_names_are_megatron_bridges_one_to_one(tmp_path):
+    name = "tp2_ep2_deepseek_v3"
+    fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    layer = "model.layers.1."
+    shapes = {
+        "self_attn.q_a_proj.weight": (32, 64),  # q_lora_rank, hidden: TP-split rows in the checkpoint
+        "self_attn.q_a_layernorm.weight": (32,),
+        "self_attn.q_b_proj.weight": (4 * (16 + 8), 32),
+        "self_attn.kv_a_proj_with_mqa.weight": (32 + 8, 64),
+        "self_attn.kv_a_layernorm.weight": (32,),
+        "self_attn.kv_b_proj.weight": (4 * (16 + 16), 32),
+        "mlp.gate.e_score_correction_bias": (4,),
+        "mlp.shared_experts.gate_proj.weight": (32, 64),
+        "mlp.shared_experts.down_proj.weight": (64, 32),
+    }
+    assert {key: tuple(merged[layer + key].shape) for key in shapes} == shapes
+    assert "model.layers.0.mlp.gate_proj.weight" in merged and "model.layers.0.mlp.gate.weight" not in merged
+
+
+@pytest.mark.parametrize(
+    "name, changes, mentions",
+    [
+        (
+            "tp2_ep2_deepseek_v3",
+            dict(model_type="qwen3_moe", num_experts=4),
+            ("holds multi-latent attention", "--config"),
+        ),
+        (
+            "tp2_ep2_qwen3_moe",
+            dict(
+                model_type="deepseek_v3",
+                n_routed_experts=4,
+                v_head_dim=16,
+                kv_lora_rank=32,
+                q_lora_rank=32,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+            ),
+            ("no multi-latent attention", "--config"),
+        ),
+        ("tp2_ep2_deepseek_v3", dict(n_shared_experts=0), ("holds shared experts", "has none")),
+        ("tp2_ep2_deepseek_v3", dict(first_k_dense_replace=0), ("linear_fc1.weight holds layers [0]", "no layers")),
+        ("tp2_ep2_deepseek_v3", dict(kv_lora_rank=16), ("linear_kv_down_proj.weight", "kv_lora_rank 16")),
+        ("tp2_ep2_deepseek_v3", dict(qk_rope_head_dim=4), ("linear_q_up_proj.weight", "qk_rope_head_dim 4")),
+        ("tp2_ep2_deepseek_v3", dict(n_routed_experts=8), ("router.weight", "n_routed_experts 8")),
+    ],
+)
+def test_a_deepseek_v3_config_that_disagrees_with_the_tensors_is_refused(tmp_path, name, changes, mentions):
+    config = _config(tmp_path, name, **changes)
+    cli_refuses(
+        DATA / name / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "this checkpoint's model")
+    )
+
+
+def test_without_config_an_mla_checkpoint_is_refused_naming_the_option(tmp_path):
+    cli_refuses(DATA / "tp2_ep2_deepseek_v3" / "run", tmp_path / "out", mentions=("--config",))
+
+
+def test_multi_token_prediction_layers_are_refused_naming_them(tmp_path):
+    # DeepSeek-V3-like with one MTP layer, written by megatron-core: its tensors are not written yet (on the Hub
+    # they are model.layers.{L+k}.*, which transformers ignores), so the model is refused, not merged without them
+    run = DATA / "tp1_pp1_deepseek_v3_mtp" / "run"
+    cli_refuses(run, tmp_path / "out", mentions=("multi-token prediction (MTP)", "mtp.layers.0.enorm.weight"))
