@@ -137,5 +137,5 @@ def split_experts(tensors: tuple[TensorPlan, ...], names: ExpertNames, clean) ->
             out.append(tensor if parts == clean(tensor.name) else replace(tensor, name=parts))
             continue
         for name, shape, window in parts:
-            out.append(windows.tensor(name, shape, [replace(window, tensor=tensor.name)]))
+            out.append(windows.whole(name, shape, [replace(window, tensor=tensor.name)]))
     return out

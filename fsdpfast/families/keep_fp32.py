@@ -9,8 +9,8 @@ core_model_loading.build_glob_alternation, modeling_utils._get_dtype_plan).
 
 The lists are read from the installed transformers' modeling source of the config's `model_type`
 (its class bodies, parsed, never imported: the import costs seconds on every merge), and the model
-check compares them with the class it builds (pipeline), so a list this reading missed is refused
-rather than written wrong.
+check compares them with the lists of the class it builds (pipeline.model_check), so a list this
+reading missed refuses the merge rather than writing it wrong.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def _assigned(statement) -> tuple[list[str], ast.expr | None]:
 
 
 def _modeling_source(model_type: str | None) -> str | None:
-    if not model_type or not re.fullmatch(r"[a-z0-9_]+", model_type):
+    if not model_type or not re.fullmatch(r"[a-z0-9_.-]+", model_type):
         return None
+    model_type = model_type.replace("-", "_").replace(".", "_")  # the module folder: blip-2 is models/blip_2
     spec = importlib.util.find_spec("transformers")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None

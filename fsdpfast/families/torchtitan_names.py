@@ -123,7 +123,14 @@ class Heads:
 def hub_tensors(tensors: tuple[TensorPlan, ...], family: TitanFamily, heads: Heads | None, clean) -> tuple[list, list]:
     """The plan's tensors under the Hub's names (transformers 5's packed experts), and the names left out.
     `clean`: the written name of a checkpoint name (plan.normalise.clean_name)."""
-    named = {as_030(clean(t.name), family): t for t in tensors}
+    named: dict[str, TensorPlan] = {}
+    for t in tensors:
+        name = as_030(clean(t.name), family)
+        if name in named:  # a 0.2.2 name and a 0.3 name of one tensor: which to write cannot be told
+            raise BadInput(
+                f"{named[name].name} and {t.name} are both torchtitan's {name}; the checkpoint mixes versions"
+            )
+        named[name] = t
     main = [int(m["layer"]) for n in named if (m := _LAYER.fullmatch(n)) and m["stack"] == "layers"]
     main_layers = 1 + max(main, default=-1)
     windows = Windows(tensors)
@@ -181,7 +188,7 @@ def permuted_rows(tensor: TensorPlan, name: str, heads: int) -> TensorPlan:
     half = rows // heads // 2
     source = replace(tensor, shape=(heads, half, 2 * cols))  # the same elements in the same order: a view
     windows = [Window(tensor.name, (0, 0, j * cols), (heads, half, cols), (0, j * half, 0)) for j in (0, 1)]
-    built = Windows([source]).tensor(name, (heads, 2 * half, cols), windows)
+    built = Windows([source]).whole(name, (heads, 2 * half, cols), windows)
     return replace(built, shape=(rows, cols))
 
 
@@ -193,7 +200,7 @@ def _packed(windows: Windows, prefix: str, found: dict[str, TensorPlan]) -> list
     if len(w1.shape) != 3 or w1.shape != w3.shape:
         raise BadInput(f"{w1.name} {list(w1.shape)} and {w3.name} {list(w3.shape)}: experts are [E, F, D] alike")
     experts, hidden, dim = w1.shape
-    gate_up = windows.tensor(
+    gate_up = windows.whole(
         f"{prefix}.mlp.experts.gate_up_proj",
         (experts, 2 * hidden, dim),
         [Window(w1.name, (0, 0, 0), w1.shape, (0, 0, 0)), Window(w3.name, (0, 0, 0), w3.shape, (0, hidden, 0))],

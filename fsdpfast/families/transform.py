@@ -22,8 +22,6 @@ from ..plan.transform import ExpectedModels, NamesOnly
 from .hub_experts import PER_EXPERT, TRANSPOSED, ExpertNames, has_packed, hub_shapes, split_experts
 from .hub_prefixes import hub_name, renamed, rules_for
 
-EXPERT_LAYOUTS = ("hub", "packed")
-
 
 def transforms(src: str, options: MergeOptions) -> list:
     """The pipeline's hook (pipeline.plan.TRANSFORMS)."""

@@ -57,7 +57,13 @@ def _copied(config_dir: str) -> list[str]:
     names = [e for e in entries if _copied_file(config_dir, e)]
     for folder in entries:
         path = os.path.join(config_dir, folder)
-        if not folder.startswith(".") and os.path.isdir(path) and _sidecar_folder(path, folder):
+        # a real sub-folder only: a link could lead anywhere (its files may be links, as the Hub cache makes them)
+        if (
+            not folder.startswith(".")
+            and not os.path.islink(path)
+            and os.path.isdir(path)
+            and _sidecar_folder(path, folder)
+        ):
             names += [f"{folder}/{e}" for e in sorted(os.listdir(path)) if _copied_file(path, e)]
     return names
 
@@ -73,7 +79,7 @@ def _copied_file(folder: str, entry: str) -> bool:
 
 def _sidecar_folder(path: str, name: str) -> bool:
     return name == _CHAT_TEMPLATES or (
-        "tokenizer" in name and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+        name.endswith("tokenizer") and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
     )
 
 

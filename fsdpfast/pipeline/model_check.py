@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import FsdpfastError, option
+from ..errors import FsdpfastError, ModelMismatch, option
+from ..families import keep_fp32
+from ..families.transform import model_type
 from ..plan.expected_builds import ExpectedBuild
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel, check_against_model
@@ -35,10 +37,17 @@ def in_layout(expected: ExpectedModel | None, plan: MergePlan, transforms: list[
 
 
 def model_checked(
-    plan: MergePlan, expected: ExpectedModel | None, why_not: str, unchecked: str | None, allow_extra: bool
+    plan: MergePlan,
+    expected: ExpectedModel | None,
+    why_not: str,
+    unchecked: str | None,
+    allow_extra: bool,
+    dtype: str | None = None,
 ) -> MergePlan:
-    """The plan with the check's notes (or warning); ModelMismatch for a plan the model refuses."""
+    """The plan with the check's notes (or warning); ModelMismatch for a plan the model refuses,
+    or one cast to `dtype` with other tensors kept in float32 than the class keeps."""
     if expected is not None:
+        _check_kept_fp32(plan, expected, dtype)
         shapes = {name: t.shape for t in plan.tensors for name in (t.name, *t.aliases)}
         left_out = tuple(map(clean_name, plan.left_out))
         return plan.noted(*check_against_model(shapes, expected, allow_extra, left_out))
@@ -54,6 +63,22 @@ def model_checked(
     return plan
 
 
+def _check_kept_fp32(plan: MergePlan, expected: ExpectedModel, dtype: str | None) -> None:
+    """The float32-kept lists the plan was cast with (read from transformers' source: families.keep_fp32)
+    must be the built class's own, where the cast makes them matter."""
+    if expected.kept_fp32 is None or dtype not in ("bfloat16", "float16"):
+        return
+    built = {keep_fp32.STRICT: frozenset(expected.kept_fp32[0]), keep_fp32.LOOSE: frozenset(expected.kept_fp32[1])}
+    read = keep_fp32.kept_lists(model_type(plan)) or {keep_fp32.STRICT: frozenset(), keep_fp32.LOOSE: frozenset()}
+    want, used = keep_fp32.kept_patterns(built, dtype), keep_fp32.kept_patterns(read, dtype)
+    if want != used:
+        raise ModelMismatch(
+            f"{expected.architecture} keeps {sorted(want) or 'nothing'} in float32 when cast to {dtype}, but fsdpfast "
+            f"read {sorted(used) or 'nothing'} from its source; nothing was written as the class would: merge with "
+            f"{option('dtype', 'keep')} and cast after loading, and report this"
+        )
+
+
 @dataclass
 class DeferredCheck:
     """The check of a plan prepared without its model (`before`: the plan normalise was given)."""
@@ -62,6 +87,7 @@ class DeferredCheck:
     before: MergePlan
     transforms: list[PlanTransform]  # applied to the plan: the model is checked in the layout they write
     allow_extra: bool
+    dtype: str | None = None  # the merge's cast (the float32-kept tensors are checked for it)
 
     def ready(self) -> bool:
         return self.build.done()
@@ -76,7 +102,7 @@ class DeferredCheck:
                 f"{expected.architecture} ties other names than config.json's tie_word_embeddings says; "
                 "the merge is planned again with the model"
             )
-        return model_checked(plan, expected, why_not, None, self.allow_extra)
+        return model_checked(plan, expected, why_not, None, self.allow_extra, self.dtype)
 
     def cancel(self) -> None:
         self.build.cancel()

@@ -73,7 +73,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
                 plan = prepare(
                     before, options.dtype, before.config_dir, None, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep
                 )
-                deferred = DeferredCheck(build, before, transforms, options.allow_extra_tensors)
+                deferred = DeferredCheck(build, before, transforms, options.allow_extra_tensors, options.dtype)
             except FsdpfastError:  # perhaps a tie the model does not make: as the model says
                 pass
         if deferred is None:
@@ -88,7 +88,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
             plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
         if deferred is not None:
             return plan, deferred
-        return model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors), None
+        return model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors, options.dtype), None
     finally:
         models.close(keep=deferred.build if deferred is not None else None)
 

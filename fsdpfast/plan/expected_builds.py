@@ -121,8 +121,11 @@ class ExpectedBuild:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self.started = time.perf_counter()
         try:
+            # -P and a neutral working folder: `-m` would put the current folder (perhaps the
+            # checkpoint's, holding a json.py) first on sys.path, and no code from it may run
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "fsdpfast.plan.model_build"],
+                [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "fsdpfast.plan.model_build"],
+                cwd=tempfile.gettempdir(),
                 stdin=files[0],
                 stdout=files[1],
                 stderr=files[2],
@@ -182,7 +185,9 @@ def start_build(config_dir: str | None, built: dict | None = None, *, version: s
     if installed is None:
         return ExpectedBuild(source, None, why_not="transformers is not installed")
     version = version or installed
-    key = model_cache.entry_key(source.data, version) if version != "unknown" else None
+    # a development or local build keeps one version string across changes of its code: never cached
+    cacheable = version != "unknown" and "dev" not in version and "+" not in version
+    key = model_cache.entry_key(source.data, version) if cacheable else None
     if key in _running:
         return _running[key]
     if key in _known:

@@ -29,6 +29,9 @@ class ExpectedModel:
     ignore_unexpected: tuple[str, ...]
     base_only: bool = False  # config.json names no class: the base model, the head's tensors unchecked
     cached: str = ""  # the cache file it was read from ("": built by this run)
+    # the class's _keep_in_fp32_modules_strict and _keep_in_fp32_modules (families.keep_fp32 reads them
+    # from the source; the check compares): None where the build did not record them
+    kept_fp32: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     def as_json(self) -> dict:
         """What the cache keeps: all but where the config was (the same bytes may lie anywhere) and `cached`."""
@@ -40,6 +43,7 @@ class ExpectedModel:
             "ignore_missing": list(self.ignore_missing),
             "ignore_unexpected": list(self.ignore_unexpected),
             "base_only": self.base_only,
+            "kept_fp32": None if self.kept_fp32 is None else [list(self.kept_fp32[0]), list(self.kept_fp32[1])],
         }
 
     @classmethod
@@ -59,7 +63,15 @@ class ExpectedModel:
             tuple(str(p) for p in value["ignore_unexpected"]),
             base_only=bool(value["base_only"]),
             cached=cached,
+            kept_fp32=_kept(value.get("kept_fp32")),
         )
+
+
+def _kept(value) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    if value is None:
+        return None
+    strict, loose = value
+    return tuple(str(p) for p in strict), tuple(str(p) for p in loose)
 
 
 @dataclass(frozen=True)

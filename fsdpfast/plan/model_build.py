@@ -65,6 +65,10 @@ def build_entry(path: str, config: dict) -> dict:
         _patterns(model, "_keys_to_ignore_on_load_missing"),
         _patterns(model, "_keys_to_ignore_on_load_unexpected"),
         base_only=not named,
+        kept_fp32=(
+            tuple(sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ())),
+            tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
+        ),
     )
     return {"model": expected.as_json(), "why_not": "", "lasting": True, "transformers": version}
 

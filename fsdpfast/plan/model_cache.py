@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 
-FORMAT = 1  # what an entry holds; raised when the check keeps anything more or else of a model
+FORMAT = 2  # what an entry holds; raised when the check keeps anything more or else of a model
 FOLDER = "model-check"
 CACHE_ENV = "FSDPFAST_CACHE_DIR"
 

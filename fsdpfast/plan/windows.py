@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from ..errors import BadInput
 from ..geometry.extent_boxes import extent_boxes, row_major_strides, strided_extents
 from .model import Extent, TensorPlan
 
@@ -52,6 +53,18 @@ class Windows:
         for window, source in zip(windows, given):
             extents += self._extents(window, source.shape, shape)
         return TensorPlan(name, shape, given[0].source_dtype, given[0].target_dtype, _merged(extents))
+
+    def whole(self, name: str, shape: Sequence[int], windows: Sequence[Window]) -> TensorPlan:
+        """`tensor`, every element of it filled: the windows of a conversion cover their tensor, so a
+        part left empty is refused (it would be written as zeros) rather than returned."""
+        made = self.tensor(name, shape, windows)
+        filled = sum(e.numel for e in made.extents)
+        if filled != prod(made.shape):
+            raise BadInput(
+                f"{name}: its windows fill {filled} of its {prod(made.shape)} elements; the checkpoint is "
+                f"incomplete ({', '.join(sorted({w.tensor for w in windows}))})"
+            )
+        return made
 
     def _given(self, name: str, shape: tuple[int, ...], w: Window) -> TensorPlan:
         """The tensor a window cuts, the window checked against it and against the new tensor."""

@@ -43,7 +43,14 @@ class Checkpoint:
 
     @property
     def order(self) -> tuple:
-        return (self.step is None, self.step or 0, self.name)
+        return publishing_order(self.name)
+
+
+def publishing_order(name: str) -> tuple:
+    """Oldest first: by the step in the name; a name without one (Megatron's `release`, a `final`
+    tag) last, as the newest. Publishing and --keep-last both sort by it."""
+    step = step_of(name)
+    return (step is None, step or 0, name)
 
 
 def step_of(name: str) -> int | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..api import merge_with
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, InterruptedAfterPublishing
 from ..options import MergeOptions
-from .discover import Checkpoint, complete_checkpoints, step_of
+from .discover import Checkpoint, complete_checkpoints, publishing_order
 from .events import Events
 from .published import outputs_of_run, published, remove_output
 from .then import run_then
@@ -153,7 +153,7 @@ class _Watcher:
         settings = self.settings
         if settings.keep_last is None:
             return
-        ours = sorted(outputs_of_run(settings.out_root, settings.run_dir), key=lambda n: (step_of(n) or 0, n))
+        ours = sorted(outputs_of_run(settings.out_root, settings.run_dir), key=publishing_order)
         for name in ours[: max(0, len(ours) - settings.keep_last)]:
             folder = os.path.join(settings.out_root, name)
             try:

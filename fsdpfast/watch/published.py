@@ -35,8 +35,9 @@ def published(out_dir: str, checkpoint: str, dtype: str | None) -> bool:
 
 
 def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
-    """The folders in `out_root` whose manifest says fsdpfast merged them from a checkpoint folder
-    directly in `run_dir` (by its absolute path): the only ones --keep-last may remove."""
+    """The folders in `out_root` the watcher published: named as the checkpoint folder directly in
+    `run_dir` their manifest says fsdpfast merged them from (by its absolute path). The only ones
+    --keep-last may remove: a merge of the same run into another name (`out/best`) is the user's."""
     run = os.path.abspath(run_dir)
     try:
         entries = sorted(e for e in os.listdir(out_root) if not e.startswith("."))
@@ -46,7 +47,7 @@ def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
     for name in entries:
         manifest = manifest_of(os.path.join(out_root, name))
         source = manifest.get("checkpoint") if manifest else None
-        if isinstance(source, str) and os.path.dirname(source) == run:
+        if isinstance(source, str) and os.path.dirname(source) == run and os.path.basename(source) == name:
             found.append(name)
     return found
 

@@ -139,3 +139,16 @@ def test_dry_run_inspect_merge_and_verify_read_the_model_from_the_cache(checkpoi
     checked = fsdpfast_cli(cache, "verify", out, "--against", folder, "--json")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert json.loads(checked.stdout)["ok"]
+
+
+def test_the_model_check_child_runs_no_code_from_the_working_folder(checkpoints, tmp_path):
+    # `python -m` puts the current folder first on sys.path: a checkpoint folder's json.py would run
+    # in the child that builds the model. It is started with -P from a neutral folder.
+    folder = copy_checkpoint(checkpoints, "w2-llama", tmp_path)
+    marker = tmp_path / "ran"
+    (folder / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise ImportError('not json')\n")
+    env = {**os.environ, "FSDPFAST_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-P", "-m", "fsdpfast", "merge", ".", "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=folder)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), "a module of the working folder ran"
