@@ -9,16 +9,15 @@ Hub layout transform (families.transform), which splits the packed experts this 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from ..errors import BadInput, option
-from ..hf.config import load_config
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels, NamesOnly
 from .torchtitan_names import FAMILIES, Heads, hub_tensors, is_torchtitan
+from .transform import config_of
 
 
 def transforms(src: str, options) -> list:
@@ -31,9 +30,7 @@ def folder_checks() -> list:
 
 
 def _config(plan: MergePlan) -> dict | None:
-    if plan.config_dir is not None and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
-        return load_config(os.path.join(plan.config_dir, "config.json"))
-    return plan.built_config
+    return config_of(plan) or None  # None: no config.json known
 
 
 def _heads(config: dict) -> Heads | None:

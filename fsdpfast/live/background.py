@@ -74,6 +74,8 @@ class BackgroundSave:
             self._failed = exc
             raise
         finally:
+            if self._thread.ident is not None:
+                self._thread.join()  # Ctrl-C during the join above: the writer finishes before its folder goes
             if _pending is self:
                 _pending = None
             if self._target is not None:

@@ -41,14 +41,15 @@ class Windows:
 
     def tensor(self, name: str, shape: Sequence[int], windows: Sequence[Window]) -> TensorPlan:
         """The tensor `name` of `shape` made of `windows`, of tensors of one dtype. A part of a window
-        no extent fills is left empty: the caller compares the result's elements with its shape."""
+        no extent fills is left empty: the caller compares the result's elements with its shape
+        (`whole` does). A window that does not fit is refused in one line (BadInput, a ValueError)."""
         if not windows:
-            raise ValueError(f"{name}: no windows")
+            raise BadInput(f"{name}: no windows")
         shape = tuple(shape)
         given = [self._given(name, shape, w) for w in windows]
         dtypes = {(t.source_dtype, t.target_dtype) for t in given}
         if len(dtypes) > 1:
-            raise ValueError(f"{name}: windows of tensors of different dtypes ({sorted(dtypes)})")
+            raise BadInput(f"{name}: windows of tensors of different dtypes ({sorted(dtypes)})")
         extents: list[Extent] = []
         for window, source in zip(windows, given):
             extents += self._extents(window, source.shape, shape)
@@ -70,15 +71,15 @@ class Windows:
         """The tensor a window cuts, the window checked against it and against the new tensor."""
         source = self._tensors.get(w.tensor)
         if source is None:
-            raise ValueError(f"{name}: a window of {w.tensor}, which the plan does not hold")
+            raise BadInput(f"{name}: a window of {w.tensor}, which the plan does not hold")
         if source.compute is not None:
-            raise ValueError(f"{name}: a window of {w.tensor}, a computed tensor (its extents are not its bytes)")
+            raise BadInput(f"{name}: a window of {w.tensor}, a computed tensor (its extents are not its bytes)")
         fits = len(w.offsets) == len(w.sizes) == len(source.shape) and all(
             0 <= o and s >= 0 and o + s <= n for o, s, n in zip(w.offsets, w.sizes, source.shape)
         )
         region, out, at = _aligned(w.sizes, shape, w.at)
         if not fits or len(w.at) != len(shape) or not all(0 <= a and a + s <= n for a, s, n in zip(at, region, out)):
-            raise ValueError(
+            raise BadInput(
                 f"{name}: the window {list(w.offsets)} + {list(w.sizes)} of {w.tensor} {list(source.shape)} "
                 f"at {list(w.at)} does not fit in both tensors ({list(shape)})"
             )
