@@ -16,6 +16,7 @@ reading missed refuses the merge rather than writing it wrong.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import os
 import re
@@ -24,6 +25,7 @@ STRICT = "_keep_in_fp32_modules_strict"  # kept for float16 and bfloat16
 LOOSE = "_keep_in_fp32_modules"  # kept for float16 only
 
 
+@functools.lru_cache(maxsize=16)  # the installed source does not change while a process runs
 def kept_lists(model_type: str | None) -> dict[str, frozenset[str]] | None:
     """{STRICT: patterns, LOOSE: patterns} the model type's modeling source lists ({} of each: none);
     None when its source cannot be read this way (not found, or a list that is not a literal)."""

@@ -9,6 +9,7 @@ The model check compares the written names with the model's state dict in the sa
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -33,9 +34,17 @@ def folder_checks() -> list:
 
 
 def config_of(plan: MergePlan) -> dict:
-    if plan.config_dir is not None and os.path.isfile(os.path.join(plan.config_dir, "config.json")):
-        return load_config(os.path.join(plan.config_dir, "config.json"))
+    """The plan's config.json (read once per file as it is now: every family rule asks for it). Read-only."""
+    path = os.path.join(plan.config_dir, "config.json") if plan.config_dir is not None else None
+    if path is not None and os.path.isfile(path):
+        found = os.stat(path)
+        return _config_at(path, found.st_mtime_ns, found.st_size)
     return plan.built_config or {}
+
+
+@functools.lru_cache(maxsize=8)
+def _config_at(path: str, mtime_ns: int, size: int) -> dict:
+    return load_config(path)
 
 
 def model_type(plan: MergePlan) -> str | None:

@@ -99,12 +99,22 @@ def test_verify_against_the_checkpoint_replans_the_hub_layout(families, tmp_path
     assert report.ok and report.tensors == len(read_merged(out)), report.summary()
 
 
-def test_a_config_of_another_family_is_refused(families, tmp_path):
-    qwen, mixtral = SPECS[2][0], SPECS[2][1]
+OTHER_FAMILY = [
+    ("qwen3_moe", "mixtral", "MixtralForCausalLM"),
+    ("qwen2_5_vl", "gemma3", "Gemma3ForConditionalGeneration"),
+]
+
+
+@pytest.mark.parametrize("checkpoint,config,named", OTHER_FAMILY, ids=[f"{a}-with-{b}" for a, b, _ in OTHER_FAMILY])
+def test_a_config_of_another_family_is_refused(families, tmp_path, checkpoint, config, named):
+    # its renames and splits would apply to names they do not fit: the model check refuses
+    spec = {s.name: s for _, s in FAMILIES}
     src = tmp_path / "ckpt"
-    shutil.copytree(qwen.ranks_folder(str(families)), src)
-    shutil.copy(f"{mixtral.ranks_folder(str(families))}/huggingface/config.json", src / "huggingface" / "config.json")
-    api_refuses(src, tmp_path / "out", mentions=["MixtralForCausalLM"])
+    shutil.copytree(spec[checkpoint].ranks_folder(str(families)), src)
+    shutil.copy(
+        f"{spec[config].ranks_folder(str(families))}/huggingface/config.json", src / "huggingface" / "config.json"
+    )
+    api_refuses(src, tmp_path / "out", mentions=[named])
 
 
 def test_expert_counts_that_disagree_with_config_are_refused(families, tmp_path):
