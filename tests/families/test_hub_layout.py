@@ -99,9 +99,11 @@ def test_verify_against_the_checkpoint_replans_the_hub_layout(families, tmp_path
     assert report.ok and report.tensors == len(read_merged(out)), report.summary()
 
 
+# (checkpoint, config of another family, what the refusal names): Gemma 3's config ties its head to
+# the embeddings, which Qwen2.5-VL's two distinct tensors are not
 OTHER_FAMILY = [
     ("qwen3_moe", "mixtral", "MixtralForCausalLM"),
-    ("qwen2_5_vl", "gemma3", "Gemma3ForConditionalGeneration"),
+    ("qwen2_5_vl", "gemma3", "tie_word_embeddings"),
 ]
 
 
