@@ -8,9 +8,11 @@ For each output dtype (bf16, keep), each run as its own subprocess:
   cpu, torch, ...            python -m fsdpfast merge CKPT --out OUT --dtype D --engine E
 and `cp` + `sync` of the same shard files, for reference.
 
-Each command runs once untimed as a warm-up, so the inputs are warm in the page cache (it
-cannot be dropped without root); then `--repeat` rounds run every command in turn, so each
-ratio compares runs made side by side. Wall time is time.perf_counter around the subprocess;
+Each command runs once untimed as a warm-up, so the inputs are warm in the page cache; then
+`--repeat` rounds run every command in turn, so each ratio compares runs made side by side.
+`--cold`: before every timed run the rank files' cached pages are dropped
+(posix_fadvise(DONTNEED), which needs no root; the kernel may keep a few), so every command,
+floor and `cp` included, reads from the disk. Wall time is time.perf_counter around the subprocess;
 CPU time is its user + sys (getrusage), and the CPU time the rest of the machine used
 meanwhile (psutil.cpu_times) is shown so contention from other jobs is visible. Every ~20 ms
 /proc/<pid>/status of the process and all its children is read; peak RSS and peak RssAnon
@@ -91,7 +93,18 @@ def run_checked(argv: list[str]) -> tuple[Run, str]:
     return run, engine[1] if engine else "-"
 
 
-def run_all(cmds: dict[str, list[str]], out: str, repeat: int) -> dict[str, list[Run]]:
+def drop_cached(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_all(cmds: dict[str, list[str]], out: str, repeat: int, cold: list[str]) -> dict[str, list[Run]]:
+    """Every command once untimed, then `repeat` rounds of all of them; `cold`: files to drop from the
+    page cache before each timed run."""
     for argv in cmds.values():  # warm-up: page cache, bytecode caches
         clean(out)
         run_checked(argv)
@@ -99,6 +112,7 @@ def run_all(cmds: dict[str, list[str]], out: str, repeat: int) -> dict[str, list
     for round_no in range(repeat):
         for name, argv in cmds.items():
             clean(out)
+            drop_cached(cold)
             run, engine = run_checked(argv)
             runs[name].append(run)
             print(
@@ -120,11 +134,12 @@ def floor_seconds(runs: dict[str, list[Run]], dtype: str) -> list[float]:
     return [min(a.seconds, b.seconds) for a, b in zip(runs[f"{dtype} floor-mmap"], runs[f"{dtype} floor-pwrite"])]
 
 
-def table(runs: dict[str, list[Run]], input_bytes: int, shown_commands: dict[str, str]) -> str:
+def table(runs: dict[str, list[Run]], input_bytes: int, shown_commands: dict[str, str], cold: bool) -> str:
+    warmth = "dropped from the page cache before each run" if cold else "warm in the page cache"
     gb = 1e9
     rounds = len(runs["cp"])
     lines = [
-        f"Merge of a {input_bytes / gb:.2f} GB fp32 4-rank FSDP2 checkpoint; inputs warm in the page cache; "
+        f"Merge of a {input_bytes / gb:.2f} GB fp32 4-rank FSDP2 checkpoint; inputs {warmth}; "
         f"{rounds} rounds; {os.cpu_count()} CPUs. Ratios are per round (runs made side by side), median first. "
         '"others CPU s": CPU time the rest of the machine used during the run (other jobs, kernel writeback).',
         "",
@@ -161,6 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=os.path.join(HERE, "work"))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cold", action="store_true", help="drop the rank files' cached pages before each run")
     parser.add_argument(
         "--engines", default="cpu,torch", help="comma-separated merge engines to run (default cpu,torch)"
     )
@@ -171,14 +187,14 @@ def main() -> None:
         print(f"generated {ckpt} in {time.perf_counter() - start:.1f} s", flush=True)
     input_bytes = sum(os.path.getsize(f) for f in rank_files(ckpt, WORLD_SIZE))
     cmds = commands(ckpt, out, args.engines.split(","))
-    runs = run_all(cmds, out, args.repeat)
-    text = table(runs, input_bytes, {name: shorten(argv, ckpt, out) for name, argv in cmds.items()})
+    runs = run_all(cmds, out, args.repeat, rank_files(ckpt, WORLD_SIZE) if args.cold else [])
+    text = table(runs, input_bytes, {name: shorten(argv, ckpt, out) for name, argv in cmds.items()}, args.cold)
     merges = [n for n in runs if n.startswith("bf16") and "floor" not in n]
     bf16_anon = max(r.peak_anon for n in merges for r in runs[n])
     text += f"\nbf16 merges' peak RssAnon {size(bf16_anon)}: {'under' if bf16_anon < 1e9 else 'NOT under'} 1 GB\n"
     print("\n" + text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "merge_3gb.md"), "w") as f:
+    with open(os.path.join(HERE, "results", "merge_3gb_cold.md" if args.cold else "merge_3gb.md"), "w") as f:
         f.write(text)
 
 
