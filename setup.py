@@ -26,7 +26,7 @@ import sysconfig
 import tempfile
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdpfast")
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/kernels.cpp", "csrc/lora_merge.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/kernels.cpp", "csrc/lora_merge.cpp", "csrc/transpose.cpp", "csrc/transpose_ops.cpp"]
 CXX_FLAGS = ["-O3", "-fopenmp"]
 PROBE_TIMEOUT_S = 120  # each probe step; a working nvcc takes a few seconds
 
@@ -219,7 +219,7 @@ def torch_extensions(cuda_setting_value: str):
 
     native = Pybind11Extension(
         "fsdpfast._native",
-        ["csrc/bindings.cpp", "csrc/kernels.cpp"],
+        ["csrc/bindings.cpp", "csrc/kernels.cpp", "csrc/transpose.cpp"],
         extra_compile_args=["-O3", "-pthread"],
         extra_link_args=["-pthread"],
         cxx_std=17,

@@ -14,6 +14,7 @@
 #include "pickle_scan.h"
 #include "plan_checks.h"
 #include "plan_rows.h"
+#include "transpose.h"
 
 namespace py = pybind11;
 
@@ -142,6 +143,18 @@ bool extents_tile(const py::buffer& extents, const py::buffer& source_bytes, int
   return fsdpfast::single_runs_tile(rows.data, rows.size / fsdpfast::kExtentFields, sizes.data, sizes.size, total, itemsize);
 }
 
+// transpose.h's transposed copy between two buffers; their sizes are checked against the shape asked.
+void transpose_convert(const py::buffer& source, const py::buffer& destination, int64_t batch, int64_t rows, int64_t cols,
+                       int64_t from, int64_t to, int64_t in, int64_t out, int threads) {
+  py::buffer_info s = source.request(), d = destination.request(true);
+  if (batch < 0 || rows < 0 || cols < 0 || in <= 0 || out <= 0) throw std::invalid_argument("transpose_convert: bad sizes");
+  if (int64_t(s.size * s.itemsize) < batch * rows * cols * in || int64_t(d.size * d.itemsize) < batch * rows * cols * out)
+    throw std::invalid_argument("transpose_convert: a buffer is smaller than the matrices");
+  py::gil_scoped_release unlocked;
+  fsdpfast::transpose_convert(static_cast<const unsigned char*>(s.ptr), static_cast<unsigned char*>(d.ptr), batch, rows, cols, from,
+                              to, in, out, fsdpfast::thread_pool_for(threads));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -165,6 +178,10 @@ PYBIND11_MODULE(_native, m) {
         "True if the extents (int64 rows of 7: plan.model.Extent's fields) are single runs inside their source "
         "buffers (bytes each) that write each of the tensor's `total` elements exactly once; False means not sure "
         "(csrc/plan_checks.h): plan/checks.py's check then decides.");
+  m.def("transpose_convert", &transpose_convert, py::arg("source"), py::arg("destination"), py::arg("batch"), py::arg("rows"),
+        py::arg("cols"), py::arg("source_code"), py::arg("target_code"), py::arg("source_itemsize"), py::arg("target_itemsize"),
+        py::arg("threads") = 0,
+        "destination[b][c][r] = source[b][r][c] (csrc/transpose.h), converted between the element codes (equal codes: a copy).");
   m.def("crc32c", &crc32c, py::arg("data"), py::arg("crc") = 0,
         "CRC-32C of a buffer, continuing from `crc` (the CRC of the bytes before it).");
   m.def("crc32c_spread", &crc32c_spread, py::arg("starts"), py::arg("lengths"), py::arg("crcs"), py::arg("total"),

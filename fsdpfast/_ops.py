@@ -82,6 +82,11 @@ def _register_fakes(torch) -> None:
         width = lambda code: 4 if code == CODES["float32"] else 2  # as csrc/ops.cpp sizes them
         return source.new_empty(source.numel() // width(source_code) * width(target_code))
 
+    @torch.library.register_fake("fsdpfast::transposed")
+    def _(source, dtype=None):
+        torch._check(source.dim() >= 2, lambda: "transposed: the source needs two dimensions at least")
+        return source.new_empty((*source.shape[:-2], source.shape[-1], source.shape[-2]), dtype=dtype or source.dtype)
+
 
 def _release(version: str) -> str:
     return version.split("+")[0]  # 2.14.1+cu130 -> 2.14.1: CPU and CUDA builds of one release share the ABI
