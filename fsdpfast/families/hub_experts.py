@@ -71,8 +71,11 @@ PER_EXPERT: dict[str, ExpertNames] = {
     ),
 }
 
-# Families whose Hub checkpoints hold the packed experts transposed ([E, H, 2I], [E, I, H]): a
-# transposed copy, which no engine writes yet (transformers 5.24 conversion_mapping: Transpose(1, 2)).
+# Families whose Hub checkpoints hold the packed experts transposed ([E, H, 2I], [E, I, H]; loading
+# transposes them: transformers' conversion_mapping Transpose(1, 2, check_dims=True), vLLM's
+# is_fused_checkpoint_transposed): each expert's matrix written transposed (plan.windows.transposed).
+# transformers 5.25's save_pretrained writes them as held (its reverse Transpose compares the tensor
+# with the parameter's own shape, finds them equal and keeps it), which vLLM's loader transposes wrongly.
 TRANSPOSED = ("qwen3_vl_moe",)
 
 _PACKED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)")
@@ -120,6 +123,35 @@ def hub_shapes(shapes: dict[str, tuple[int, ...]], names: ExpertNames) -> dict[s
         else:
             out.update((part, part_shape) for part, part_shape, _ in parts)
     return out
+
+
+def transposed_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A model's shapes with its packed experts transposed, as a TRANSPOSED family's Hub checkpoints hold them."""
+    return {
+        name: (*shape[:-2], shape[-1], shape[-2]) if _PACKED.fullmatch(name) and len(shape) == 3 else shape
+        for name, shape in shapes.items()
+    }
+
+
+def transpose_experts(tensors: tuple[TensorPlan, ...], clean) -> tuple[list[TensorPlan], list[str]]:
+    """The plan's tensors with each packed expert tensor written transposed ([E, R, C] -> [E, C, R]);
+    and the names whose matrices are square, whose orientation a loader cannot tell from the shape."""
+    windows = Windows(tensors)
+    out, square = [], []
+    for tensor in tensors:
+        if not _PACKED.fullmatch(clean(tensor.name)):
+            out.append(tensor)
+            continue
+        if len(tensor.shape) != 3:
+            raise BadInput(
+                f"{clean(tensor.name)}: packed experts have 3 dimensions (experts, rows, columns), "
+                f"this one has {list(tensor.shape)}"
+            )
+        if tensor.shape[1] == tensor.shape[2]:
+            square.append(clean(tensor.name))
+        whole = Window(tensor.name, (0, 0, 0), tensor.shape, (0, 0, 0))
+        out.append(windows.transposed(tensor.name, whole))
+    return out, square
 
 
 def has_packed(tensors, clean) -> bool:

@@ -13,14 +13,23 @@ import functools
 import os
 from dataclasses import dataclass, replace
 
-from ..errors import BadInput, option
+from ..errors import option
 from ..hf.config import load_config
 from ..options import MergeOptions
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels, NamesOnly
-from .hub_experts import PER_EXPERT, TRANSPOSED, ExpertNames, has_packed, hub_shapes, split_experts
+from .hub_experts import (
+    PER_EXPERT,
+    TRANSPOSED,
+    ExpertNames,
+    has_packed,
+    hub_shapes,
+    split_experts,
+    transpose_experts,
+    transposed_shapes,
+)
 from .hub_prefixes import hub_name, renamed, rules_for
 
 
@@ -84,10 +93,7 @@ class HubLayout(NamesOnly):
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         names = self._names(plan)
         if model_type(plan) in TRANSPOSED and has_packed(plan.tensors, clean_name):
-            raise BadInput(
-                f"{model_type(plan)}'s Hub checkpoints hold the experts transposed, which fsdpfast cannot write yet; "
-                f"{option('expert_layout', 'packed')} writes them as transformers holds them (it loads them either way)"
-            )
+            return self._transposed(plan)
         if names is None:
             return plan
         tensors = split_experts(plan.tensors, names, clean_name)
@@ -98,6 +104,23 @@ class HubLayout(NamesOnly):
             "(--expert-layout packed keeps transformers' packed tensors)"
         )
 
+    def _transposed(self, plan: MergePlan) -> MergePlan:
+        tensors, square = transpose_experts(plan.tensors, clean_name)
+        warnings = ()
+        if square:
+            warnings = (
+                f"{square[0]}{f' and {len(square) - 1} more' if len(square) > 1 else ''}: each expert's matrix is "
+                "square, so transformers cannot tell from the shape that the Hub layout holds it transposed and would "
+                f"load it untransposed; {option('expert_layout', 'packed')} writes the layout transformers holds",
+            )
+        return plan.but(tensors=tuple(tensors)).noted(
+            f"MoE experts written transposed ([E, H, 2I], [E, I, H]), as {model_type(plan)}'s Hub checkpoints hold "
+            "them and vLLM loads them (--expert-layout packed keeps transformers' [E, 2I, H], [E, H, I])",
+            warnings=warnings,
+        )
+
     def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
+        if model_type(plan) in TRANSPOSED:
+            return replace(expected, shapes=transposed_shapes(expected.shapes))
         names = self._names(plan)
         return expected if names is None else replace(expected, shapes=hub_shapes(expected.shapes, names))

@@ -58,6 +58,21 @@ class Extent:
 
 
 @dataclass(frozen=True)
+class Transposed:
+    """TensorPlan.compute of a tensor written transposed: its extents fill the tensor with its last two
+    dimensions swapped ([..., rows, cols], row-major), and the written bytes are that tensor transposed
+    ([..., cols, rows]). Set by a plan transform (plan.windows.Windows.transposed); every engine writes it
+    with the transposed-copy kernel (execute.transposed, csrc/transpose.cpp), one matrix at a time."""
+
+    rows: int
+    cols: int
+    used: frozenset[int]  # the plan sources its extents read
+
+    def sources(self) -> set[int]:
+        return set(self.used)
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     name: str
     shape: tuple[int, ...]
@@ -67,6 +82,7 @@ class TensorPlan:
     aliases: tuple[str, ...] = ()  # tied names not written, listed for the report
     # Set for a tensor computed from others rather than copied (an execute.computed.Computed, set by a plan
     # transform): its extents are the unchanged tensor's; the writer computes it, engines never see it.
+    # A Transposed (above) is executed by the engines' transposed copy (execute.transposed).
     compute: object | None = None
 
     def __post_init__(self):

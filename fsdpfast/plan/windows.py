@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from ..errors import BadInput
 from ..geometry.extent_boxes import extent_boxes, row_major_strides, strided_extents
-from .model import Extent, TensorPlan
+from .model import Extent, TensorPlan, Transposed
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,19 @@ class Windows:
                 f"incomplete ({', '.join(sorted({w.tensor for w in windows}))})"
             )
         return made
+
+    def transposed(self, name: str, window: Window) -> TensorPlan:
+        """Tensor `name`: the window (a box of one tensor, two dimensions at least) with its last two
+        dimensions swapped, every element filled (as `whole`). Its extents are the window's in its own
+        order; its `compute` (plan.model.Transposed) has the engines write it transposed."""
+        if len(window.sizes) < 2:
+            raise BadInput(
+                f"{name}: a transposed window needs two dimensions, {window.tensor}'s has {len(window.sizes)}"
+            )
+        inner = self.whole(name, window.sizes, [replace(window, at=(0,) * len(window.sizes))])
+        rows, cols = inner.shape[-2:]
+        used = frozenset(e.source for e in inner.extents)
+        return replace(inner, shape=(*inner.shape[:-2], cols, rows), compute=Transposed(rows, cols, used))
 
     def _given(self, name: str, shape: tuple[int, ...], w: Window) -> TensorPlan:
         """The tensor a window cuts, the window checked against it and against the new tensor."""
