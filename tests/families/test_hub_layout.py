@@ -156,25 +156,78 @@ def test_a_cast_keeps_in_float32_what_transformers_keeps(families, tmp_path, nam
     assert any("kept in float32" in note for note in report.notes), report.notes
 
 
-def test_transposed_hub_experts_are_refused_and_packed_kept_on_request(tmp_path):
-    # Qwen3-VL-MoE's Hub checkpoints hold the experts transposed: not writable yet, so refused in one line.
-    spec = FamilySpec(
+def qwen3_vl_moe(name: str, experts: int, dtype: str = "float32") -> FamilySpec:
+    # moe_intermediate_size 8: 2I = 16 and I = 8 differ from H = 32, so the shapes tell the orientation
+    text = dict(TEXT, moe_intermediate_size=8, num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32)
+    return FamilySpec(
+        name,
         "qwen3_vl_moe",
-        "qwen3_vl_moe",
-        dict(
-            text_config=dict(
-                TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
-            ),
-            vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32),
-        ),
+        dict(text_config=text, vision_config=vision),
+        dtype=dtype,
+        seed=8,
         auto_class="AutoModelForImageTextToText",
     )
-    model = build_family_model(spec)
+
+
+# Qwen3-VL-MoE: 4 experts on 2 ranks; 5 on 3 ranks in bfloat16 (FSDP2 cuts the packed tensors 2, 2, 1)
+TRANSPOSED = {2: [qwen3_vl_moe("qwen3_vl_moe", 4)], 3: [qwen3_vl_moe("qwen3_vl_moe-w3-bf16", 5, "bfloat16")]}
+
+
+@pytest.fixture(scope="module")
+def transposed_families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transposed")
+    for world, specs in TRANSPOSED.items():
+        write_family_checkpoints(str(root), specs, world)
+    return root
+
+
+def hub_transposed(anchor: dict) -> dict:
+    """save_pretrained's files with the packed experts transposed, as Qwen3-VL-MoE's Hub checkpoints hold them
+    (transformers 5.25's save_pretrained keeps transformers' own [E, 2I, H]: execute.transposed's docstring)."""
+    return {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in anchor.items()}
+
+
+@pytest.mark.parametrize("layout", ["ranks", "dcp"])
+@pytest.mark.parametrize("engine", ["cpu", "torch"])
+@pytest.mark.parametrize(
+    "world,spec", [(w, s) for w, specs in TRANSPOSED.items() for s in specs], ids=lambda x: getattr(x, "name", str(x))
+)
+def test_transposed_hub_experts(transposed_families, tmp_path, world, spec, layout, engine):
+    import transformers
+
+    root = str(transposed_families)
+    src = spec.ranks_folder(root) if layout == "ranks" else spec.dcp_folder(root)
+    report = fsdpfast.merge(src, tmp_path / "out", engine=engine)
+    anchor = read_merged(spec.anchor_folder(root))
+    merged = read_merged(tmp_path / "out")
+    assert any(".mlp.experts.gate_up_proj" in k for k in merged)
+    assert_same_files(merged, hub_transposed(anchor))
+    assert any("written transposed" in note for note in report.notes), report.notes
+    assert fsdpfast.verify(tmp_path / "out", against=src).ok
+    if layout == "ranks" and engine == "cpu":  # transformers loads it (transposing back) and computes the same
+        model, info = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path / "out", output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        trained = build_family_model(spec)
+        ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_transposed_experts_packed_on_request(transposed_families, tmp_path):
+    spec = TRANSPOSED[2][0]
+    fsdpfast.merge(spec.ranks_folder(str(transposed_families)), tmp_path / "packed", expert_layout="packed")
+    assert_same_files(read_merged(tmp_path / "packed"), read_merged(spec.anchor_folder(str(transposed_families))))
+
+
+def test_transposed_experts_whose_shape_disagrees_with_config_are_refused(transposed_families, tmp_path):
+    spec = TRANSPOSED[2][0]
     src = tmp_path / "ckpt"
-    model.config.save_pretrained(src / "huggingface")
-    torch.save(model.state_dict(), src / "model_world_size_1_rank_0.pt")
-    api_refuses(src, tmp_path / "out", mentions=["transposed", "expert_layout='packed'"])
-    fsdpfast.merge(src, tmp_path / "packed", expert_layout="packed")
-    merged = read_merged(tmp_path / "packed")
-    assert all(torch.equal(merged[name], value) for name, value in model.state_dict().items() if name in merged)
-    assert any("experts.gate_up_proj" in name for name in merged)
+    shutil.copytree(spec.ranks_folder(str(transposed_families)), src)
+    path = src / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    config["text_config"]["moe_intermediate_size"] = 4  # the checkpoint packs 2I = 16 rows per expert
+    path.write_text(json.dumps(config))
+    api_refuses(src, tmp_path / "out", mentions=["gate_up_proj"])
