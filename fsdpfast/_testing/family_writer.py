@@ -6,7 +6,8 @@ model's own `save_pretrained` (the Hub layout transformers writes: per-expert na
 families it converts, its dtype rules). Then FSDP2 shards every decoder layer and the root, and
 each rank saves its state dict as verl's rank files (`model_world_size_W_rank_R.pt`, config
 files in `huggingface/`), and the same state dict as a DCP folder (`dcp/`, config.json beside
-`.metadata` in `dcp/huggingface/`). No training step: the initial weights are random per
+`.metadata` in `dcp/huggingface/`), and writes the sharded model with fsdpfast.save_pretrained
+(`live/`, the Hub layout). No training step: the initial weights are random per
 element, which is what a byte placement test needs, and MoE routing on CPU adds nothing here.
 """
 
@@ -80,6 +81,10 @@ class FamilySpec:
     def dcp_folder(self, root: str) -> str:
         return os.path.join(root, self.name, "dcp")
 
+    def live_folder(self, root: str) -> str:
+        """fsdpfast.save_pretrained of the sharded model."""
+        return os.path.join(root, self.name, "live")
+
     def anchor_folder(self, root: str) -> str:
         """The unsharded model's save_pretrained."""
         return os.path.join(root, self.name, "save_pretrained")
@@ -124,6 +129,9 @@ def _write_one(rank: int, world_size: int, root: str, spec: FamilySpec) -> None:
     os.makedirs(spec.ranks_folder(root), exist_ok=True)
     torch.save(state, os.path.join(spec.ranks_folder(root), f"model_world_size_{world_size}_rank_{rank}.pt"))
     dcp.save(state, checkpoint_id=spec.dcp_folder(root))
+    import fsdpfast  # the live save of the same sharded model, in the Hub layout
+
+    fsdpfast.save_pretrained(model, spec.live_folder(root))
 
 
 def _blocks(model) -> list:

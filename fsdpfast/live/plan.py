@@ -18,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import target_dtype
-from ..errors import BadInput
+from ..errors import BadInput, FsdpfastError
+from ..families.live_layout import HubTensor, hub_tensors
 from ..geometry.placements import choose_reading, live_layout
-from ..plan.model import MergePlan, TensorPlan
+from ..plan.model import Extent, MergePlan, TensorPlan
 from ..plan.normalise import clean_name, parse_dtype, tied_pairs
+from ..plan.windows import Window, Windows
 from .fsdp1 import FlatRun
 
 LAYOUT = "live"  # the plan's layout name: a model in memory, not a checkpoint folder
@@ -38,29 +40,40 @@ class LiveTensor:
     name: str  # in the output (wrapper prefixes removed)
     key: str  # in the state dict
     value: object  # a DTensor or a plain tensor
+    # The part of `value` written under `name` in the Hub layout (an expert's rows, a transposed
+    # tensor: families.live_layout); None: all of it, as it is.
+    hub: HubTensor | None = None
 
 
 def plan_live(
-    state: dict, dtype: str | None, config: dict | None, kept_in_fp32=None
+    state: dict, dtype: str | None, config: dict | None, kept_in_fp32=None, expert_layout: str = "hub"
 ) -> tuple[MergePlan, list[LiveTensor]]:
     """The plan (tensors without extents: a live plan is written by `local_piece`, not by engines)
     and the tensors to write in plan order; tied names are written once as the offline merge does.
-    `kept_in_fp32` (name -> bool): the floating tensors a cast leaves in float32 (families.keep_fp32)."""
+    `kept_in_fp32` (name -> bool): the floating tensors a cast leaves in float32 (families.keep_fp32).
+    The names are the Hub layout's of the model's family (families.live_layout: experts per expert or
+    transposed, a VLM's prefixes); `expert_layout="packed"` keeps transformers' packed experts."""
     wanted = parse_dtype(dtype)
-    tensors, live, seen = [], [], {}
+    tensors, live, seen, taken = [], [], {}, {}
     for key, value in state.items():
         name = clean_name(key)
-        if name in seen:
-            raise BadInput(f"{seen[name]} and {key} both become {name} once wrapper prefixes are removed")
-        seen[name] = key
+        if name in taken:
+            raise BadInput(f"{taken[name]} and {key} both become {name} once wrapper prefixes are removed")
+        taken[name] = key
         if hasattr(value, "placements"):  # refused here, on every rank alike, before anything is made
             placement_kinds(value, key)
         source = dtype_name(value.dtype)
         kept = wanted is not None and kept_in_fp32 is not None and kept_in_fp32(name)
-        tensors.append(
-            TensorPlan(name, tuple(value.shape), source, target_dtype(source, "float32" if kept else wanted), ())
-        )
-        live.append(LiveTensor(name, key, value))
+        for out in hub_tensors(name, tuple(value.shape), config or {}, expert_layout):
+            if out.name in seen:
+                raise BadInput(f"{seen[out.name]} and {key} are both written as {out.name}")
+            if out.transposed:
+                _refuse_untransposable(value, key)
+            seen[out.name] = key
+            tensors.append(
+                TensorPlan(out.name, out.shape, source, target_dtype(source, "float32" if kept else wanted), ())
+            )
+            live.append(LiveTensor(out.name, key, value, None if out.offsets is None else out))
     dropped = {}
     for kept, other in tied_pairs(tensors, None, config or {}):
         if not _same_values(state[seen[kept]], state[seen[other]]):
@@ -95,6 +108,72 @@ class LocalPiece:
     def rows(cls, start: int, data) -> LocalPiece:
         """`data` is the tensor's elements from `start` on, in one contiguous run."""
         return cls(data, ((0, data.numel(), start, 1, 0, 0),))
+
+
+def _refuse_untransposable(value, key: str) -> None:
+    """A tensor written transposed needs each matrix whole on one rank: FSDP2's dim-0 pieces (whole experts)."""
+    kinds = placement_kinds(value, key) if hasattr(value, "placements") else ()
+    if isinstance(value, FlatRun) or any(kind != "replicate" and dim != 0 for kind, dim, _ in kinds):
+        raise BadInput(
+            f"save_pretrained: {key} is written transposed in the Hub layout, which needs whole experts on each rank "
+            f"(FSDP2 sharding on dim 0), but it is {'an FSDP1 flat shard' if isinstance(value, FlatRun) else f'placed as {tuple(value.placements)}'}; "
+            "pass expert_layout='packed' to write transformers' own layout"
+        )
+
+
+def hub_piece(tensor: LiveTensor, piece: LocalPiece | None) -> LocalPiece | None:
+    """What this rank writes of tensor.name, from its piece of the state-dict tensor: the runs inside the
+    window (the data narrowed to them), or its whole matrices transposed (contiguous, on their device)."""
+    hub = tensor.hub
+    if hub is None or piece is None:
+        return piece
+    shape = tuple(tensor.value.shape)
+    whole = TensorPlan("piece", shape, "x", "x", tuple(Extent(0, *e) for e in piece.extents))
+    made = Windows([whole]).tensor(
+        hub.name, hub.sizes, [Window("piece", hub.offsets, hub.sizes, (0,) * len(hub.sizes))]
+    )
+    if not made.extents:
+        return None
+    if hub.transposed:
+        return _transposed_piece(hub, piece.data, made.extents)
+    low = min(e.src_offset for e in made.extents)
+    high = max(e.src_offset + (e.runs - 1) * e.src_stride + e.count for e in made.extents)
+    extents = tuple(
+        (e.src_offset - low, e.count, e.dst_offset, e.runs, e.src_stride, e.dst_stride) for e in made.extents
+    )
+    return LocalPiece(piece.data.reshape(-1)[low:high], extents)
+
+
+def _transposed_piece(hub: HubTensor, data, extents) -> LocalPiece:
+    import torch
+
+    rows, cols = hub.sizes[-2:]
+    matrix = rows * cols
+    blocks, out, at = [], [], 0
+    flat = data.reshape(-1)
+    for e in extents:
+        for run in range(e.runs):
+            src, dst = e.src_offset + run * e.src_stride, e.dst_offset + run * e.dst_stride
+            if e.count % matrix or dst % matrix:
+                raise FsdpfastError(
+                    f"save_pretrained: this rank holds part of a matrix of {hub.source}, which is written transposed"
+                )
+            block = flat[src : src + e.count].view(-1, rows, cols)
+            blocks.append(_transpose(block).reshape(-1))
+            out.append((at, e.count, dst, 1, 0, 0))
+            at += e.count
+    return LocalPiece(torch.cat(blocks) if len(blocks) > 1 else blocks[0], tuple(out))
+
+
+def _transpose(block):
+    """[n, rows, cols] -> [n, cols, rows], contiguous: the extension's transposed copy where it is built."""
+    from .. import _ops
+
+    if _ops.torch_ops() and (not block.is_cuda or _ops.native_cuda_built()):
+        import torch
+
+        return torch.ops.fsdpfast.transposed(block.contiguous())
+    return block.transpose(-2, -1).contiguous()
 
 
 def placement_kinds(value, name: str) -> tuple[tuple[str, int | None, int], ...]:

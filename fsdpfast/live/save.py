@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from ..errors import BadInput
 from ..families import keep_fp32
 from ..io.local_target import JoinedTarget, LocalTarget
 from ..pipeline.finish import FolderFiles, Provenance, write_small_files
@@ -55,6 +56,7 @@ def save_pretrained(
     overwrite: bool = False,
     ways: WriteWays | None = None,
     background: bool = False,
+    expert_layout: str = "hub",
 ) -> SaveReport | BackgroundSave:
     """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh,
     or FSDP2 + tensor parallel), FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False;
@@ -73,20 +75,26 @@ def save_pretrained(
         once; the files are written by a thread while training goes on, and `handle.wait()`, called on
         every rank as this was, publishes and returns the SaveReport (live.background). A background
         save waits for the one before it to finish.
+    expert_layout: "hub" (the default) writes what transformers' save_pretrained writes of the model's family:
+        MoE experts one tensor per expert (or transposed, Qwen3-VL-MoE), a VLM's Hub prefixes
+        (families.live_layout); "packed" keeps transformers' packed expert tensors as the model holds them.
     """
     wait_for_previous()  # one save at a time: the one before publishes first, on every rank alike
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
     wanted = parse_dtype(dtype)
+    if expert_layout not in ("hub", "packed"):
+        raise BadInput(f"save_pretrained: expert_layout={expert_layout!r} is not 'hub' or 'packed'")
     processes = MergeGroup(_default_group(group))
     config = config if config is not None else getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
+    config_dict = _with_architecture(config_dict, model)
     planned = []
     # what decides the folder's layout on every rank (rank 0's overwrite alone is used: it must agree too)
-    asked = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    asked = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, expert_layout=expert_layout)
 
     def plan_here():
-        planned.extend(_plan(model, dtype, config_dict))
+        planned.extend(_plan(model, dtype, config_dict, expert_layout))
         return holding(*planned), compared_options(asked)
 
     holdings = processes.gather(plan_here)  # a rank that cannot plan stops all; rank 0 gets every rank's holding
@@ -126,13 +134,25 @@ def save_pretrained(
             target.discard()
 
 
-def _plan(model, dtype, config: dict | None):
+def _with_architecture(config: dict | None, model) -> dict | None:
+    """The config with `architectures` named, as transformers' save_pretrained names it (the model's class):
+    the Hub layout of a vision-language model depends on its class (families.hub_prefixes), and a config
+    made by from_config names none until a save_pretrained sets it (then on that rank alone)."""
+    if config is None or config.get("architectures"):
+        return config
+    for cls in type(getattr(model, "module", model)).__mro__:  # FSDP2 subclasses the model's class as FSDP<name>
+        if cls.__module__.startswith("transformers."):
+            return {**config, "architectures": [cls.__name__]}
+    return config
+
+
+def _plan(model, dtype, config: dict | None, expert_layout: str = "hub"):
     keep = _kept_in_fp32(model, parse_dtype(dtype))
     if is_fsdp1(model):  # FSDP1's state dicts gather; its flat shards are read in place (live.fsdp1)
         state, world = live_state(model)
-        plan, tensors = plan_live(state, dtype, config, keep)
+        plan, tensors = plan_live(state, dtype, config, keep, expert_layout)
         return replace(plan, world_size=world), tensors
-    return plan_live(model.state_dict(), dtype, config, keep)
+    return plan_live(model.state_dict(), dtype, config, keep, expert_layout)
 
 
 def _kept_in_fp32(model, dtype: str | None):

@@ -33,7 +33,7 @@ from ..execute.kernel_rows import native_pair
 from ..execute.parts import Piece
 from ..io.target import TargetFile
 from ..plan.layout import OutputFile
-from .plan import LiveTensor, LocalPiece, dtype_name, local_piece
+from .plan import LiveTensor, LocalPiece, dtype_name, hub_piece, local_piece
 
 IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
@@ -112,7 +112,7 @@ def write_runs(
 
 def _live_pieces(tensors: list[LiveTensor], rank: int, ways: WriteWays):
     for tensor in tensors:
-        yield tensor, local_piece(tensor.value, rank, tensor.key, ways.redistribute)
+        yield tensor, hub_piece(tensor, local_piece(tensor.value, rank, tensor.key, ways.redistribute))
 
 
 def snapshot(

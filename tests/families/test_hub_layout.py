@@ -79,6 +79,13 @@ def test_merged_as_save_pretrained_writes_it(families, tmp_path, world, spec, la
         assert not any(k for k in ("mismatched_keys", "error_msgs") if info.get(k)), info
 
 
+@pytest.mark.parametrize("world,spec", FAMILIES, ids=[spec.name for _, spec in FAMILIES])
+def test_live_save_pretrained_writes_the_hub_layout(families, world, spec):
+    # fsdpfast.save_pretrained of the FSDP2-sharded model (family_writer): the files save_pretrained of the
+    # unsharded model writes, bit for bit
+    assert_same_files(read_merged(spec.live_folder(str(families))), read_merged(spec.anchor_folder(str(families))))
+
+
 def test_packed_keeps_the_names_transformers_holds(families, tmp_path):
     spec = SPECS[2][0]
     out = tmp_path / "packed"
@@ -214,6 +221,14 @@ def test_transposed_hub_experts(transposed_families, tmp_path, world, spec, layo
         ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             assert torch.equal(model(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize(
+    "world,spec", [(w, s) for w, specs in TRANSPOSED.items() for s in specs], ids=lambda x: getattr(x, "name", str(x))
+)
+def test_live_save_pretrained_writes_transposed_experts(transposed_families, world, spec):
+    root = str(transposed_families)
+    assert_same_files(read_merged(spec.live_folder(root)), hub_transposed(read_merged(spec.anchor_folder(root))))
 
 
 def test_transposed_experts_packed_on_request(transposed_families, tmp_path):
