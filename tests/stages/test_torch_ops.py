@@ -304,6 +304,44 @@ class TestLoraMergeBias(OpTests):
         return [merged]
 
 
+# --- transposed, transpose_copy: the last two dimensions swapped (every dtype and shape: tests/families/test_transpose_kernel.py) ---
+
+
+def transpose_samples(device: str) -> list[torch.Tensor]:
+    g = seeded(6)
+    return [
+        torch.randn(3, 33, 17, generator=g).to(device),
+        (torch.randn(65, 7, generator=g) * 100).to(torch.bfloat16).to(device),
+        torch.randint(-100, 100, (2, 5, 40), generator=g).to(device),
+    ]
+
+
+class TestTransposed(OpTests):
+    op = torch.ops.fsdpfast.transposed.default
+
+    def sample_inputs(self, device):
+        return [(x,) for x in transpose_samples(device)]
+
+    def reference(self, source):
+        return [source.transpose(-2, -1).contiguous()]
+
+
+class TestTransposeCopy(OpTests):
+    op = torch.ops.fsdpfast.transpose_copy.default
+
+    def sample_inputs(self, device):
+        out = lambda x, dtype: torch.empty((*x.shape[:-2], x.shape[-1], x.shape[-2]), dtype=dtype, device=device)  # noqa: E731
+        f32, bf16, int64 = transpose_samples(device)
+        return [(f32, out(f32, torch.bfloat16)), (bf16, out(bf16, torch.float32)), (int64, out(int64, torch.int64))]
+
+    def reference(self, source, destination):
+        return [source.cpu().transpose(-2, -1).contiguous().to(destination.dtype)]
+
+    def outcome(self, args):
+        self.op(*args)
+        return [args[1]]
+
+
 # --- the library as a whole ---
 
 # Each op's arguments it writes into, as its schema must declare them (Tensor(a!)).
@@ -313,6 +351,8 @@ WRITTEN = {
     "convert_scalar": set(),
     "lora_merge": set(),
     "lora_merge_bias": set(),
+    "transposed": set(),
+    "transpose_copy": {"destination"},
 }
 
 
