@@ -20,6 +20,7 @@ from typing import Any
 from .._parsing.safe_load import Record, TensorRef, is_count, safe_unpickle
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
+from .deepspeed_experts import EXPERT_FILE, autoep_layers, check_expert_files
 from .discover import complete_ranks
 from .saved_steps import scalar_value
 
@@ -100,6 +101,7 @@ class RankFiles:
     optim: list[tuple[str, dict]]  # per rank: (path, optimizer_state_dict)
     model: list[tuple[str, dict]]  # stage 1/2: one file; stage 3: one per rank
     optim_files: list[OptimizerFile]  # per rank, as `optim`
+    autoep: list[dict] | None = None  # DeepSpeed AutoEP's layers (readers.deepspeed_experts), None without
 
 
 def read_rank_files(tag_dir: str) -> RankFiles:
@@ -107,9 +109,13 @@ def read_rank_files(tag_dir: str) -> RankFiles:
     unsupported = [
         e for e in entries if e.endswith(".pt") and (e.startswith(("expp_rank_", "layer_")) or "expert" in e)
     ]
+    autoep = _autoep(tag_dir, entries) if unsupported else None
+    if autoep is not None:  # AutoEP: its per-expert files are expected (readers.deepspeed_experts)
+        unsupported = [e for e in unsupported if not EXPERT_FILE.fullmatch(e)]
     if unsupported:
         raise BadInput(
-            f"{os.path.join(tag_dir, unsupported[0])}: MoE / pipeline-parallel DeepSpeed checkpoints are not supported"
+            f"{os.path.join(tag_dir, unsupported[0])}: MoE / pipeline-parallel DeepSpeed checkpoints are not supported "
+            "(DeepSpeed's AutoEP ones, whose model states record ds_autoep_layers, are)"
         )
     optim, prefixes, mp_ranks = {}, set(), set()
     for entry in entries:
@@ -139,14 +145,14 @@ def read_rank_files(tag_dir: str) -> RankFiles:
         )
     first_file = _optimizer_file(optim[0])
     state0 = first_file[0]
-    stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0])
+    stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0], autoep is not None)
     ordered = complete_ranks(tag_dir, optim, world, lambda r: _optim_name(prefix, r))
     read = [first_file] + [_optimizer_file(path) for _, path in ordered[1:]]
     states = [(path, state) for (_, path), (state, _) in zip(ordered, read)]
     for path, state in states[1:]:
-        if _stage(state, path) != stage or _partition_count(state, path) != world:
+        if _stage(state, path) != stage or _partition_count(state, path, autoep is not None) != world:
             raise BadInput(
-                f"{path}: ZeRO stage {_stage(state, path)} over {_partition_count(state, path)} ranks, but "
+                f"{path}: ZeRO stage {_stage(state, path)} over {_partition_count(state, path, True)} ranks, but "
                 f"{optim[0]} says stage {stage} over {world}; the files come from different runs"
             )
     if stage == 3:
@@ -160,7 +166,20 @@ def read_rank_files(tag_dir: str) -> RankFiles:
                 f"{model_paths[0]} is missing: a ZeRO stage {stage} checkpoint keeps the model's shapes and buffers there"
             )
     model = [(path, _model_state(path)) for path in model_paths]
-    return RankFiles(world, stage, prefix == "bf16_", states, model, [facts for _, facts in read])
+    if autoep is not None and stage == 3:
+        raise BadInput(f"{tag_dir}: an AutoEP checkpoint of ZeRO stage 3; fsdpfast reads AutoEP under stages 1 and 2")
+    return RankFiles(world, stage, prefix == "bf16_", states, model, [facts for _, facts in read], autoep)
+
+
+def _autoep(tag_dir: str, entries: list[str]) -> list[dict] | None:
+    """The AutoEP layers mp_rank_00_model_states.pt records (its expert files checked), or None."""
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        return None
+    layers = autoep_layers(_model_state(path))
+    if layers is not None:
+        check_expert_files(tag_dir, entries, layers)
+    return layers
 
 
 def _optim_name(prefix: str, rank: int) -> str:
@@ -226,11 +245,15 @@ def _stage(state: dict, path: str) -> int:
     return int(stage)
 
 
-def _partition_count(state: dict, path: str) -> int:
+def _partition_count(state: dict, path: str, experts: bool = False) -> int:
+    """The ranks the parameter groups are partitioned over; `experts` (AutoEP): the dense groups' count, the
+    largest (each rank's own experts are a group of their own, over the expert-data-parallel ranks)."""
     count = state.get("partition_count")
     counts = list(count) if isinstance(count, (list, tuple)) else [count]
     if not counts or not all(is_count(c) and c >= 1 for c in counts):
         raise BadInput(f"{path}: partition_count {count!r} is not a rank count; the file is corrupt")
+    if experts:
+        return max(counts)
     if len(set(counts)) != 1:
         raise BadInput(
             f"{path}: parameter groups partitioned over different rank counts {sorted(set(counts))} (MoE); not supported"

@@ -21,6 +21,7 @@ from .._parsing.safe_load import TensorRef, as_dims, is_count
 from ..errors import BadInput, option
 from ..geometry.flat_runs import FlatRuns
 from ..plan.model import Extent, MergePlan, TensorPlan
+from .deepspeed_experts import AutoEpToTransformers, expert_tensors
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
 from .deepspeed_saves import check_one_save
 from .reader import Reader, ReaderOption
@@ -97,7 +98,12 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
     if exclude_frozen:  # missing from the output on purpose: the model-shape check allows them
         plan = plan.but(left_out=list(excluded))
     plan = plan.but(config_dir=_config_dir(tag_dir, folder))
-    plan = plan.but(options={"tag": tag})  # the tag read, so verify reads it again even after `latest` moves on
+    plan = plan.but(options={"tag": tag})
+    if files.autoep is not None:
+        plan = plan.but(conversions=(AutoEpToTransformers(),)).noted(
+            f"DeepSpeed AutoEP: {len(files.autoep)} MoE layers, {files.autoep[0].get('num_experts')} experts each "
+            f"over {files.autoep[0].get('ep_size')} expert-parallel ranks (their fp32 masters from the optimizer files)"
+        )  # the tag read, so verify reads it again even after `latest` moves on
     return plan
 
 
@@ -166,6 +172,11 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
     out = {}
     for g, group in enumerate(shapes):
         _check_partition_sizes(files, g, [rank[g][2] for rank in ranks])
+        if files.autoep is not None and _expert_group(files, g):  # each rank's own experts, whole
+            out.update(
+                expert_tensors(files.autoep, model_path, group, [rank[g] for rank in ranks], alignment[g], dtype)
+            )
+            continue
         flat = FlatRuns([rank[g] for rank in ranks])
         paddings = alignment[g]
         offset = 0
@@ -182,6 +193,12 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
                 f"its parameters of group {g} fill {offset} elements, the partitions hold {flat.numel}",
             )
     return out
+
+
+def _expert_group(files: RankFiles, group: int) -> bool:
+    """Whether optimizer group `group` holds AutoEP experts: partitioned over fewer ranks than the dense groups."""
+    counts = files.optim[0][1].get("partition_count")
+    return isinstance(counts, (list, tuple)) and len(counts) > group and counts[group] != files.world
 
 
 def _alignment_paddings(files: RankFiles, shapes: list[dict]) -> list[tuple[int, ...]]:
