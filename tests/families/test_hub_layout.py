@@ -253,3 +253,25 @@ def test_transposed_experts_whose_shape_disagrees_with_config_are_refused(transp
     config["text_config"]["moe_intermediate_size"] = 4  # the checkpoint packs 2I = 16 rows per expert
     path.write_text(json.dumps(config))
     api_refuses(src, tmp_path / "out", mentions=["gate_up_proj"])
+
+
+def test_square_transposed_experts_are_written_with_a_warning(tmp_path):
+    # moe_intermediate_size 16: 2I = H = 32, so gate_up_proj's matrices are square and transformers' loader,
+    # which transposes only when the shape differs from its own, cannot tell the Hub's orientation
+    spec = qwen3_vl_moe("square", 4)
+    spec = FamilySpec(
+        spec.name,
+        spec.model_type,
+        {**spec.config, "text_config": {**spec.config["text_config"], "moe_intermediate_size": 16}},
+        seed=spec.seed,
+        auto_class=spec.auto_class,
+    )
+    model = build_family_model(spec)
+    src = tmp_path / "ckpt"
+    model.config.save_pretrained(src / "huggingface")
+    torch.save(model.state_dict(), src / "model_world_size_1_rank_0.pt")
+    report = fsdpfast.merge(src, tmp_path / "out")
+    assert any("square" in w and "expert_layout='packed'" in w for w in report.warnings), report.warnings
+    merged = read_merged(tmp_path / "out")
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(merged[name], model.state_dict()[name].transpose(1, 2))
