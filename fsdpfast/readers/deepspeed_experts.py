@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from ..errors import BadInput
@@ -63,7 +63,7 @@ def _placements(layers: list[dict], path: str) -> dict[str, _Placement]:
         first = {}
         for entry in placement.get("ranks") or ():
             experts = list(entry.get("experts") or ())
-            if experts != list(range(experts[0], experts[0] + len(experts))) if experts else True:
+            if not experts or experts != list(range(experts[0], experts[0] + len(experts))):
                 raise BadInput(
                     f"{path}: AutoEP places experts {experts} on rank {entry.get('rank')}, not a run of experts"
                 )
@@ -165,6 +165,4 @@ class AutoEpToTransformers(NamesOnly):
 
 
 def _renamed(tensor: TensorPlan, name: str) -> TensorPlan:
-    from dataclasses import replace
-
     return replace(tensor, name=name)
