@@ -25,18 +25,40 @@ def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> lis
     largest = min(BATCH_BYTES, getattr(sources, "batch_bytes", BATCH_BYTES))
     sliced = [_slices(p, largest) for p in pieces] if reads else None
     found = batches([s for group in sliced for s in group] if sliced is not None else pieces, largest)
-    if found and reads:
-        sources.read_ahead(source_ranges(found[0]))
+    ahead = _ReadAhead(sources, found, getattr(sources, "ahead_bytes", 0)) if reads else None
     crcs: list[int | None] = []
     for i, batch in enumerate(found):
-        if i + 1 < len(found) and reads:
-            sources.read_ahead(source_ranges(found[i + 1]))
+        if ahead is not None:
+            ahead.announce_past(i)
         crcs += sink.write(batch, sources)
         if progress is not None:
             progress(sum(p.nbytes for p in batch))
-        for source in sources_used(batch):
-            sources.release(source)
+        for source in ahead.announced.pop(i) if ahead is not None else sources_used(batch):
+            sources.release(source)  # a reading Source: exactly the buffers announced for this batch
     return crcs if sliced is None else _combined(sliced, crcs)
+
+
+class _ReadAhead:
+    """Announces batches to a reading Source in order, as many past the one being written as fit in
+    `ahead_bytes` of input (at least one): many reads stay in flight while the engine converts, and
+    the input held is bounded by that figure plus the batch being written."""
+
+    def __init__(self, sources: Source, found: list[list[PlacedTensor]], ahead_bytes: int):
+        self.sources, self.found, self.ahead_bytes = sources, found, ahead_bytes
+        self.announced: dict[int, list[int]] = {}  # batch -> the buffers announced for it, until released
+        self._bytes: dict[int, int] = {}  # batch -> the input bytes announced for it
+        self._next = 0
+
+    def announce_past(self, current: int) -> None:
+        """Batch `current` and the ones after it that fit are announced."""
+        while self._next < len(self.found) and (
+            self._next <= current + 1 or sum(self._bytes[b] for b in self.announced if b > current) < self.ahead_bytes
+        ):
+            ranges = source_ranges(self.found[self._next])
+            self.sources.read_ahead(ranges)
+            self.announced[self._next] = list(ranges)
+            self._bytes[self._next] = sum(end - start for wanted in ranges.values() for start, end in wanted)
+            self._next += 1
 
 
 def batches(pieces: list[PlacedTensor], largest: int | None = None) -> list[list[PlacedTensor]]:
