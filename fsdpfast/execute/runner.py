@@ -2,8 +2,9 @@
 
 Merge runs it with a file sink per output file (part, execute.writer), verify --against with
 the compare sink (execute.compare): both get the same batching and the same bounded memory.
-Each batch's source byte ranges are announced to the Source before the batch before it is
-written, so a Source that reads (io.pread_sources) reads them while the engine converts; for such
+A batch's source byte ranges are announced to a Source that reads (io.pread_sources) while
+earlier batches are written, as many batches ahead as its `ahead_bytes` allows, so many reads stay
+in flight while the engine converts; for such
 a Source a tensor larger than a batch is cut into slices (execute.parts), so what is read at once
 stays about a batch.
 """
