@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument(
         "--slowfs-option", action="append", default=[], help="passed to slowfs, e.g. -o max_read=1048576"
     )
+    parser.add_argument("--no-local", action="store_true", help="the slowfs rows alone (no local warm/cold rows)")
     parser.add_argument("--workdir", default=None, help="where the bare copy and the outputs go (default: a temp dir)")
     args = parser.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="fsdpfast-read-modes-")
@@ -195,7 +196,7 @@ def main() -> None:
     )
 
     rows = []  # (storage, reader, the merge's figures, floor seconds, floor threads)
-    for cold in (False, True):
+    for cold in () if args.no_local else (False, True):
         where = "local cold" if cold else "local warm"
         floor, threads = best_floor(paths, cold, args.repeats)
         for mode in ("mmap", "pread"):

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 from ..dtypes import itemsize
 from ..errors import BadInput
-from ..io.sources import Source, SourceFiles
+from ..io.sources import Source
 from ..plan.model import Copy, MergePlan
-from .tensor_bytes import first_difference, read_window
+from .tensor_bytes import first_difference, read_window, sources_for
 
 SAMPLE_BYTES = 64 << 10  # bytes compared at each of a large copy's three places during a merge
 
 
-def check_copies(plan: MergePlan, full: bool = False) -> MergePlan:
+def check_copies(plan: MergePlan, full: bool = False, read_mode: str = "auto") -> MergePlan:
     """Refuse the plan if any copy differs from the one the merge reads; `full`: every byte.
-    The plan, with a note when large copies were compared by samples."""
+    Read as the merge reads (io.read_modes). The plan, with a note when large copies were compared by samples."""
     if not plan.copies:
         return plan
     sampled = 0
-    with SourceFiles(plan.sources) as sources:
+    with sources_for(plan.sources, read_mode) as sources:
         for copy in plan.copies:
             where = first_difference(copy.kept, copy.other, sources) if full else _sampled_difference(copy, sources)
             if where is not None:

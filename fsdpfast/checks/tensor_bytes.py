@@ -5,7 +5,9 @@ must hold the same bytes before one is dropped (checks.ties), and copies that ev
 (buffers, HSDP replicas, whole-model saves) must agree before one is read (checks.copies). These
 reads go through the plan's own extents, in the source dtype, a window of elements at a time, so
 memory stays bounded whatever the tensor's size. Pure Python over the Source's byte views: no
-torch, no native module.
+torch, no native module. They read through the Source the merge would use (`sources_for`: mapped
+files or large preads, io.read_modes), announcing each extent's ranges before viewing it, so on a
+slow mount a check reads what it compares, with the merge's requests, and no whole rank file.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..dtypes import itemsize
-from ..io.sources import Source
-from ..plan.model import Extent, TensorPlan
+from ..io.read_modes import chosen_read_mode
+from ..io.sources import Source, open_sources
+from ..plan.model import Extent, SourceBuffer, TensorPlan
 
 WINDOW_BYTES = 16 << 20  # bytes of one tensor held at once
 
@@ -36,18 +39,27 @@ def runs_in_window(extent: Extent, lo: int, hi: int) -> Iterator[tuple[int, int,
             yield extent.src_offset + run * src_stride + (start - dst), start, end - start
 
 
+def sources_for(buffers: list[SourceBuffer], read_mode: str = "auto") -> Source:
+    """The Source a merge of these buffers reads with under `read_mode` (auto: by their filesystem)."""
+    return open_sources(buffers, chosen_read_mode(read_mode, buffers)[0])
+
+
 def read_window(tensor: TensorPlan, lo: int, hi: int, sources: Source) -> bytearray:
     """Elements [lo, hi) of the tensor (row-major), in its source dtype."""
     size = itemsize(tensor.source_dtype)
     out = bytearray((hi - lo) * size)
     for extent in tensor.extents:
-        view = None
-        for src, dst, count in runs_in_window(extent, lo, hi):
-            if view is None:
-                view = sources.view(extent.source)
-            out[(dst - lo) * size : (dst - lo + count) * size] = view[src * size : (src + count) * size]
-        if view is not None:
+        runs = list(runs_in_window(extent, lo, hi))
+        if not runs:
+            continue
+        sources.read_ahead({extent.source: [(src * size, (src + count) * size) for src, _, count in runs]})
+        view = sources.view(extent.source)
+        try:
+            for src, dst, count in runs:
+                out[(dst - lo) * size : (dst - lo + count) * size] = view[src * size : (src + count) * size]
+        finally:
             view.release()
+            sources.release(extent.source)  # the ranges announced above: their memory goes back
     return out
 
 

@@ -7,14 +7,14 @@ plan.normalise decides from metadata which names are tied and writes each once; 
 from __future__ import annotations
 
 from ..errors import ModelMismatch, option
-from ..io.sources import SourceFiles
 from ..plan.model import MergePlan, TensorPlan
-from .tensor_bytes import first_difference
+from .tensor_bytes import first_difference, sources_for
 
 
-def check_tied_bytes(plan: MergePlan, kept: TensorPlan, other: TensorPlan) -> None:
-    """Refuse the tie if the checkpoint holds different bytes under `kept` and `other` (one shape and dtype)."""
-    with SourceFiles(plan.sources) as sources:
+def check_tied_bytes(plan: MergePlan, kept: TensorPlan, other: TensorPlan, read_mode: str = "auto") -> None:
+    """Refuse the tie if the checkpoint holds different bytes under `kept` and `other` (one shape and dtype),
+    read as the merge reads (io.read_modes)."""
+    with sources_for(plan.sources, read_mode) as sources:
         where = first_difference(kept, other, sources)
     if where is not None:
         raise ModelMismatch(

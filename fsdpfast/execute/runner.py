@@ -2,8 +2,9 @@
 
 Merge runs it with a file sink per output file (part, execute.writer), verify --against with
 the compare sink (execute.compare): both get the same batching and the same bounded memory.
-Each batch's source byte ranges are announced to the Source before the batch before it is
-written, so a Source that reads (io.pread_sources) reads them while the engine converts; for such
+A batch's source byte ranges are announced to a Source that reads (io.pread_sources) while
+earlier batches are written, as many batches ahead as its `ahead_bytes` allows, so many reads stay
+in flight while the engine converts; for such
 a Source a tensor larger than a batch is cut into slices (execute.parts), so what is read at once
 stays about a batch.
 """
@@ -25,18 +26,40 @@ def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> lis
     largest = min(BATCH_BYTES, getattr(sources, "batch_bytes", BATCH_BYTES))
     sliced = [_slices(p, largest) for p in pieces] if reads else None
     found = batches([s for group in sliced for s in group] if sliced is not None else pieces, largest)
-    if found and reads:
-        sources.read_ahead(source_ranges(found[0]))
+    ahead = _ReadAhead(sources, found, getattr(sources, "ahead_bytes", 0)) if reads else None
     crcs: list[int | None] = []
     for i, batch in enumerate(found):
-        if i + 1 < len(found) and reads:
-            sources.read_ahead(source_ranges(found[i + 1]))
+        if ahead is not None:
+            ahead.announce_past(i)
         crcs += sink.write(batch, sources)
         if progress is not None:
             progress(sum(p.nbytes for p in batch))
-        for source in sources_used(batch):
-            sources.release(source)
+        for source in ahead.announced.pop(i) if ahead is not None else sources_used(batch):
+            sources.release(source)  # a reading Source: exactly the buffers announced for this batch
     return crcs if sliced is None else _combined(sliced, crcs)
+
+
+class _ReadAhead:
+    """Announces batches to a reading Source in order, as many past the one being written as fit in
+    `ahead_bytes` of input (at least one): many reads stay in flight while the engine converts, and
+    the input held is bounded by that figure plus the batch being written."""
+
+    def __init__(self, sources: Source, found: list[list[PlacedTensor]], ahead_bytes: int):
+        self.sources, self.found, self.ahead_bytes = sources, found, ahead_bytes
+        self.announced: dict[int, list[int]] = {}  # batch -> the buffers announced for it, until released
+        self._bytes: dict[int, int] = {}  # batch -> the input bytes announced for it
+        self._next = 0
+
+    def announce_past(self, current: int) -> None:
+        """Batch `current` and the ones after it that fit are announced."""
+        while self._next < len(self.found) and (
+            self._next <= current + 1 or sum(self._bytes[b] for b in self.announced if b > current) < self.ahead_bytes
+        ):
+            ranges = source_ranges(self.found[self._next])
+            self.sources.read_ahead(ranges)
+            self.announced[self._next] = list(ranges)
+            self._bytes[self._next] = sum(end - start for wanted in ranges.values() for start, end in wanted)
+            self._next += 1
 
 
 def batches(pieces: list[PlacedTensor], largest: int | None = None) -> list[list[PlacedTensor]]:

@@ -5,10 +5,14 @@ round trip and the kernel keeps few in flight, while reads of megabytes on a poo
 system call releases the GIL) keep many requests outstanding.
 
 Each source buffer is seen through an anonymous mapping of its size: address space only, no
-memory until bytes are read into it. The runner announces the byte ranges the next batch needs
-(`read_ahead`), so they are read while the engine converts the batch before; `view` waits for the
-buffer's reads. When a batch is done (`release`), its ranges' memory goes back (madvise) and the
-file's cached pages are dropped (posix_fadvise): memory stays about two batches, whatever the model.
+memory until bytes are read into it. The runner announces the byte ranges of the batches ahead
+(`read_ahead`), as many as fit in `ahead_bytes` of input, so they are read while the engine
+converts the batch before; `view` waits for the buffer's oldest announced ranges. When a batch is
+done (`release`), its ranges' memory goes back (madvise) and the file's cached pages are dropped
+(posix_fadvise): memory stays under ahead_bytes plus a batch (about 230 MB), whatever the model.
+One read ahead was not enough: a 16 MB batch is only a few requests, and on a mount that answers
+each after a round trip the link sat idle while a batch was converted (0.5x of the parallel-read
+floor at 2 ms a request; with 128 MB ahead in 1 MB reads, about 0.8x).
 A page a later announced range still needs is kept. Bytes outside the announced ranges read as
 zeros, so a buffer viewed without an announcement is read whole first.
 """
@@ -26,9 +30,10 @@ from ..errors import out_of_files
 from ..manifest import SourceChanged
 from ..plan.model import SourceBuffer
 
-BATCH_BYTES = 16 << 20  # output bytes per batch (execute.runner): two batches' sources are in memory at once
-READ_BYTES = 8 << 20  # one pread: large enough that a round trip per request costs little
-THREADS = 32  # reads in flight: a network filesystem's latency hidden behind many outstanding requests
+BATCH_BYTES = 16 << 20  # output bytes per batch (execute.runner)
+AHEAD_BYTES = 128 << 20  # input bytes announced past the batch being converted: the reads kept in flight
+READ_BYTES = 1 << 20  # one pread: a round trip costs little at this size, and a batch is many requests in flight
+THREADS = 128  # reads in flight: a network filesystem's latency hidden behind many outstanding requests
 OPEN_FILES = 64  # descriptors kept open between reads (opening on a network filesystem is a round trip)
 _PAGE = mmap.PAGESIZE
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
@@ -39,7 +44,8 @@ class PreadSources:
 
     drops_pages_as_read = False  # the kernels must not madvise these buffers: they are memory, not a file's pages
     reads_announced_ranges = True  # the runner cuts tensors larger than a batch, so a read stays about a batch
-    batch_bytes = BATCH_BYTES  # output bytes per batch: reading the next overlaps converting this one
+    batch_bytes = BATCH_BYTES  # output bytes per batch: reading the next ones overlaps converting this one
+    ahead_bytes = AHEAD_BYTES  # the runner announces batches up to this many input bytes ahead
 
     def __init__(self, buffers: list[SourceBuffer], threads: int = THREADS, read_bytes: int = READ_BYTES):
         self.buffers = buffers

@@ -8,6 +8,7 @@ started first (plan.expected_builds); a merge may wait for it only before publis
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -51,6 +52,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise BadInput(f"{config}: --config folder has no config.json")
     models = ExpectedModels()
+    ties_read = functools.partial(check_tied_bytes, read_mode=options.read_mode)  # as the merge reads
     models.start(config if config is not None else _likely_config(src))  # built while the files are read
     build = deferred = None
     try:
@@ -58,7 +60,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
         for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
             plan = conversion.apply(plan.but(conversions=()), models)
         check_plan(plan)  # every element of every tensor exactly once, inside its file
-        plan = check_copies(plan, full=options.full_copy_check)
+        plan = check_copies(plan, full=options.full_copy_check, read_mode=options.read_mode)
         if config is not None:
             plan = plan.but(config_dir=config)
         transforms = plan_transforms(src, options)
@@ -71,7 +73,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
         if build is not None and not wait and not build.done():
             try:  # the ties without the model, checked against it before publishing
                 plan = prepare(
-                    before, options.dtype, before.config_dir, None, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep
+                    before, options.dtype, before.config_dir, None, check_tied_bytes=ties_read, kept_in_fp32=keep
                 )
                 deferred = DeferredCheck(build, before, transforms, options.allow_extra_tensors, options.dtype)
             except FsdpfastError:  # perhaps a tie the model does not make: as the model says
@@ -80,7 +82,7 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
             expected, why_not = build.result() if build is not None else (None, unchecked)
             expected = in_layout(expected, before, transforms)  # ties and the check by the names written
             plan = prepare(
-                before, options.dtype, before.config_dir, expected, check_tied_bytes=check_tied_bytes, kept_in_fp32=keep
+                before, options.dtype, before.config_dir, expected, check_tied_bytes=ties_read, kept_in_fp32=keep
             )
         if options.allow_extra_tensors:  # recorded with the layout options, so verify --against plans the same way
             plan = plan.but(options={**plan.options, "allow_extra_tensors": True})

@@ -50,7 +50,8 @@ def verify(
     manifest_of: another merge's manifest (its file or folder), e.g. an earlier merge of the same
         checkpoint: every tensor's dtype, shape and checksum must match it.
     smoke: load the folder with transformers and run one forward pass.
-    layout, options: for `against`, as in `plan_merge`; by default what the merge recorded.
+    layout, options: for `against`, as in `plan_merge`; by default what the merge recorded; and
+        read_mode ("auto", "mmap" or "pread", as a merge's): how the checkpoint is read.
 
     Mismatches are reported, not raised; BadInput (a ValueError) means the check itself could not
     run as asked.

@@ -15,8 +15,9 @@ from ..errors import BadInput, ModelMismatch
 from ..execute.compare import CompareSink
 from ..execute.engines import compute_device
 from ..execute.runner import run
+from ..io.read_modes import chosen_read_mode
 from ..io.safetensors_folder import MappedFiles, StoredTensor
-from ..io.sources import SourceFiles
+from ..io.sources import open_sources
 from ..manifest import CHECKSUM
 from ..options import layout_options_only, merge_options
 from ..pipeline.plan import folder_checks, plan_merge
@@ -35,7 +36,9 @@ def check_against(
 ) -> None:
     report.checks.append(f"recomputed from {checkpoint}")
     manifest = manifest or {}
-    plan = _replan(report, checkpoint, manifest, layout, options)
+    options = dict(options)
+    read_mode = options.pop("read_mode", None) or "auto"  # how the checkpoint is read, as a merge's --read-mode
+    plan = _replan(report, checkpoint, manifest, layout, options, read_mode)
     if plan is None:
         return
     compare_names(report, {t.name for t in plan.tensors}, set(stored), "in the checkpoint", "the checkpoint")
@@ -43,7 +46,7 @@ def check_against(
     recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
     sink = CompareSink(files, _fused_device(manifest, plan))
     pieces = [PlacedTensor(tensor, have.byte_offset, have.nbytes) for tensor, have in jobs]
-    with SourceFiles(plan.sources) as sources:
+    with open_sources(plan.sources, chosen_read_mode(read_mode, plan.sources)[0]) as sources:
         crcs = run(pieces, sources, sink)
     for (tensor, have), crc in zip(jobs, crcs):
         report.count_checked(have)
@@ -56,7 +59,9 @@ def check_against(
             report.mismatches.append(Mismatch(tensor.name, "matches the checkpoint but not the manifest's checksum"))
 
 
-def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str | None, options: dict):
+def _replan(
+    report: VerifyReport, checkpoint: str, manifest: dict, layout: str | None, options: dict, read_mode: str = "auto"
+):
     """The checkpoint's plan as the merge made it (its recorded layout and options, unless given); None: refused."""
     has_config = os.path.isfile(os.path.join(report.out_dir, "config.json"))
     layout = layout or manifest.get("layout")
@@ -72,7 +77,12 @@ def _replan(report: VerifyReport, checkpoint: str, manifest: dict, layout: str |
         plan = plan_merge(
             os.fspath(checkpoint),
             merge_options(
-                dtype="keep", layout=layout, config=config, full_copy_check=True, **layout_options_only(given)
+                dtype="keep",
+                layout=layout,
+                config=config,
+                full_copy_check=True,
+                read_mode=read_mode,  # the copies compared as the tensors are read
+                **layout_options_only(given),
             ),
         )
     except ModelMismatch as exc:  # the output's config.json and the checkpoint's tensors disagree

@@ -53,12 +53,14 @@ def manifest(out: Path) -> dict:
         ("w4-hsdp-tied", "bf16"),  # copies held twice
     ],
 )
-def test_pread_writes_the_bytes_mmap_writes(checkpoints, tmp_path, monkeypatch, name, dtype):
-    """Batches of 1 KB: every tensor cut into slices, a read ahead of every batch, the neighbouring
-    batches' ranges sharing pages of one buffer, which a release must keep."""
+@pytest.mark.parametrize("ahead", [0, 5000])
+def test_pread_writes_the_bytes_mmap_writes(checkpoints, tmp_path, monkeypatch, name, dtype, ahead):
+    """Batches of 1 KB: every tensor cut into slices, reads announced one batch ahead or several
+    (`ahead` bytes), the neighbouring batches' ranges sharing pages of one buffer, which a release must keep."""
     _, folder = checkpoints.get(name)
     fsdpfast.merge(folder, tmp_path / "mmap", dtype=dtype, max_shard_size="40KB", read_mode="mmap")
     monkeypatch.setattr(runner, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(PreadSources, "ahead_bytes", ahead)
     report = fsdpfast.merge(folder, tmp_path / "pread", dtype=dtype, max_shard_size="40KB", read_mode="pread")
     assert any(PREAD_NOTE in note and "--read-mode pread" in note for note in report.notes), report.notes
     assert merged_files(tmp_path / "pread") == merged_files(tmp_path / "mmap")
@@ -252,3 +254,39 @@ def test_reads_stay_within_the_pool_and_the_descriptor_limit(tmp_path):
             assert bytes(view) == bytes([i % 256]) * 100
             view.release()
         assert len(sources._files._open) <= pread_sources.OPEN_FILES
+
+
+def test_reads_are_announced_in_order_and_no_deeper_than_asked(checkpoints, tmp_path, monkeypatch):
+    """The runner announces batches past the one being written while they fit in ahead_bytes (at
+    least one), releases each batch's buffers once it is written, and the input announced but not
+    yet released stays under ahead_bytes plus a batch's."""
+    _, folder = checkpoints.get("w3-llama")
+    monkeypatch.setattr(runner, "BATCH_BYTES", 4096)
+    ahead = 20000
+    held: list[int] = []
+
+    class Recording(PreadSources):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.open_bytes: dict[int, list[int]] = {}  # buffer -> bytes of each announced batch, oldest first
+            self.announces = 0
+
+        def read_ahead(self, ranges):
+            self.announces += 1
+            for index, wanted in ranges.items():
+                self.open_bytes.setdefault(index, []).append(sum(e - s for s, e in wanted))
+            held.append(sum(b for per in self.open_bytes.values() for b in per))
+            super().read_ahead(ranges)
+
+        def release(self, index):
+            self.open_bytes[index].pop(0)
+            super().release(index)
+
+    monkeypatch.setattr(PreadSources, "ahead_bytes", ahead)
+    monkeypatch.setattr(pread_sources, "PreadSources", Recording)
+    fsdpfast.merge(folder, tmp_path / "pread", dtype="bf16", read_mode="pread")
+    fsdpfast.merge(folder, tmp_path / "mmap", dtype="bf16", read_mode="mmap")
+    assert merged_files(tmp_path / "pread") == merged_files(tmp_path / "mmap")
+    largest_batch = 4096 * 2  # fp32 read for each bf16 byte written: twice the output
+    assert len(held) > 10 and max(held) <= ahead + 2 * largest_batch, max(held)
+    assert max(held) > 2 * largest_batch  # deeper than one batch ahead

@@ -32,6 +32,7 @@ from record_outputs import (
 )
 
 from fsdpfast.execute import runner
+from fsdpfast.io.pread_sources import PreadSources
 
 # Minutes of checks that need no particular torch build (docs/development.md)
 pytestmark = pytest.mark.slow
@@ -120,7 +121,7 @@ def corpus(root) -> Corpus:
 @pytest.mark.parametrize("run", MERGES)
 def test_the_merges_read_with_pread_write_what_mapped_ones_write(corpus, tmp_path, monkeypatch, run):
     """Every layout's merges of the recording again, the sources read with explicit preads
-    (io.pread_sources) in batches of 4 KB (tensors cut in slices, reads ahead, pages shared between
+    (io.pread_sources) in batches of 4 KB (tensors cut in slices, reads a few batches ahead, pages shared between
     batches) and mapped: the same files, byte for byte (the mapped ones are the recorded ones where
     this corpus is the recorded one: the test above)."""
     found = {r.name: r for r in runs(corpus)}.get(run)
@@ -133,6 +134,7 @@ def test_the_merges_read_with_pread_write_what_mapped_ones_write(corpus, tmp_pat
     for mode in ("mmap", "pread"):
         if mode == "pread":
             monkeypatch.setattr(runner, "BATCH_BYTES", 4096)
+            monkeypatch.setattr(PreadSources, "ahead_bytes", 16384)  # a few batches announced ahead
         report = Merge(found.do.src, {**found.do.options, "read_mode": mode})(tmp_path / mode / run)
         assert (mode == "pread") == any("sources read with large parallel reads" in n for n in report.notes)
         files[mode] = folder_record(tmp_path / mode / run, Normaliser(corpus.root, tmp_path / mode))
