@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--layout", default=None, metavar="NAME", help=f"--against: force the checkpoint layout: {layouts}"
     )
+    verify.add_argument(
+        "--read-mode",
+        default="auto",
+        help="--against: how the checkpoint is read, as in merge: auto (default), mmap or pread",
+    )
     _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
 
@@ -527,6 +532,7 @@ def _verify(args) -> int:
         smoke=args.smoke,
         layout=args.layout,
         manifest_of=args.manifest,
+        read_mode=args.read_mode,
         **_layout_options(args),
     )
     status = 0 if report.ok else EXIT_MISMATCH  # decided before printing: a closed stdout cannot change it

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from helpers import copy_checkpoint
-from refusals import cli_refuses, edit_state_dict, leftovers, the_error_line
+from refusals import cli_refuses, edit_state_dict, leftovers, run_cli_here, the_error_line
 
 import fsdpfast
 from fsdpfast.io import sources as source_module
@@ -87,6 +87,16 @@ def test_verify_against_reads_as_asked_and_finds_a_changed_byte(checkpoints, tmp
     shard.write_bytes(bytes(data))
     report = fsdpfast.verify(out, against=folder, read_mode=mode)
     assert not report.ok and any("bytes differ from the checkpoint's" in m.what for m in report.mismatches)
+
+
+def test_verify_on_the_command_line_reads_as_asked(checkpoints, tmp_path, opened):
+    _, folder = checkpoints.get("w2-llama")
+    out = tmp_path / "merged"
+    fsdpfast.merge(folder, out, read_mode="mmap")
+    opened.clear()
+    done = run_cli_here("verify", out, "--against", folder, "--read-mode", "pread")
+    assert done.returncode == 0, done.stderr
+    assert opened and set(opened) == {"pread"}, opened
 
 
 def test_preads_read_only_the_compared_windows(checkpoints, tmp_path, monkeypatch):
