@@ -144,12 +144,13 @@ def test_a_checkpoint_is_complete_only_with_every_file_the_merge_reads(watched_r
 # ---- Megatron: megatron-core is not installed in CI; its save is replayed -----------------------
 
 MEGATRON = Path(__file__).parents[1] / "data" / "megatron" / "tp2_pp1"
-# The order megatron-core 0.16.1's dist_checkpointing.save (torch_dist) and Megatron-LM's
-# save_checkpoint write an iteration, from their source: rank 0's common.pt; every rank's
-# __<rank>_<i>.distcp (torch DCP's FileSystemWriter, written in pieces here); DCP's .metadata by
-# the coordinator; rank 0's metadata.json (metadata_finalize_fn, then a barrier); then, once every
-# rank is done, rank 0 rewrites run/latest_checkpointed_iteration.txt in place (open "w": empty,
-# then the number).
+# The order of an iteration's writes, derived from the source (not recorded from a live save):
+# megatron-core's dist_checkpointing.save (serialization.py, read at NVIDIA/Megatron-LM 0057095):
+# rank 0's common.pt (save_common); the torch_dist strategy's save, every rank's
+# __<rank>_<i>.distcp (torch DCP's FileSystemWriter, written in pieces here) then DCP's .metadata
+# by the coordinator; rank 0's metadata.json (metadata_finalize_fn, then a barrier). Then
+# Megatron-LM's save_checkpoint, after a barrier, has rank 0 rewrite
+# run/latest_checkpointed_iteration.txt in place (open "w": empty for a moment, then the number).
 _MEGATRON_ORDER = [
     "common.pt",
     "__0_0.distcp",
