@@ -117,7 +117,7 @@ class _Watcher:
         self.current = name
         try:
             if self.settings.nproc > 1:
-                report = merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
+                report = self._merge_in_processes(checkpoint, out)
             else:
                 report = merge_with(checkpoint.path, out, self.settings.options)
         except InterruptedAfterPublishing:
@@ -144,6 +144,14 @@ class _Watcher:
             warnings=report.warnings,
         )
         return True
+
+    def _merge_in_processes(self, checkpoint: Checkpoint, out: str):
+        try:
+            return merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
+        except KeyboardInterrupt as exc:  # the processes were stopped: had they renamed their output into place?
+            if published(out, checkpoint.path, self.settings.options.dtype):
+                raise InterruptedAfterPublishing(str(exc)) from exc
+            raise
 
     def _failed(self, event: str, name: str, reason: str, status: int) -> None:
         self.current = None

@@ -50,3 +50,52 @@ def test_several_processes_publish_what_the_watchers_own_merge_does(verl_run, tm
 
     status, events = _watch_once(verl_run, tmp_path / "two", "--nproc-per-merge", "2")  # published already
     assert [e["checkpoint"] for e in events if e["event"] == "skipped"] == ["global_step_1", "global_step_2"]
+
+
+def test_a_watcher_stopped_during_a_merge_by_several_processes_publishes_nothing_partial(tmp_path):
+    """SIGTERM while torchrun's processes write: the watcher says `stopped`; no partial output (the
+    merge's staging folder at most, which the next merge into that folder removes); a restart publishes it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import assert_bit_exact, load_reference, read_merged
+
+    sizes = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, vocab_size=16000, num_attention_heads=8)
+    write_run(str(tmp_path), RunSpec("torchtitan", steps=1, sizes=sizes), 2)
+    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "fsdpfast",
+        "watch",
+        str(run),
+        "--out",
+        str(out),
+        "--json",
+        "--nproc-per-merge",
+        "2",
+    ]
+    watcher = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (out.exists() and any(e.startswith(".step-1.fsdpfast-") for e in os.listdir(out))):
+        assert watcher.poll() is None and time.monotonic() < deadline, watcher.stderr.read()
+        time.sleep(0.02)
+    watcher.send_signal(signal.SIGTERM)
+    _, err = watcher.communicate(timeout=600)
+    assert watcher.returncode == 0, err
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["event"] == "stopped", events
+    if "published" not in {e["event"] for e in events}:  # stopped while writing: nothing of it published
+        assert not (out / "step-1").exists(), events
+    status, events = _watch_once_keep(run, out)
+    assert status == 0 and [e["checkpoint"] for e in events if e["event"] in ("published", "skipped")] == ["step-1"]
+    reference, tied = load_reference(str(tmp_path / "refs" / "step-1.pt"))
+    assert_bit_exact(read_merged(str(out / "step-1")), reference, tied=tied)
+    assert not [e for e in os.listdir(out) if e.startswith(".")], os.listdir(out)
+
+
+def _watch_once_keep(run, out) -> tuple[int, list[dict]]:
+    result = run_cli_here("watch", run, "--out", out, "--once", "--json")
+    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()]
