@@ -85,6 +85,7 @@ _WATCH_EXAMPLES = """examples:
   fsdpfast watch checkpoints --out hf --dtype bf16          # every 30 s until stopped (SIGTERM)
   fsdpfast watch checkpoints --out hf --once                # what is complete now, then exit
   fsdpfast watch checkpoints --out hf --keep-last 3 --then ./eval.sh --json
+  fsdpfast watch checkpoints --out hf --nproc-per-merge 8  # each merge by 8 processes (torchrun)
 
 exit status (--once): 0 every complete checkpoint published, 2 one was refused, 1 one failed"""
 _DEMO_EXAMPLES = """examples:
