@@ -85,6 +85,7 @@ _WATCH_EXAMPLES = """examples:
   fsdpfast watch checkpoints --out hf --dtype bf16          # every 30 s until stopped (SIGTERM)
   fsdpfast watch checkpoints --out hf --once                # what is complete now, then exit
   fsdpfast watch checkpoints --out hf --keep-last 3 --then ./eval.sh --json
+  fsdpfast watch checkpoints --out hf --nproc-per-merge 8  # each merge by 8 processes (torchrun)
 
 exit status (--once): 0 every complete checkpoint published, 2 one was refused, 1 one failed"""
 _DEMO_EXAMPLES = """examples:
@@ -235,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     watch.add_argument("--then-shell", action="store_true", help="run --then's CMD with /bin/sh, the folder as $1")
     watch.add_argument("--json", action="store_true", help="one JSON line per event on stdout")
+    watch.add_argument(
+        "--nproc-per-merge",
+        type=int,
+        default=1,
+        metavar="N",
+        help="merge each checkpoint with N processes on this machine (torchrun, as `torchrun --nproc-per-node N "
+        "-m fsdpfast merge` does; default 1: in the watcher's process)",
+    )
 
     demo = verbs.add_parser(
         "demo",
@@ -561,6 +570,7 @@ def _watch(args) -> int:
     from .options import merge_options
     from .watch.events import Events
     from .watch.loop import WatchSettings, watch
+    from .watch.processes import merge_words
 
     if args.keep_last is not None and args.keep_last < 1:
         raise BadInput(f"--keep-last {args.keep_last}: give the number of outputs to keep, 1 or more")
@@ -571,7 +581,20 @@ def _watch(args) -> int:
     if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
         raise BadInput(f"--out {args.out} is the run folder itself; publish into another folder")
     options = merge_options(engine=args.engine, overwrite=args.overwrite, **_plan_options(args))  # parsed once
+    if args.nproc_per_merge < 1:
+        raise BadInput(f"--nproc-per-merge {args.nproc_per_merge}: give the number of processes, 1 or more")
+    merge_only = argparse.ArgumentParser(add_help=False)
+    _add_merge_options(merge_only)
     settings = WatchSettings(
-        args.run_dir, args.out, options, args.once, args.interval, args.keep_last, args.then, args.then_shell
+        args.run_dir,
+        args.out,
+        options,
+        args.once,
+        args.interval,
+        args.keep_last,
+        args.then,
+        args.then_shell,
+        args.nproc_per_merge,
+        tuple(merge_words(merge_only, args)),
     )
     return watch(settings, Events(args.json))

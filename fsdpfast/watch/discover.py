@@ -10,7 +10,9 @@ and a folder is listed only once that mark is there.
   (a tag without a number is complete only while `latest` names it).
 - a Hugging Face Trainer's `checkpoint-N/`: its trainer_state.json, which the Trainer writes after
   the model, optimizer and RNG states; accelerate's `checkpoint_N/` (save_state): the model's DCP
-  folder (`pytorch_model_fsdp_0/`, found by readers.framework_folders) has its `.metadata`.
+  folder (`pytorch_model_fsdp_0/`, found by readers.framework_folders) has its `.metadata`. A
+  Trainer's FSDP checkpoint-N meets that rule before its trainer_state.json: its model, all a
+  merge reads, is complete then.
 - torchtitan `step-N/` and any other DCP folder: its `.metadata`, which DCP's finish renames into
   place after every rank's data files are written.
 Anything else in the run folder is left alone.

@@ -3,7 +3,8 @@ OUT_ROOT/<its name> unless that already holds it (watch.published), then run --t
 --keep-last; poll again after `interval` seconds (sooner when inotify says the run folder
 changed: watch.wakeups), or stop (`once`).
 
-One merge at a time, in this process, with the options parsed once (options.MergeOptions). A
+One merge at a time, in this process, with the options parsed once (options.MergeOptions), or by
+several processes torchrun starts (`nproc`: watch.processes). A
 checkpoint that is refused or fails is said (watch.events) and tried again only once its files
 change (a signature of their names, sizes and modification times), so the watcher goes on.
 SIGTERM (and Ctrl-C) stop it between two bytecodes: a merge under way is discarded by the merge
@@ -22,6 +23,7 @@ from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, Inte
 from ..options import MergeOptions
 from .discover import Checkpoint, complete_checkpoints, publishing_order
 from .events import Events
+from .processes import merge_in_processes
 from .published import outputs_of_run, published, remove_output
 from .then import run_then
 from .wakeups import Wakeups
@@ -41,6 +43,8 @@ class WatchSettings:
     keep_last: int | None = None
     then: str | None = None
     then_shell: bool = False
+    nproc: int = 1  # processes per merge (torchrun-started `fsdpfast merge`s: watch.processes)
+    merge_words: tuple = ()  # the merge options as command-line words, for those processes
 
 
 def watch(settings: WatchSettings, events: Events) -> int:
@@ -112,7 +116,10 @@ class _Watcher:
         self.events("started", checkpoint=name, out=out)
         self.current = name
         try:
-            report = merge_with(checkpoint.path, out, self.settings.options)
+            if self.settings.nproc > 1:
+                report = self._merge_in_processes(checkpoint, out)
+            else:
+                report = merge_with(checkpoint.path, out, self.settings.options)
         except InterruptedAfterPublishing:
             self.current = None
             self.events("published", checkpoint=name, out=out, seconds=None, bytes=None, files=[], warnings=[])
@@ -137,6 +144,14 @@ class _Watcher:
             warnings=report.warnings,
         )
         return True
+
+    def _merge_in_processes(self, checkpoint: Checkpoint, out: str):
+        try:
+            return merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
+        except KeyboardInterrupt as exc:  # the processes were stopped: had they renamed their output into place?
+            if published(out, checkpoint.path, self.settings.options.dtype):
+                raise InterruptedAfterPublishing(str(exc)) from exc
+            raise
 
     def _failed(self, event: str, name: str, reason: str, status: int) -> None:
         self.current = None

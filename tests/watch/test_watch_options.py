@@ -12,6 +12,7 @@ from refusals import run_cli_here
         (("--keep-last", "0"), "--keep-last 0"),
         (("--interval", "0"), "--interval 0"),
         (("--dtype", "fp8"), "fp8"),
+        (("--nproc-per-merge", "0"), "--nproc-per-merge 0"),
     ],
 )
 def test_a_bad_option_is_refused_in_one_line(tmp_path, options, mentions):
@@ -34,3 +35,30 @@ def test_once_on_a_run_with_nothing_complete_publishes_nothing(tmp_path):
     result = run_cli_here("watch", tmp_path / "run", "--out", tmp_path / "out", "--once")
     assert result.returncode == 0 and "found" not in result.stdout, result.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_the_merge_options_reach_several_processes_as_the_words_that_gave_them():
+    """watch --nproc-per-merge passes its merge options on as words: parsed again, they are the same."""
+    import argparse
+
+    from fsdpfast.cli import _add_merge_options
+    from fsdpfast.watch.processes import merge_words
+
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_merge_options(parser)
+    given = [
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "2GB",
+        "--config",
+        "/c f",
+        "--overwrite",
+        "--expert-layout",
+        "packed",
+    ]
+    args = parser.parse_args(given)
+    words = merge_words(parser, args)
+    assert vars(parser.parse_args(words)) == vars(args)
+    assert merge_words(parser, parser.parse_args([])) == []  # defaults are not repeated
+    assert "/c f" in words  # one word, not split

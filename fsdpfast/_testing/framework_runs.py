@@ -1,0 +1,199 @@
+"""Training runs whose checkpoints the frameworks' own saving code writes, several steps in a row,
+for the tests of `fsdpfast watch` that run the watcher beside them.
+
+Real gloo ranks; one AdamW step before each save, so every step's weights differ:
+- "accelerate": `Accelerator.save_state(run/checkpoint_N)` on an FSDP2 model (framework_examples'
+  CPU Accelerator); the model's DCP folder `pytorch_model_fsdp_0/` beside the optimizer's and the
+  rng states.
+- "trainer": `run/checkpoint-N/` by the calls `Trainer._save_checkpoint` makes under FSDP (model,
+  optimizer, scheduler, rng states, trainer_state.json last), config.json in the output_dir.
+- "torchtitan": its `CheckpointManager` (interval 1) saves `run/step-N/` (the manager's folder is
+  the run folder) with the model, optimizer, scheduler and train state.
+- "deepspeed": `engine.save_checkpoint(run)` (ZeRO-3, bf16), tags `global_stepN`, `latest` after.
+Rank 0 saves each step's unsharded model to `refs/<checkpoint name>.pt` after the save returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+
+import torch
+
+from .fsdp2_writer import CheckpointSpec, _free_port, _layers, build_model, model_config, serve_rank
+
+FRAMEWORKS = ("accelerate", "trainer", "torchtitan", "deepspeed")
+# A little larger than the readers' examples, so that a save takes long enough to be looked at midway.
+SIZES = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, vocab_size=4096, num_attention_heads=8)
+
+
+def checkpoint_name(framework: str, step: int) -> str:
+    return {
+        "accelerate": f"checkpoint_{step}",
+        "trainer": f"checkpoint-{step}",
+        "torchtitan": f"step-{step}",
+        "deepspeed": f"global_step{step}",
+    }[framework]
+
+
+def run_folder(root: str, framework: str) -> str:
+    """The folder `fsdpfast watch` is given: where the framework puts its checkpoints."""
+    return os.path.join(root, "run", "checkpoint") if framework == "torchtitan" else os.path.join(root, "run")
+
+
+def write_framework_run(root: str, framework: str, steps: int, world_size: int = 2, seed: int = 60) -> None:
+    import torch.multiprocessing as mp
+
+    for sub in ("run", "refs"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    if framework == "deepspeed":
+        from .deepspeed_examples import spawn_deepspeed_ranks
+
+        spawn_deepspeed_ranks(_deepspeed_rank, world_size, root, steps, seed)
+        return
+    port = _free_port()
+    mp.spawn(_rank_main, args=(world_size, port, root, framework, steps, seed), nprocs=world_size, join=True)
+
+
+def _spec(seed: int) -> CheckpointSpec:
+    return CheckpointSpec("run", sizes=SIZES, seed=seed)
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, framework: str, steps: int, seed: int) -> None:
+    os.environ.update(  # what `accelerate launch` / torchrun put in each rank's environment
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    job = _torchtitan if framework == "torchtitan" else _accelerate
+    serve_rank(rank, world_size, port, "gloo", [partial(job, rank, root, framework, steps, seed)])
+
+
+def _write_config(root: str, seed: int) -> None:
+    config = model_config(_spec(seed))
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(os.path.join(root, "run"))
+
+
+def _save_reference(rank: int, root: str, name: str, model) -> None:
+    from torch.distributed.tensor import DTensor
+
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
+    if rank == 0:
+        torch.save({"state_dict": full, "tied": []}, os.path.join(root, "refs", f"{name}.pt"))
+
+
+def _ids(vocab: int, seed: int, step: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1000 * seed + step))
+
+
+def _accelerate(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+    from .framework_examples import _accelerator
+
+    if rank == 0:
+        _write_config(root, seed)
+    accelerator = _accelerator(2, "SHARDED_STATE_DICT")
+    plugin = accelerator.state.fsdp_plugin
+    model = build_model(_spec(seed))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for step in range(1, steps + 1):
+        ids = _ids(SIZES["vocab_size"], seed, step)
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        name = checkpoint_name(framework, step)
+        folder = os.path.join(root, "run", name)
+        if framework == "accelerate":
+            accelerator.save_state(folder)
+        else:  # what Trainer._save_checkpoint writes under FSDP, in its order
+            os.makedirs(folder, exist_ok=True)
+            save_fsdp_model(plugin, accelerator, model, folder)
+            save_fsdp_optimizer(plugin, accelerator, optimizer, model, folder)
+            if rank == 0:
+                torch.save(scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+            torch.save({"python": 0, "cpu": torch.get_rng_state()}, os.path.join(folder, f"rng_state_{rank}.pth"))
+            if rank == 0:
+                with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step, "max_steps": steps, "log_history": []}, f)
+        _save_reference(rank, root, name, model)
+
+
+def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from .framework_examples import TrainState
+
+    if rank == 0:
+        _write_config(root, seed)
+    model = build_model(_spec(seed))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=steps + 1)
+    state = TrainState(0)
+    manager = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="checkpoint", interval=1),
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+        base_folder=os.path.join(root, "run"),
+    )
+    try:
+        for step in range(1, steps + 1):
+            ids = _ids(SIZES["vocab_size"], seed, step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            state.step = step
+            manager.save(curr_step=step)
+            _save_reference(rank, root, checkpoint_name(framework, step), model)
+    finally:
+        manager.close()
+
+
+def _deepspeed_rank(rank: int, world_size: int, port: int, root: str, steps: int, seed: int) -> None:
+    import contextlib
+    import io
+
+    from .deepspeed_examples import DeepSpeedSpec, _ds_config, _gather_reference, join_deepspeed
+    from .fsdp2_writer import exit_rank
+
+    join_deepspeed(rank, world_size, port)
+    import deepspeed
+
+    if rank == 0:
+        _write_config(root, seed)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model = build_model(_spec(seed))
+        config = _ds_config(DeepSpeedSpec("run", stage=3, dtype="bfloat16"))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    for step in range(1, steps + 1):
+        ids = _ids(SIZES["vocab_size"], seed, step)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        engine.save_checkpoint(os.path.join(root, "run"))  # tag global_step{N}: N is the engine's step count
+        reference = _gather_reference(engine)
+        if rank == 0:
+            torch.save(reference, os.path.join(root, "refs", f"{checkpoint_name('deepspeed', step)}.pt"))
+    torch.distributed.destroy_process_group()
+    exit_rank()

@@ -1,0 +1,217 @@
+"""Each framework's own checkpoint manager saves several steps while `fsdpfast watch` runs in
+another process (polling every 20 ms, inotify too): accelerate's `save_state`, the Trainer's
+checkpoint-N calls, torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
+frameworks are in fsdpfast._testing.framework_runs). Every step is published once, in step order,
+bit for bit what `merge` writes from the finished checkpoint afterwards and the live model's
+weights; nothing refused or failed. Beside the watcher, this process asks watch.discover which
+checkpoints are complete as fast as it can while the job writes, and records the files the merge
+reads of each one it calls complete: they must be the files the finished checkpoint holds (a
+checkpoint called complete while a file was still to come or growing would differ)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from framework_checkpoints import HAVE_ACCELERATE, HAVE_TORCHTITAN
+from helpers import assert_bit_exact, load_reference, read_merged
+
+import fsdpfast
+from fsdpfast._testing.framework_runs import checkpoint_name, run_folder, write_framework_run
+from fsdpfast.readers.framework_folders import locate
+from fsdpfast.watch.discover import _holds_layout, complete_checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+STEPS = 3
+_PATIENCE_S = 600
+HAVE_DEEPSPEED = __import__("importlib.util").util.find_spec("deepspeed") is not None
+_NEEDS = {
+    "accelerate": HAVE_ACCELERATE,
+    "trainer": HAVE_ACCELERATE,
+    "torchtitan": HAVE_TORCHTITAN,
+    "deepspeed": HAVE_DEEPSPEED,
+}
+
+
+class Observer(threading.Thread):
+    """Lists the run folder's complete checkpoints in a loop; for each, the files under the folder
+    the merge reads (name -> size) every time it is called complete; and how often a checkpoint's
+    folder was there but not yet complete (the watcher's rule saw it midway)."""
+
+    def __init__(self, run_dir: str):
+        super().__init__(daemon=True)
+        self.run_dir, self.stop = run_dir, threading.Event()
+        self.seen: dict[str, set] = {}
+        self.incomplete: dict[str, int] = {}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            complete = {c.name: c.path for c in complete_checkpoints(self.run_dir)}
+            for name, path in complete.items():
+                try:
+                    self.seen.setdefault(name, set()).add(_files(locate(path, _holds_layout).path))
+                except OSError:  # a file removed while listed: a framework's temporary file
+                    self.seen[name].add(("vanished",))
+            for entry in os.listdir(self.run_dir) if os.path.isdir(self.run_dir) else []:
+                if entry not in complete and os.path.isdir(os.path.join(self.run_dir, entry)):
+                    self.incomplete[entry] = self.incomplete.get(entry, 0) + 1
+            time.sleep(0.002)
+
+
+def _files(folder: str) -> tuple:
+    found = []
+    for base, _, names in os.walk(folder):
+        found += [
+            (os.path.relpath(os.path.join(base, n), folder), os.path.getsize(os.path.join(base, n))) for n in names
+        ]
+    return tuple(sorted(found))
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, id=f) for f in _NEEDS])
+def watched_run(request, tmp_path_factory):
+    framework = request.param
+    if not _NEEDS[framework]:
+        pytest.skip(f"{framework} is not installed")
+    root = tmp_path_factory.mktemp(framework)
+    run_dir, out, log = run_folder(str(root), framework), root / "out", root / "events.jsonl"
+    os.makedirs(run_dir, exist_ok=True)
+    command = [sys.executable, "-m", "fsdpfast", "watch", run_dir, "--out", str(out), "--json", "--interval", "0.02"]
+    command += ["--config", str(root / "run")]  # config.json in the run's output_dir, as a user keeps it
+    watcher = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.PIPE, text=True)
+    observer = Observer(run_dir)
+    observer.start()
+    try:
+        write_framework_run(str(root), framework, STEPS)
+        deadline = time.monotonic() + _PATIENCE_S
+        while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
+            assert watcher.poll() is None, watcher.communicate()[1]
+            assert time.monotonic() < deadline, _events(log)
+            time.sleep(0.05)
+    finally:
+        observer.stop.set()
+        observer.join()
+        watcher.send_signal(signal.SIGTERM)
+        _, err = watcher.communicate(timeout=_PATIENCE_S)
+    assert watcher.returncode == 0, err
+    names = [checkpoint_name(framework, step) for step in range(1, STEPS + 1)]
+    return framework, root, run_dir, names, _events(log), observer
+
+
+def test_every_step_is_published_once_in_order_and_nothing_refused(watched_run):
+    framework, _, _, names, events, _ = watched_run
+    assert [e["checkpoint"] for e in events if e["event"] == "published"] == names, events
+    assert not [e for e in events if e["event"] in ("refused", "failed")], events
+    # A Trainer's checkpoint-N is complete for the merge once its model's DCP folder has its
+    # .metadata (discover's accelerate rule), which may be seen before trainer_state.json.
+    expected = {"trainer", "accelerate"} if framework == "trainer" else {framework}
+    assert {e["framework"] for e in events if e["event"] == "found"} <= expected, events
+
+
+def test_each_published_folder_is_what_merge_writes_from_the_finished_checkpoint(watched_run, tmp_path):
+    _, root, run_dir, names, _, _ = watched_run
+    for name in names:
+        merged = tmp_path / name
+        fsdpfast.merge(os.path.join(run_dir, name), merged, config=str(root / "run"))
+        published = root / "out" / name
+        weights = sorted(p.name for p in merged.iterdir() if p.suffix == ".safetensors")
+        assert weights and weights == sorted(p.name for p in published.iterdir() if p.suffix == ".safetensors")
+        for file in weights:
+            assert (published / file).read_bytes() == (merged / file).read_bytes(), (name, file)
+        reference, tied = load_reference(str(root / "refs" / f"{name}.pt"))
+        assert_bit_exact(read_merged(str(published)), reference, tied=tied)
+
+
+def test_a_checkpoint_is_complete_only_with_every_file_the_merge_reads(watched_run):
+    _, _, run_dir, names, _, observer = watched_run
+    assert sorted(observer.seen) == sorted(names)
+    for name in names:
+        final = _files(locate(os.path.join(run_dir, name), _holds_layout).path)
+        assert observer.seen[name] == {final}, (name, observer.seen[name] - {final})
+    assert all(observer.incomplete.get(name, 0) > 0 for name in names), observer.incomplete  # looked at midway
+
+
+# ---- Megatron: megatron-core is not installed in CI; its save is replayed -----------------------
+
+MEGATRON = Path(__file__).parents[1] / "data" / "megatron" / "tp2_pp1"
+# The order of an iteration's writes, derived from the source (not recorded from a live save):
+# megatron-core's dist_checkpointing.save (serialization.py, read at NVIDIA/Megatron-LM 0057095):
+# rank 0's common.pt (save_common); the torch_dist strategy's save, every rank's
+# __<rank>_<i>.distcp (torch DCP's FileSystemWriter, written in pieces here) then DCP's .metadata
+# by the coordinator; rank 0's metadata.json (metadata_finalize_fn, then a barrier). Then
+# Megatron-LM's save_checkpoint, after a barrier, has rank 0 rewrite
+# run/latest_checkpointed_iteration.txt in place (open "w": empty for a moment, then the number).
+_MEGATRON_ORDER = [
+    "common.pt",
+    "__0_0.distcp",
+    "__1_0.distcp",
+    "__0_1.distcp",
+    "__1_1.distcp",
+    ".metadata",
+    "metadata.json",
+]
+
+
+def _replay_megatron_save(run: Path, iteration: int) -> None:
+    source = MEGATRON / "run" / "iter_0000007"
+    folder = run / f"iter_{iteration:07d}"
+    folder.mkdir()
+    assert sorted(_MEGATRON_ORDER) == sorted(os.listdir(source))
+    for name in _MEGATRON_ORDER:
+        data = (source / name).read_bytes()
+        with open(folder / name, "wb") as f:
+            for start in range(0, len(data), max(1, len(data) // 4)):
+                f.write(data[start : start + max(1, len(data) // 4)])
+                f.flush()
+                time.sleep(0.03)
+    tracker = run / "latest_checkpointed_iteration.txt"
+    with open(tracker, "w") as f:
+        f.flush()
+        time.sleep(0.05)  # the truncated tracker, empty, is looked at too
+        f.write(str(iteration))
+
+
+def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_each(tmp_path):
+    from safetensors.torch import load_file
+
+    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
+    run.mkdir()
+    command = [sys.executable, "-m", "fsdpfast", "watch", str(run), "--out", str(out), "--json", "--interval", "0.02"]
+    watcher = subprocess.Popen(
+        command + ["--config", str(MEGATRON / "hf")], stdout=open(log, "w"), stderr=subprocess.PIPE, text=True
+    )
+    observer = Observer(str(run))
+    observer.start()
+    names = [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
+    try:
+        for iteration in range(1, STEPS + 1):
+            _replay_megatron_save(run, iteration)
+        deadline = time.monotonic() + _PATIENCE_S
+        while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
+            assert watcher.poll() is None and time.monotonic() < deadline, _events(log)
+            time.sleep(0.05)
+    finally:
+        observer.stop.set()
+        observer.join()
+        watcher.send_signal(signal.SIGTERM)
+        _, err = watcher.communicate(timeout=_PATIENCE_S)
+    assert watcher.returncode == 0, err
+    events = _events(log)
+    assert [e["checkpoint"] for e in events if e["event"] == "published"] == names, events
+    assert {e["framework"] for e in events if e["event"] == "found"} == {"megatron"}
+    reference = load_file(str(MEGATRON / "reference.safetensors"))
+    for name in names:
+        assert_bit_exact(read_merged(str(out / name)), reference)
+        final = _files(str(run / name))
+        assert observer.seen[name] == {final}, (name, observer.seen[name] - {final})
+        assert observer.incomplete.get(name, 0) > 0, observer.incomplete
