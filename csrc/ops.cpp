@@ -9,6 +9,7 @@
 //                          the GPU (CUDA only: cuda/gather_convert.cu).
 //   convert_scalar         the element conversions one by one, so tests can check them anywhere.
 //   lora_merge, lora_merge_bias  a weight (bias) with a LoRA adapter fused in (lora_merge.cpp).
+//   fp8_block_quantize     block-scaled float8_e4m3fn and its scale_inv (fp8_block.cpp, cuda/fp8_block.cu).
 // An argument the op writes into is declared `Tensor(x!)`: torch.compile and opcheck rely on it.
 // (Writing into files is the torch-free module's job: bindings.cpp.)
 #include <Python.h>
@@ -116,6 +117,7 @@ TORCH_LIBRARY(fsdpfast, m) {
   m.def("convert_scalar(Tensor source, int source_code, int target_code) -> Tensor");
   m.def("lora_merge(Tensor weight, Tensor lora_A, Tensor lora_B, float scaling, bool fan_in_fan_out, bool embedding) -> Tensor");
   m.def("lora_merge_bias(Tensor bias, Tensor lora_bias, float scaling) -> Tensor");
+  m.def("fp8_block_quantize(Tensor weight, int block_rows, int block_cols) -> (Tensor, Tensor)");  // fp8_block.cpp
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {
