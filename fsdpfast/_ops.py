@@ -82,6 +82,11 @@ def _register_fakes(torch) -> None:
         width = lambda code: 4 if code == CODES["float32"] else 2  # as csrc/ops.cpp sizes them
         return source.new_empty(source.numel() // width(source_code) * width(target_code))
 
+    @torch.library.register_fake("fsdpfast::fp8_block_quantize")
+    def _(weight, block_rows: int, block_cols: int):
+        grid = [*weight.shape[:-2], -(-weight.shape[-2] // block_rows), -(-weight.shape[-1] // block_cols)]
+        return weight.new_empty(weight.shape, dtype=torch.float8_e4m3fn), weight.new_empty(grid, dtype=torch.float32)
+
 
 def _release(version: str) -> str:
     return version.split("+")[0]  # 2.14.1+cu130 -> 2.14.1: CPU and CUDA builds of one release share the ABI
@@ -159,6 +164,14 @@ def gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, de
     import torch
 
     torch.ops.fsdpfast.gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, device_in, device_out)
+
+
+def fp8_block_quantize(weight, block_rows: int = 128, block_cols: int = 128):
+    """(float8_e4m3fn weight, float32 scale_inv per block): csrc/fp8_block.h's rule."""
+    import torch
+
+    torch_ops()
+    return torch.ops.fsdpfast.fp8_block_quantize(weight, block_rows, block_cols)
 
 
 def convert_scalar(source, source_code: int, target_code: int):
