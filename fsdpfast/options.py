@@ -75,6 +75,7 @@ def merge_options(
     lora_r: int | None = None,
     base: str | None = None,
     fp8_skip=None,
+    fp8: list | None = None,
     **layout_options,
 ) -> MergeOptions:
     """The keyword arguments of the public functions, checked in the order a merge used to meet them."""
@@ -82,7 +83,8 @@ def merge_options(
     if expert_layout not in EXPERT_LAYOUTS:
         raise BadInput(f"{option('expert_layout', expert_layout)} is not one of {', '.join(EXPERT_LAYOUTS)}")
     check_read_mode(read_mode)
-    fp8 = str(dtype) in FP8_NAMES
+    skip = _patterns(fp8_skip) if fp8_skip else tuple(fp8 or ())  # `fp8`: as a manifest records them
+    fp8 = str(dtype) in FP8_NAMES or fp8 is not None
     if fp8_skip and not fp8:
         raise BadInput(f"--fp8-skip applies to --dtype fp8 only, not {option('dtype', dtype)}")
     wanted = "bfloat16" if fp8 else parse_dtype(dtype)  # what fp8 leaves unquantized is bf16, as released
@@ -119,7 +121,7 @@ def merge_options(
         full_copy_check=full_copy_check,
         expert_layout=expert_layout,
         lora=lora,
-        fp8_skip=_patterns(fp8_skip) if fp8 else None,
+        fp8_skip=skip if fp8 else None,
         given=given,
     )
 

@@ -24,6 +24,7 @@ class Fp8Weight:
 
     base: TensorPlan  # the weight as the plan writes it unquantized
     part: str
+    keeps_dtype = True  # its target dtype is the format's, not the merge's --dtype (verify.against)
     shared: dict = field(default_factory=dict)  # the other part's result, until it is written
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -45,12 +46,24 @@ class Fp8Weight:
         torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
 
 
+def written_config(plan: MergePlan) -> dict | None:
+    """config.json's quantization_config for a --dtype fp8 plan (every unquantized 2-D weight named), else None."""
+    if "fp8" not in plan.options:
+        return None
+    left_out = [
+        t.name.removesuffix(".weight")
+        for t in plan.tensors
+        if len(t.shape) == 2 and t.name.endswith(".weight") and t.target_dtype != "float8_e4m3fn"
+    ]
+    return quantization_config(left_out)
+
+
 def quantize_plan(plan: MergePlan, skip: tuple[str, ...]) -> MergePlan:
     """The plan with its linear weights quantized and config.json's quantization_config recorded."""
     if not _ops.torch_ops():
         raise BadInput(f"--dtype fp8 needs fsdpfast's torch ops, which did not load: {_ops.torch_ops_error()}")
     tensors: list[TensorPlan] = []
-    left_out: list[str] = []
+    left_out = 0
     count = 0
     for t in plan.tensors:
         if t.compute is None and quantized(t.name, t.shape, t.source_dtype, skip):
@@ -69,13 +82,12 @@ def quantize_plan(plan: MergePlan, skip: tuple[str, ...]) -> MergePlan:
             )
             count += 1
             continue
-        if len(t.shape) == 2 and t.name.endswith(".weight"):
-            left_out.append(t.name.removesuffix(".weight"))
+        left_out += len(t.shape) == 2 and t.name.endswith(".weight")
         tensors.append(t)
     if count == 0:
         raise BadInput("--dtype fp8: no linear weight to quantize (every 2-D weight is left out or skipped)")
-    config = quantization_config(left_out)
-    return plan.but(tensors=tuple(tensors), options={**plan.options, "quantization_config": config}).noted(
+    # recorded with the layout options, so verify --against plans the same way
+    return plan.but(tensors=tuple(tensors), options={**plan.options, "fp8": list(skip)}).noted(
         f"--dtype fp8: {count} linear weights in float8_e4m3fn with float32 scale_inv per 128x128 block; "
-        f"{len(left_out)} 2-D weights left unquantized (modules_to_not_convert)"
+        f"{left_out} 2-D weights left unquantized (modules_to_not_convert)"
     )
