@@ -46,6 +46,16 @@ class Fp8Weight:
         torch.frombuffer(destination, dtype=torch.uint8).copy_(result.reshape(-1).view(torch.uint8))
 
 
+def unquantized(plan: MergePlan) -> MergePlan:
+    """The plan as it was before quantize_plan (the model check's view): the weights, no scales."""
+    tensors = [
+        t.compute.base if isinstance(t.compute, Fp8Weight) else t
+        for t in plan.tensors
+        if not (isinstance(t.compute, Fp8Weight) and t.compute.part == "scale")
+    ]
+    return plan.but(tensors=tuple(tensors))
+
+
 def written_config(plan: MergePlan) -> dict | None:
     """config.json's quantization_config for a --dtype fp8 plan (every unquantized 2-D weight named), else None."""
     if "fp8" not in plan.options:

@@ -123,3 +123,24 @@ def test_fp8_skip_leaves_named_weights_in_bf16(checkpoints, tmp_path):
     assert any(merged[n].dtype == torch.float8_e4m3fn for n in merged if ".self_attn." in n)
     modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "model.layers.0.mlp.down_proj" in modules
+
+
+def test_command_line_fp8_block_with_skip(checkpoints, tmp_path):
+    """The CLI (its model check runs beside the reading, then checks the unquantized names) and verify --against."""
+    import subprocess
+    import sys
+
+    _, folder = checkpoints.get("w2-llama")
+    out = tmp_path / "fp8"
+    merge = [sys.executable, "-m", "fsdpfast", "merge", str(folder), "--out", str(out), "--dtype", "fp8-block"]
+    done = subprocess.run([*merge, "--fp8-skip", "*.down_proj.*"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.down_proj" in config["modules_to_not_convert"]
+    verify = [sys.executable, "-m", "fsdpfast", "verify", str(out), "--against", str(folder)]
+    done = subprocess.run(verify, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    refused = subprocess.run(
+        [*merge[:-2], "--fp8-skip", "x", "--out", str(tmp_path / "no")], capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "--fp8-skip applies to --dtype fp8 only" in refused.stderr
