@@ -26,7 +26,14 @@ import sysconfig
 import tempfile
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdpfast")
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/kernels.cpp", "csrc/lora_merge.cpp", "csrc/transpose.cpp", "csrc/transpose_ops.cpp"]
+CPU_SOURCES = [
+    "csrc/ops.cpp",
+    "csrc/kernels.cpp",
+    "csrc/lora_merge.cpp",
+    "csrc/transpose.cpp",
+    "csrc/transpose_ops.cpp",
+    "csrc/fp8_block.cpp",
+]
 CXX_FLAGS = ["-O3", "-fopenmp"]
 PROBE_TIMEOUT_S = 120  # each probe step; a working nvcc takes a few seconds
 

@@ -10,6 +10,7 @@
 //   convert_scalar         the element conversions one by one, so tests can check them anywhere.
 //   lora_merge, lora_merge_bias  a weight (bias) with a LoRA adapter fused in (lora_merge.cpp).
 //   transpose_copy, transposed    a tensor with its last two dimensions swapped (transpose_ops.cpp).
+//   fp8_block_quantize     block-scaled float8_e4m3fn and its scale_inv (fp8_block.cpp, cuda/fp8_block.cu).
 // An argument the op writes into is declared `Tensor(x!)`: torch.compile and opcheck rely on it.
 // (Writing into files is the torch-free module's job: bindings.cpp.)
 #include <Python.h>
@@ -119,6 +120,7 @@ TORCH_LIBRARY(fsdpfast, m) {
   m.def("lora_merge_bias(Tensor bias, Tensor lora_bias, float scaling) -> Tensor");
   m.def("transpose_copy(Tensor source, Tensor(a!) destination) -> ()");
   m.def("transposed(Tensor source, ScalarType? dtype=None) -> Tensor");
+  m.def("fp8_block_quantize(Tensor weight, int block_rows, int block_cols) -> (Tensor, Tensor)");  // fp8_block.cpp
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {

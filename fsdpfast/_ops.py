@@ -87,6 +87,11 @@ def _register_fakes(torch) -> None:
         torch._check(source.dim() >= 2, lambda: "transposed: the source needs two dimensions at least")
         return source.new_empty((*source.shape[:-2], source.shape[-1], source.shape[-2]), dtype=dtype or source.dtype)
 
+    @torch.library.register_fake("fsdpfast::fp8_block_quantize")
+    def _(weight, block_rows: int, block_cols: int):
+        grid = [*weight.shape[:-2], -(-weight.shape[-2] // block_rows), -(-weight.shape[-1] // block_cols)]
+        return weight.new_empty(weight.shape, dtype=torch.float8_e4m3fn), weight.new_empty(grid, dtype=torch.float32)
+
 
 def _release(version: str) -> str:
     return version.split("+")[0]  # 2.14.1+cu130 -> 2.14.1: CPU and CUDA builds of one release share the ABI
@@ -164,6 +169,14 @@ def gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, de
     import torch
 
     torch.ops.fsdpfast.gather_convert_staged(sources, destinations, plan, pinned_in, pinned_out, device_in, device_out)
+
+
+def fp8_block_quantize(weight, block_rows: int = 128, block_cols: int = 128):
+    """(float8_e4m3fn weight, float32 scale_inv per block): csrc/fp8_block.h's rule."""
+    import torch
+
+    torch_ops()
+    return torch.ops.fsdpfast.fp8_block_quantize(weight, block_rows, block_cols)
 
 
 def convert_scalar(source, source_code: int, target_code: int):

@@ -109,7 +109,10 @@ def merge(
     """Merge the sharded checkpoint in folder `src` into a Hugging Face folder `dst`; a MergeReport.
 
     dtype: "keep" (default), "bf16", "fp16" or "fp32" (or "bfloat16", "float16", "float32"):
-        floating tensors are cast, rounding as torch's `.to()`; others are kept.
+        floating tensors are cast, rounding as torch's `.to()`; others are kept. "fp8" (or
+        "fp8-block"): the linear weights in block-scaled float8_e4m3fn with a float32 scale_inv per
+        128x128 block, the rest bf16, config.json's quantization_config (docs/usage.md, FP8 output);
+        `fp8_skip="PATTERN,..."` leaves the names it matches unquantized.
     max_shard_size: the largest output file ("5GB", "500MB", "2GiB" or bytes); more than one file
         adds model.safetensors.index.json.
     layout: force a layout instead of detecting it ("fsdp-ranks", "guide-ranks", "dcp", "dcp-hf",

@@ -52,7 +52,8 @@ class _VersionAction(argparse.Action):
 
 
 _DTYPES = (
-    "keep (default), bf16, fp16 or fp32 (or torch's names bfloat16, float16, float32); only floating tensors are cast"
+    "keep (default), bf16, fp16 or fp32 (or torch's names bfloat16, float16, float32); only floating tensors are cast; "
+    "fp8 (or fp8-block): linear weights in block-scaled float8_e4m3fn, the rest bf16 (docs/usage.md)"
 )
 _MERGE_EXAMPLES = """examples:
   fsdpfast merge checkpoints/global_step_100/actor --out merged
@@ -267,6 +268,12 @@ def _add_merge_options(verb) -> None:
     layouts = ", ".join(readers.READERS)
     verb.add_argument("--dtype", default="keep", metavar="DTYPE", help=_DTYPES)
     verb.add_argument(
+        "--fp8-skip",
+        default=None,
+        metavar="PATTERN",
+        help="with --dtype fp8: names (fnmatch, comma-separated) left unquantized",
+    )
+    verb.add_argument(
         "--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB, 2GiB or bytes (default 5GB)"
     )
     verb.add_argument(
@@ -444,6 +451,7 @@ def _plan_options(args) -> dict:
         config=args.config,
         allow_extra_tensors=args.allow_extra_tensors,
         expert_layout=args.expert_layout,
+        **({"fp8_skip": args.fp8_skip} if args.fp8_skip else {}),
         **_layout_options(args),
         **_lora_options(args),
     )

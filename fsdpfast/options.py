@@ -54,6 +54,7 @@ class MergeOptions:
     full_copy_check: bool = False  # every byte of the copies held twice (verify --against), not a sample
     expert_layout: str = "hub"  # EXPERT_LAYOUTS
     lora: LoraOptions = field(default_factory=LoraOptions)
+    fp8_skip: tuple[str, ...] | None = None  # --dtype fp8: the --fp8-skip patterns (fsdpfast.fp8); None: no fp8
     given: dict = field(default_factory=dict)  # what decides the output, as given: the same on every process
 
 
@@ -73,6 +74,8 @@ def merge_options(
     lora_alpha: float | None = None,
     lora_r: int | None = None,
     base: str | None = None,
+    fp8_skip=None,
+    fp8: list | None = None,
     **layout_options,
 ) -> MergeOptions:
     """The keyword arguments of the public functions, checked in the order a merge used to meet them."""
@@ -80,7 +83,11 @@ def merge_options(
     if expert_layout not in EXPERT_LAYOUTS:
         raise BadInput(f"{option('expert_layout', expert_layout)} is not one of {', '.join(EXPERT_LAYOUTS)}")
     check_read_mode(read_mode)
-    wanted = parse_dtype(dtype)
+    skip = _patterns(fp8_skip) if fp8_skip else tuple(fp8 or ())  # `fp8`: as a manifest records them
+    fp8 = str(dtype) in FP8_NAMES or fp8 is not None
+    if fp8_skip and not fp8:
+        raise BadInput(f"--fp8-skip applies to --dtype fp8 only, not {option('dtype', dtype)}")
+    wanted = "bfloat16" if fp8 else parse_dtype(dtype)  # what fp8 leaves unquantized is bf16, as released
     _check_layout(layout, layout_options)
     shard = parse_size(max_shard_size)
     lora = LoraOptions(merge_lora, lora_alpha, lora_r, os.fspath(base) if base else base)
@@ -98,6 +105,7 @@ def merge_options(
         lora_alpha=lora_alpha,
         lora_r=lora_r,
         base=base,
+        **({"fp8_skip": fp8_skip} if fp8_skip else {}),
         **layout_options,
     )
     return MergeOptions(
@@ -113,8 +121,19 @@ def merge_options(
         full_copy_check=full_copy_check,
         expert_layout=expert_layout,
         lora=lora,
+        fp8_skip=skip if fp8 else None,
         given=given,
     )
+
+
+# --dtype spellings of the block-scaled float8 output (fsdpfast.fp8)
+FP8_NAMES = ("fp8", "fp8-block")
+
+
+def _patterns(value) -> tuple[str, ...]:
+    """--fp8-skip PATTERN[,PATTERN...] (or a list): fnmatch patterns on the names written."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    return tuple(p.strip() for p in items if p.strip())
 
 
 # What only a merge takes: given to plan_merge or inspect, or recorded among a manifest's layout

@@ -33,17 +33,23 @@ _TRAINING_STATE = ("trainer_state.json",)
 _CHAT_TEMPLATES = "additional_chat_templates"
 
 
-def copy_config_files(config_dir: str, target: Target, torch_dtype: str | None) -> list[str]:
+def copy_config_files(
+    config_dir: str, target: Target, torch_dtype: str | None, quantization: dict | None = None
+) -> list[str]:
     """Copy config, generation config, tokenizer, processor, chat-template and custom-code files
     byte for byte; weights are never copied.
 
-    With a target dtype, config.json's dtype entry is updated to what was written.
+    With a target dtype, config.json's dtype entry is updated to what was written; `quantization`
+    (--dtype fp8) becomes its quantization_config.
     """
     copied = []
     for entry in _copied(config_dir):
         source = os.path.join(config_dir, entry)
-        if entry == "config.json" and torch_dtype:
-            target.write_json(entry, _config_with_dtype(source, torch_dtype))
+        if entry == "config.json" and (torch_dtype or quantization):
+            config = load_config(source)
+            target.write_json(
+                entry, with_quantization(with_dtype(config, torch_dtype) if torch_dtype else config, quantization)
+            )
         else:
             with open(source, "rb") as f:
                 target.write_bytes(entry, f.read())
@@ -83,9 +89,13 @@ def _sidecar_folder(path: str, name: str) -> bool:
     )
 
 
-def write_built_config(config: dict, target: Target, torch_dtype: str | None) -> list[str]:
+def write_built_config(
+    config: dict, target: Target, torch_dtype: str | None, quantization: dict | None = None
+) -> list[str]:
     """Write the config.json a reader built (MergePlan.built_config), its dtype the one written."""
-    target.write_json("config.json", with_dtype(config, torch_dtype) if torch_dtype else config)
+    target.write_json(
+        "config.json", with_quantization(with_dtype(config, torch_dtype) if torch_dtype else config, quantization)
+    )
     return ["config.json"]
 
 
@@ -95,5 +105,6 @@ def with_dtype(config: dict, torch_dtype: str) -> dict:
     return {**config, **dict.fromkeys(keys, torch_dtype)}
 
 
-def _config_with_dtype(source: str, torch_dtype: str) -> dict:
-    return with_dtype(load_config(source), torch_dtype)
+def with_quantization(config: dict, quantization: dict | None) -> dict:
+    """The config with `quantization` as its quantization_config (--dtype fp8), else as it is."""
+    return config if quantization is None else {**config, "quantization_config": quantization}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..execute.parts import tensor_checksums
+from ..fp8.plan import written_config
 from ..hf.config_files import copy_config_files, write_built_config
 from ..manifest import MANIFEST_NAME, build_manifest
 from ..plan.layout import OutputFile, index_json
@@ -65,7 +66,7 @@ def write_small_files(
     checksums = tensor_checksums(files + [extra.placed for extra in beside.extras], pieces)
     if len(files) > 1:
         target.write_json(INDEX_NAME, index_json(files))
-    copied = _write_config(target, beside)
+    copied = _write_config(target, beside, written_config(plan))
     if beside.generation_config is not None:
         target.write_json("generation_config.json", beside.generation_config)
     if beside.tokenizer is not None:
@@ -89,11 +90,11 @@ def written_names(files: list[OutputFile], extras: list[ExtraFolder]) -> list[st
     return [f.name for f in files] + ([INDEX_NAME] if len(files) > 1 else []) + [n for e in extras for n in e.written()]
 
 
-def _write_config(target, beside: FolderFiles) -> list[str]:
+def _write_config(target, beside: FolderFiles, quantization: dict | None = None) -> list[str]:
     if beside.config_dir:
-        return copy_config_files(beside.config_dir, target, beside.dtype)
+        return copy_config_files(beside.config_dir, target, beside.dtype, quantization)
     if beside.config is not None:
-        return write_built_config(beside.config, target, beside.dtype)
+        return write_built_config(beside.config, target, beside.dtype, quantization)
     return []
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import FsdpfastError, ModelMismatch, option
 from ..families import keep_fp32
 from ..families.transform import model_type
+from ..fp8.plan import unquantized
 from ..plan.expected_builds import ExpectedBuild
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel, check_against_model
@@ -102,7 +103,9 @@ class DeferredCheck:
                 f"{expected.architecture} ties other names than config.json's tie_word_embeddings says; "
                 "the merge is planned again with the model"
             )
-        return model_checked(plan, expected, why_not, None, self.allow_extra, self.dtype)
+        base = unquantized(plan)  # --dtype fp8: the model has the weights, not their float8 parts
+        checked = model_checked(base, expected, why_not, None, self.allow_extra, self.dtype)
+        return plan.noted(*checked.notes[len(base.notes) :], warnings=checked.warnings[len(base.warnings) :])
 
     def cancel(self) -> None:
         self.build.cancel()

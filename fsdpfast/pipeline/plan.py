@@ -18,6 +18,7 @@ from ..checks.ties import check_tied_bytes
 from ..errors import BadInput, FsdpfastError
 from ..families import keep_fp32
 from ..families.transform import model_type
+from ..fp8.plan import quantize_plan
 from ..options import MergeOptions
 from ..plan.checks import check_plan
 from ..plan.model import MergePlan
@@ -89,10 +90,16 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
         if options.expert_layout != "hub":
             plan = plan.but(options={**plan.options, "expert_layout": options.expert_layout})
         if deferred is not None:
-            return plan, deferred
-        return model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors, options.dtype), None
+            return _quantized(plan, options), deferred
+        checked = model_checked(plan, expected, why_not, unchecked, options.allow_extra_tensors, options.dtype)
+        return _quantized(checked, options), None
     finally:
         models.close(keep=deferred.build if deferred is not None else None)
+
+
+def _quantized(plan: MergePlan, options: MergeOptions) -> MergePlan:
+    """--dtype fp8: the linear weights quantized, after the checks against the model (which has none of the scales)."""
+    return plan if options.fp8_skip is None else quantize_plan(plan, options.fp8_skip)
 
 
 def kept_in_fp32(plan: MergePlan, dtype: str | None):

@@ -101,7 +101,8 @@ def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], man
             continue
         # The merge's --dtype: from the manifest, else read off the output (a cast one is floating).
         wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
-        tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
+        if not getattr(tensor.compute, "keeps_dtype", False):  # --dtype fp8's tensors are in the format's dtypes
+            tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
         if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):
             report.mismatches.append(
                 Mismatch(

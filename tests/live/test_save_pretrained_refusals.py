@@ -91,6 +91,15 @@ def test_two_keys_that_become_one_name_are_refused(tmp_path):
     assert nothing_published(tmp_path, "out")
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "fp8-block"])
+def test_fp8_is_refused_pointing_at_the_merge(tmp_path, dtype):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(BadInput) as refused:
+        fsdpfast.save_pretrained(model, tmp_path / "out", dtype=dtype)
+    assert "fsdpfast merge CKPT --out OUT --dtype fp8" in one_line_refusal(refused.value)
+    assert nothing_published(tmp_path, "out")
+
+
 def test_tied_names_whose_values_differ_are_refused(tmp_path):
     model = build_model(CheckpointSpec("untied", model="llama-tied", seed=57))
     assert model.config.tie_word_embeddings
