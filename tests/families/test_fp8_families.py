@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from fp8_anchor import anchor
 from helpers import read_merged
 
 import fsdpfast
@@ -33,22 +34,6 @@ SPECS = [
     FamilySpec("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, seed=3),
     FamilySpec("qwen2_5_vl", "qwen2_5_vl", QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
 ]
-
-
-class _Config:
-    weight_block_size = (128, 128)
-    scale_fmt = None
-
-
-class _Quantizer:
-    quantization_config = _Config()
-
-
-def anchor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape[-2:]
-    padded = torch.nn.functional.pad(weight, (0, -cols % 128, 0, -rows % 128))
-    out = finegrained.Fp8Quantize(_Quantizer())._quantize_one("m.weight", padded)
-    return out["m.weight"][..., :rows, :cols], out["m.weight_scale_inv"]
 
 
 @pytest.fixture(scope="module")

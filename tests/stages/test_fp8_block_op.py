@@ -12,6 +12,7 @@ import zlib
 
 import pytest
 import torch
+from fp8_anchor import anchor
 
 from fsdpfast import _ops
 
@@ -26,23 +27,6 @@ DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA_RUNS, reason="needs a GPU")]),
 ]
-
-
-class _Config:
-    weight_block_size = (128, 128)
-    scale_fmt = None
-
-
-class _Quantizer:
-    quantization_config = _Config()
-
-
-def anchor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' quantization of `weight` (zero-padded to whole blocks, then cropped)."""
-    rows, cols = weight.shape[-2:]
-    padded = torch.nn.functional.pad(weight, (0, -cols % 128, 0, -rows % 128))
-    out = finegrained.Fp8Quantize(_Quantizer())._quantize_one("m.weight", padded)
-    return out["m.weight"][..., :rows, :cols], out["m.weight_scale_inv"]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

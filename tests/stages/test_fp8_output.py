@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from corpus import specs_read_by
+from fp8_anchor import anchor
 from helpers import load_reference, read_merged, transformers_logits
 
 import fsdpfast
@@ -33,22 +34,6 @@ NAMES = sorted({specs_read_by(reader)[0] for reader in ("fsdp-ranks", "guide-ran
     "w2-tied-bf16",
     "w3-bert-dim1",
 ]
-
-
-class _Config:
-    weight_block_size = (128, 128)
-    scale_fmt = None
-
-
-class _Quantizer:
-    quantization_config = _Config()
-
-
-def anchor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape[-2:]
-    padded = torch.nn.functional.pad(weight, (0, -cols % 128, 0, -rows % 128))
-    out = finegrained.Fp8Quantize(_Quantizer())._quantize_one("m.weight", padded)
-    return out["m.weight"][..., :rows, :cols], out["m.weight_scale_inv"]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

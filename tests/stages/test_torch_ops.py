@@ -342,6 +342,27 @@ class TestTransposeCopy(OpTests):
         return [args[1]]
 
 
+# --- fp8_block_quantize: float8_e4m3fn per 128x128 block and its scale_inv (every input kind: test_fp8_block_op.py) ---
+
+
+class TestFp8BlockQuantize(OpTests):
+    op = torch.ops.fsdpfast.fp8_block_quantize.default
+
+    def sample_inputs(self, device):
+        g = seeded(7)
+        whole = torch.randn(128, 256, generator=g) * 10
+        partial = (torch.randn(2, 130, 257, generator=g) * 1000).to(torch.bfloat16)  # partial blocks, a lead axis
+        return [(x.to(device), 128, 128) for x in (whole, partial)]
+
+    def reference(self, weight, block_rows, block_cols):
+        from fp8_anchor import anchor
+
+        return list(anchor(weight.cpu()))
+
+    def outcome(self, args):
+        return [t.cpu() for t in self.op(*args)]
+
+
 # --- the library as a whole ---
 
 # Each op's arguments it writes into, as its schema must declare them (Tensor(a!)).
@@ -353,6 +374,7 @@ WRITTEN = {
     "lora_merge_bias": set(),
     "transposed": set(),
     "transpose_copy": {"destination"},
+    "fp8_block_quantize": set(),
 }
 
 

@@ -11,7 +11,7 @@ from refusals import run_cli_here
     [
         (("--keep-last", "0"), "--keep-last 0"),
         (("--interval", "0"), "--interval 0"),
-        (("--dtype", "fp8"), "fp8"),
+        (("--dtype", "fp4"), "fp4"),
         (("--nproc-per-merge", "0"), "--nproc-per-merge 0"),
     ],
 )
