@@ -27,6 +27,8 @@ from ..plan.layout import OutputFile, plan_files
 from ..plan.model import MergePlan
 from ..plan.transform import ExtraFolder
 from ..progress import Progress
+from ..remote.object_target import ObjectTarget
+from ..remote.urls import is_remote
 from ..rank_agreement import check_same_copy, check_same_options, compared_options, content_of
 from .finish import FolderFiles, Provenance, write_small_files, written_names
 from .model_check import DeferredCheck
@@ -111,8 +113,9 @@ def lay_out(src: str, dst: str, options: MergeOptions) -> tuple[MergePlan, list[
 
 def _lay_out(src: str, dst: str, options: MergeOptions, wait: bool):
     """lay_out, and the model check left running (None unless not `wait`)."""
-    check_output_place(dst, src, options.config_dir)
-    if options.lora.base:
+    if not is_remote(dst):  # a prefix in a store cannot hold a local source
+        check_output_place(dst, src, options.config_dir)
+    if options.lora.base and not is_remote(dst):
         check_output_place(dst, options.lora.base, None)
     plan, check = planned_merge(src, options, wait=wait)
     try:
@@ -148,7 +151,7 @@ def _job(src, dst, options: MergeOptions, several: bool, plan, files, extras, ch
     compared, content = {}, {}
     if several:  # for the other ranks to compare theirs with (a few small reads per file)
         compared, content = compared_options(options.given), content_of(src, (entry["path"] for entry in identity))
-    target = LocalTarget(dst, options.overwrite)
+    target = ObjectTarget(dst, options.overwrite) if is_remote(dst) else LocalTarget(dst, options.overwrite)
     read_mode = chosen_read_mode(options.read_mode, plan.sources)
     log.info("sources read with %s%s", read_mode[0], f" ({read_mode[1]})" if read_mode[1] else "")
     return MergeJob(
@@ -205,6 +208,8 @@ def large_writes_on_remote_output(engine, dst: str):
     """The engine, writing 4 MB chunks instead of 1 MB where OUT_DIR is on a network filesystem or a
     FUSE mount: fewer, larger requests. Its threads take the chunks in file order, so the writes
     advance through each file nearly sequentially (a window of one chunk per thread)."""
+    if is_remote(dst):
+        return engine
     if getattr(engine, "chunk_bytes", None) is not None and remote_filesystem(nearest_existing(dst)):
         engine.chunk_bytes = max(engine.chunk_bytes, REMOTE_WRITE_BYTES)
     return engine
