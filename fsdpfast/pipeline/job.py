@@ -27,9 +27,10 @@ from ..plan.layout import OutputFile, plan_files
 from ..plan.model import MergePlan
 from ..plan.transform import ExtraFolder
 from ..progress import Progress
-from ..remote.object_target import ObjectTarget
-from ..remote.urls import is_remote
 from ..rank_agreement import check_same_copy, check_same_options, compared_options, content_of
+from ..remote.object_target import ObjectTarget
+from ..remote.range_sources import RangeSources
+from ..remote.urls import is_remote
 from .finish import FolderFiles, Provenance, write_small_files, written_names
 from .model_check import DeferredCheck
 from .plan import plan_transforms, planned_merge
@@ -60,6 +61,7 @@ class MergeJob:
     content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
     read_mode: tuple[str, str | None] = ("mmap", None)  # io.read_modes.chosen_read_mode: the mode, and why
     check: DeferredCheck | None = None  # the model check still running (one process alone), done before publishing
+    remote: object = None  # remote.metadata_mirror.Mirrored: `src` stands in for a checkpoint in an object store
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
         state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token, check=None)
@@ -180,7 +182,7 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
     try:
-        with open_sources(job.plan.sources, job.read_mode[0]) as sources:
+        with _sources(job) as sources:
             written = execute(
                 job.plan,
                 share,
@@ -199,6 +201,15 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
         time.perf_counter() - start,
     )
     return written
+
+
+def _sources(job: MergeJob):
+    """The plan's Source: its files read as io.read_modes chose, or, for a checkpoint in an object store,
+    by ranged GETs of its objects (each pinned to the ETag its metadata was read from)."""
+    if job.remote is None:
+        return open_sources(job.plan.sources, job.read_mode[0])
+    buffers = rebased(job.plan.sources, job.remote.root, job.remote.url)
+    return RangeSources(buffers, etags=job.remote.etags)
 
 
 REMOTE_WRITE_BYTES = 4 << 20  # one pwrite of the native engine where the output is on a network filesystem
@@ -226,7 +237,7 @@ def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeRe
         dtype=job.dtype,
         extras=job.extras,
     )
-    source = Provenance(job.src, job.identity, job.engine.name)
+    source = Provenance(job.remote.url if job.remote else job.src, job.identity, job.engine.name)
     done = write_small_files(target, plan, files, pieces, beside, source, job.dtype)
     job.check_sources()
     target.publish()

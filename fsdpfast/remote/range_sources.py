@@ -21,9 +21,9 @@ from .stores import store_for
 class RangeSources(PreadSources):
     """The plan's source buffers whose paths are s3:// (gs://, az://) URLs."""
 
-    def __init__(self, buffers, **kwargs):
+    def __init__(self, buffers, etags: dict[str, str] | None = None, **kwargs):
         super().__init__(buffers, **kwargs)
-        self._etags: dict[str, str] = {}
+        self._etags: dict[str, str] = dict(etags or {})  # URL -> ETag the plan was read from
         self._lock = threading.Lock()
 
     def _read(self, index: int, memory: mmap.mmap, start: int, end: int) -> None:
