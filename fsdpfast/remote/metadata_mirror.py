@@ -41,10 +41,10 @@ def mirrored_metadata(url: str, windows_of=None):
     """The checkpoint prefix `url` as a Mirrored stand-in, removed on the way out. `windows_of(root)`:
     the byte windows (offset, length) by local path of data files holding one torch.save archive each
     (DCP's .distcp), read once the small files are in; their archives' metadata is fetched too."""
+    url = url.rstrip("/")
+    store, prefix = store_for(url)  # refused in one line without the client
     import obstore
 
-    url = url.rstrip("/")
-    store, prefix = store_for(url)
     listed = [m for batch in obstore.list(store, prefix=f"{prefix}/" if prefix else None) for m in batch]
     if not listed:
         raise BadInput(f"{url}: no objects under this prefix; check the URL (and the credentials' access to it)")

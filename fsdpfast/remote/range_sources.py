@@ -36,7 +36,7 @@ class RangeSources(PreadSources):
         try:
             got = obstore.get(store, key, options={"range": (first, last), "if_match": self.etag(buffer.path)})
             data = got.bytes()
-        except (PreconditionError, NotFoundError):
+        except (PreconditionError, NotFoundError, FileNotFoundError):  # obstore raises either for a 404
             raise SourceChanged(
                 f"{buffer.path}: the object was replaced or deleted during the merge; nothing was published; "
                 "merge again once the checkpoint is complete"
