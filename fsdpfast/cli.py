@@ -311,6 +311,14 @@ def _add_merge_options(verb) -> None:
     verb.add_argument(
         "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
     )
+    verb.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object store's setting for s3:// (gs://, az://) paths (obstore's keys: endpoint, region, ...); "
+        "credentials are read as the AWS tools read them (AWS_* variables, AWS_ENDPOINT_URL)",
+    )
 
 
 def _add_layout_options(verb, purpose: str = "") -> None:
@@ -388,6 +396,10 @@ def _main(argv: list[str] | None) -> int:
         except ValueError:  # main() called from a thread other than the main one: leave signals alone
             pass
         try:
+            if getattr(args, "storage_option", None):
+                from .remote.stores import set_storage_options
+
+                set_storage_options(args.storage_option)
             if args.verb == "merge":
                 return _merge(args)
             if args.verb == "inspect":

@@ -104,7 +104,7 @@ def build_manifest(
         "layout": plan.layout,
         "layout_options": plan.options,  # what verify --against needs to read the same plan again
         "world_size": plan.world_size,
-        "checkpoint": os.path.abspath(checkpoint),
+        "checkpoint": checkpoint if "://" in checkpoint else os.path.abspath(checkpoint),  # a store's URL as it is
         "sources": identity,
         "files": {f.name: {"size": f.size} for f in files},
         "tensors": {

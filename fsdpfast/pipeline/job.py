@@ -28,6 +28,9 @@ from ..plan.model import MergePlan
 from ..plan.transform import ExtraFolder
 from ..progress import Progress
 from ..rank_agreement import check_same_copy, check_same_options, compared_options, content_of
+from ..remote.object_target import ObjectTarget
+from ..remote.range_sources import RangeSources
+from ..remote.urls import is_remote
 from .finish import FolderFiles, Provenance, write_small_files, written_names
 from .model_check import DeferredCheck
 from .plan import plan_transforms, planned_merge
@@ -58,6 +61,7 @@ class MergeJob:
     content: dict = field(default_factory=dict)  # path -> fingerprint (rank_agreement.content_of)
     read_mode: tuple[str, str | None] = ("mmap", None)  # io.read_modes.chosen_read_mode: the mode, and why
     check: DeferredCheck | None = None  # the model check still running (one process alone), done before publishing
+    remote: object = None  # remote.metadata_mirror.Mirrored: `src` stands in for a checkpoint in an object store
 
     def __getstate__(self):  # what rank 0 sends: names, not its engine or its lock
         state = dict(self.__dict__, engine=self.engine.name, target=None, token=self.target.token, check=None)
@@ -111,8 +115,9 @@ def lay_out(src: str, dst: str, options: MergeOptions) -> tuple[MergePlan, list[
 
 def _lay_out(src: str, dst: str, options: MergeOptions, wait: bool):
     """lay_out, and the model check left running (None unless not `wait`)."""
-    check_output_place(dst, src, options.config_dir)
-    if options.lora.base:
+    if not is_remote(dst):  # a prefix in a store cannot hold a local source
+        check_output_place(dst, src, options.config_dir)
+    if options.lora.base and not is_remote(dst):
         check_output_place(dst, options.lora.base, None)
     plan, check = planned_merge(src, options, wait=wait)
     try:
@@ -148,7 +153,7 @@ def _job(src, dst, options: MergeOptions, several: bool, plan, files, extras, ch
     compared, content = {}, {}
     if several:  # for the other ranks to compare theirs with (a few small reads per file)
         compared, content = compared_options(options.given), content_of(src, (entry["path"] for entry in identity))
-    target = LocalTarget(dst, options.overwrite)
+    target = ObjectTarget(dst, options.overwrite) if is_remote(dst) else LocalTarget(dst, options.overwrite)
     read_mode = chosen_read_mode(options.read_mode, plan.sources)
     log.info("sources read with %s%s", read_mode[0], f" ({read_mode[1]})" if read_mode[1] else "")
     return MergeJob(
@@ -177,7 +182,7 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
     try:
-        with open_sources(job.plan.sources, job.read_mode[0]) as sources:
+        with _sources(job) as sources:
             written = execute(
                 job.plan,
                 share,
@@ -198,6 +203,15 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
     return written
 
 
+def _sources(job: MergeJob):
+    """The plan's Source: its files read as io.read_modes chose, or, for a checkpoint in an object store,
+    by ranged GETs of its objects (each pinned to the ETag its metadata was read from)."""
+    if job.remote is None:
+        return open_sources(job.plan.sources, job.read_mode[0])
+    buffers = rebased(job.plan.sources, job.remote.root, job.remote.url)
+    return RangeSources(buffers, etags=job.remote.etags)
+
+
 REMOTE_WRITE_BYTES = 4 << 20  # one pwrite of the native engine where the output is on a network filesystem
 
 
@@ -205,6 +219,8 @@ def large_writes_on_remote_output(engine, dst: str):
     """The engine, writing 4 MB chunks instead of 1 MB where OUT_DIR is on a network filesystem or a
     FUSE mount: fewer, larger requests. Its threads take the chunks in file order, so the writes
     advance through each file nearly sequentially (a window of one chunk per thread)."""
+    if is_remote(dst):
+        return engine
     if getattr(engine, "chunk_bytes", None) is not None and remote_filesystem(nearest_existing(dst)):
         engine.chunk_bytes = max(engine.chunk_bytes, REMOTE_WRITE_BYTES)
     return engine
@@ -221,7 +237,7 @@ def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeRe
         dtype=job.dtype,
         extras=job.extras,
     )
-    source = Provenance(job.src, job.identity, job.engine.name)
+    source = Provenance(job.remote.url if job.remote else job.src, job.identity, job.engine.name)
     done = write_small_files(target, plan, files, pieces, beside, source, job.dtype)
     job.check_sources()
     target.publish()

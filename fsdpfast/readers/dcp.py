@@ -135,6 +135,19 @@ def read(folder: str, prefix: str | None = None) -> MergePlan:
     return plan
 
 
+def archive_windows(folder: str) -> dict[str, list[tuple[int, int]]]:
+    """Each data file's byte windows (offset, length) that .metadata places a chunk in, by path: what
+    a planner must see of the data files besides their names (remote.metadata_mirror)."""
+    path = os.path.join(folder, ".metadata")
+    if not os.path.isfile(path):
+        return {}
+    windows: dict[str, list[tuple[int, int]]] = {}
+    for (fqn, _), info in _storage_index(_read_metadata(path), path).items():
+        file, offset, length = _file_range(folder, fqn, info)
+        windows.setdefault(file, []).append((offset, length))
+    return windows
+
+
 def _ranks(files: frozenset[str]) -> set[int]:
     """The ranks that wrote these files (`__{rank}_{i}.distcp`), or one per file if named otherwise."""
     found = {_RANK_FILE.fullmatch(os.path.basename(f)) for f in files}

@@ -1,0 +1,220 @@
+"""A Target (io.target) whose files are objects under an s3:// (gs://, az://) prefix.
+
+Each weights file is one multipart upload, its parts (PART_BYTES) uploaded UPLOADS at a time by the
+client while the merge goes on. The engines write byte ranges roughly in file order (header first,
+then the tensors); ranges written ahead of the next byte owed are held until the gap before them is
+filled, then streamed. Nothing is staged on local disk.
+
+A store has no rename, so the folder is made loadable last: the weights and the small files first,
+config.json after them and the manifest (which lists every object written) last. Until `publish`
+returns, `discard` aborts the pending uploads and deletes every object written. An existing prefix is
+refused without --overwrite; --overwrite is refused where the prefix holds an object the earlier
+manifest does not list (fsdpfast did not write it), and otherwise deletes the earlier output first:
+a failed --overwrite leaves the prefix empty, never a mix of two merges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from contextlib import contextmanager
+
+from ..errors import BadInput
+from ..manifest import MANIFEST_NAME, WRITTEN
+from .stores import store_for
+
+PART_BYTES = 16 << 20  # one part of a multipart upload (S3's minimum is 5 MB)
+UPLOADS = 8  # parts of one file in flight at once: memory held is about PART_BYTES * UPLOADS per file
+CONFIG = "config.json"
+
+
+class ObjectTarget:
+    published = False
+
+    def __init__(self, url: str, overwrite: bool):
+        self.url = url.rstrip("/")
+        self.store, self.prefix = store_for(self.url)
+        self.warnings: list[str] = []
+        self._written: dict[str, int] = {}  # object name (relative) -> size, every object this merge put
+        self._small: dict[str, bytes] = {}  # config, index, manifest: put at publish, in that order
+        self._open: list[ObjectFile] = []
+        self._lock = threading.Lock()
+        self._clear_earlier(overwrite)
+
+    @property
+    def token(self) -> str:
+        return self.url
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def open(self, name: str, size: int) -> ObjectFile:
+        file = ObjectFile(self, name, size)
+        with self._lock:
+            self._open.append(file)
+        return file
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self._small[name] = bytes(data)
+
+    def write_json(self, name: str, value: dict) -> None:
+        self.write_bytes(name, json.dumps(value, indent=2, sort_keys=True).encode() + b"\n")
+
+    @contextmanager
+    def local_folder(self, name: str = ""):
+        """A temporary local folder (a tokenizer's save_pretrained): its files are kept for publish."""
+        folder = tempfile.mkdtemp(prefix="fsdpfast-object-")
+        try:
+            yield folder
+            for root, _, files in os.walk(folder):
+                for file in files:
+                    path = os.path.join(root, file)
+                    relative = os.path.relpath(path, folder).replace(os.sep, "/")
+                    with open(path, "rb") as handle:
+                        self.write_bytes(f"{name}/{relative}" if name else relative, handle.read())
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def write_manifest(self, manifest: dict) -> None:
+        written = {**self._written, **{n: len(d) for n, d in self._small.items()}}
+        entries = {name: {"size": size, "mtime_ns": 0} for name, size in sorted(written.items())}
+        self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: entries})
+
+    def publish(self) -> None:
+        """The small files, config.json after them and the manifest last: a reader that finds the
+        manifest finds every object it lists."""
+        import obstore
+
+        last = [n for n in (CONFIG, MANIFEST_NAME) if n in self._small]
+        for name in [n for n in self._small if n not in last] + last:
+            self._written[name] = len(self._small[name])
+            obstore.put(self.store, self.key(name), self._small[name])
+        self.published = True
+
+    def discard(self) -> None:
+        """Unless published: the pending uploads aborted, every object written deleted."""
+        if self.published:
+            return
+        for file in list(self._open):
+            file.abort()
+        self.delete(list(self._written))
+
+    def delete(self, names: list[str]) -> None:
+        import obstore
+
+        if names:
+            obstore.delete(self.store, [self.key(n) for n in names])
+
+    def put_done(self, name: str, size: int) -> None:
+        with self._lock:
+            self._written[name] = size
+
+    def _clear_earlier(self, overwrite: bool) -> None:
+        import obstore
+
+        found = {}
+        for batch in obstore.list(self.store, prefix=f"{self.prefix}/" if self.prefix else None):
+            for meta in batch:
+                found[meta["path"][len(self.prefix) + 1 if self.prefix else 0 :]] = meta["size"]
+        if not found:
+            return
+        if not overwrite:
+            raise BadInput(
+                f"{self.url}: the output prefix already holds {len(found)} objects; pass --overwrite to replace it"
+            )
+        if MANIFEST_NAME not in found:
+            raise BadInput(
+                f"{self.url}: the output prefix holds objects and no {MANIFEST_NAME}: fsdpfast did not write it, "
+                "so --overwrite leaves it alone; choose another prefix or empty it yourself"
+            )
+        earlier = json.loads(bytes(obstore.get(self.store, self.key(MANIFEST_NAME)).bytes())).get(WRITTEN, {})
+        foreign = sorted(n for n in found if n != MANIFEST_NAME and n not in earlier)
+        if foreign:
+            raise BadInput(
+                f"{self.url}: --overwrite refused: the prefix holds {foreign[0]}"
+                f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which fsdpfast did not write; "
+                "move it away or choose another prefix"
+            )
+        # the manifest first: from here on the earlier output is not taken for a complete one
+        obstore.delete(self.store, [self.key(MANIFEST_NAME)] + [self.key(n) for n in found if n != MANIFEST_NAME])
+
+
+class ObjectFile:
+    """One output object, written by byte ranges and streamed in order into a multipart upload."""
+
+    def __init__(self, target: ObjectTarget, name: str, size: int):
+        import obstore
+
+        self.target, self.name, self.size = target, name, size
+        self._writer = obstore.open_writer(
+            target.store, target.key(name), buffer_size=PART_BYTES, max_concurrency=UPLOADS
+        )
+        self._next = 0  # the first byte not yet streamed
+        self._ahead: dict[int, bytes] = {}  # offset -> bytes written beyond a gap
+        self._lock = threading.Lock()
+        self._done = False
+
+    def write_at(self, data, offset: int) -> None:
+        data = bytes(data)
+        if not data:
+            return
+        with self._lock:
+            self._ahead[offset] = data
+            while self._next in self._ahead:
+                chunk = self._ahead.pop(self._next)
+                self._writer.write(chunk)
+                self._next += len(chunk)
+
+    def window(self, start: int, end: int):
+        return _Window(self, start, end)
+
+    def local_descriptor(self) -> int | None:
+        return None
+
+    def sync(self) -> None:
+        """The upload is completed once every byte has been streamed (a file's last part)."""
+        with self._lock:
+            if self._done or self._next < self.size or self._ahead:
+                return
+            self._writer.close()
+            self._done = True
+        self.target.put_done(self.name, self.size)
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            try:
+                self._writer.__exit__(RuntimeError, RuntimeError("discarded"), None)  # aborts the multipart upload
+            except Exception:  # the store may be gone: nothing more can be done from here
+                pass
+
+    def close(self) -> None:
+        self.sync()
+        if not self._done:
+            self.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Window:
+    """Bytes [start, end) of an object filled in memory, written in when closed."""
+
+    def __init__(self, file: ObjectFile, start: int, end: int):
+        self.file, self.start = file, start
+        self.buffer = bytearray(end - start)
+
+    def at(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.buffer)[offset - self.start : offset - self.start + nbytes]
+
+    def close(self) -> None:
+        self.file.write_at(self.buffer, self.start)
+        self.buffer = bytearray()

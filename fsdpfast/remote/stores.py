@@ -1,0 +1,66 @@
+"""The store behind a URL, configured as obstore and the AWS tools read it (AWS_* variables including
+AWS_ENDPOINT_URL, the instance's metadata), plus --storage-option KEY=VALUE. Nothing here is printed:
+credentials stay in the client."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+from .urls import require_client, split_url
+
+# Transient errors (5xx, dropped connections, timeouts) retried by the client with exponential backoff
+# and jitter: 100 ms doubling to 5 s, five tries, given up after 60 s (then the merge fails, nothing published).
+RETRIES = {
+    "max_retries": 5,
+    "retry_timeout": timedelta(seconds=60),
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+}
+_OPTIONS: dict[str, str] = {}  # --storage-option pairs, set once by the command line
+_STORES: dict[str, object] = {}
+_LOCK = threading.Lock()
+
+
+def set_storage_options(pairs: list[str]) -> None:
+    """KEY=VALUE pairs (obstore's configuration keys: endpoint, region, skip_signature, ...)."""
+    from ..errors import BadInput
+
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BadInput(f"--storage-option {pair.split('=')[0]!r}: write it as KEY=VALUE")
+        _OPTIONS[key.strip().lower()] = value
+    _STORES.clear()
+
+
+def store_for(url: str):
+    """(the store of the URL's bucket, the key prefix inside it); one store per bucket, shared."""
+    obstore = require_client(url)
+    bucket, key = split_url(url)
+    with _LOCK:
+        store = _STORES.get(bucket)
+        if store is None:
+            store = obstore.store.from_url(
+                bucket, config=_config(bucket), client_options=_client_options(), retry_config=RETRIES
+            )
+            _STORES[bucket] = store
+    return store, key
+
+
+def _config(bucket: str) -> dict:
+    config = {}
+    if bucket.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            config["endpoint"] = endpoint
+    config.update({k: v for k, v in _OPTIONS.items() if not k.startswith("client.")})
+    return config
+
+
+def _client_options() -> dict:
+    options = {k.removeprefix("client."): v for k, v in _OPTIONS.items() if k.startswith("client.")}
+    endpoint = _OPTIONS.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint.startswith("http://"):
+        options.setdefault("allow_http", True)  # a local S3-compatible server
+    return options
