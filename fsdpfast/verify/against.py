@@ -20,7 +20,7 @@ from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..io.sources import open_sources
 from ..manifest import CHECKSUM
 from ..options import layout_options_only, merge_options
-from ..pipeline.plan import folder_checks, plan_merge
+from ..pipeline.plan import folder_checks, kept_in_fp32, plan_merge
 from ..plan.layout import PlacedTensor
 from .report import Mismatch, VerifyReport, compare_names
 
@@ -94,6 +94,8 @@ def _replan(
 def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], manifest: dict) -> list:
     """(planned tensor, stored tensor) for each tensor both have with the same dtype and shape; a mismatch for the rest."""
     wanted_dtype = manifest.get("dtype")
+    # The replan keeps every dtype; the merge's cast left in float32 what transformers keeps there.
+    kept = kept_in_fp32(plan, wanted_dtype) if manifest else None
     jobs = []
     for tensor in plan.tensors:
         have = stored.get(tensor.name)
@@ -101,6 +103,8 @@ def _comparable(report: VerifyReport, plan, stored: dict[str, StoredTensor], man
             continue
         # The merge's --dtype: from the manifest, else read off the output (a cast one is floating).
         wanted = wanted_dtype if manifest else (have.dtype if have.dtype in CASTABLE else None)
+        if kept is not None and kept(tensor.name):
+            wanted = "float32"
         if not getattr(tensor.compute, "keeps_dtype", False):  # --dtype fp8's tensors are in the format's dtypes
             tensor = replace(tensor, target_dtype=target_dtype(tensor.source_dtype, wanted))
         if (have.dtype, have.shape) != (tensor.target_dtype, tensor.shape):

@@ -171,6 +171,7 @@ def test_a_cast_keeps_in_float32_what_transformers_keeps(families, tmp_path, nam
     assert_same_files(merged, read_merged(tmp_path / "anchor"))
     assert any(merged[k].dtype == torch.float32 for k in merged), "nothing kept in float32"
     assert any("kept in float32" in note for note in report.notes), report.notes
+    assert fsdpfast.verify(tmp_path / "out", against=spec.ranks_folder(str(families))).ok  # recomputed as cast
 
 
 def qwen3_vl_moe(name: str, experts: int, dtype: str = "float32") -> FamilySpec:
