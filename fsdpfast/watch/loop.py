@@ -97,7 +97,7 @@ class _Watcher:
             if self.done.get(name) == signature or self.tried.get(name) == signature:
                 continue
             out = os.path.join(self.settings.out_root, name)
-            if published(out, checkpoint.path, self.settings.options.dtype):
+            if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 self.events("skipped", checkpoint=name, out=out)
                 self.done[name] = signature
                 continue
@@ -149,7 +149,7 @@ class _Watcher:
         try:
             return merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
         except KeyboardInterrupt as exc:  # the processes were stopped: had they renamed their output into place?
-            if published(out, checkpoint.path, self.settings.options.dtype):
+            if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 raise InterruptedAfterPublishing(str(exc)) from exc
             raise
 

@@ -25,13 +25,16 @@ def manifest_of(out_dir: str) -> dict | None:
         return None
 
 
-def published(out_dir: str, checkpoint: str, dtype: str | None) -> bool:
-    """`out_dir` holds `checkpoint` merged as asked (its dtype), its source files unchanged since."""
+def published(out_dir: str, checkpoint: str, dtype: str | None, fp8_skip: tuple[str, ...] | None = None) -> bool:
+    """`out_dir` holds `checkpoint` merged as asked (its dtype, and FP8 or not with the same --fp8-skip:
+    an FP8 merge records bfloat16 for what it leaves unquantized), its source files unchanged since."""
     manifest = manifest_of(out_dir)
     if manifest is None or manifest.get("checkpoint") != os.path.abspath(checkpoint):
         return False
     sources = manifest.get("sources") or []
-    return bool(sources) and manifest.get("dtype") == dtype and not changed_sources(checkpoint, sources)
+    fp8 = (manifest.get("layout_options") or {}).get("fp8")
+    as_asked = manifest.get("dtype") == dtype and fp8 == (None if fp8_skip is None else list(fp8_skip))
+    return bool(sources) and as_asked and not changed_sources(checkpoint, sources)
 
 
 def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
