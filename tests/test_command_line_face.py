@@ -20,6 +20,7 @@ from fsdpfast.cli import build_parser
 from fsdpfast.dtypes import TARGET_ALIASES
 from fsdpfast.errors import EXIT_BAD_INPUT, EXIT_MISMATCH
 from fsdpfast.io.safetensors_folder import read_folder
+from fsdpfast.options import FP8_NAMES
 
 # Minutes of Python-only checks: CI runs them with the CPU torch, not again with the CUDA one (docs/development.md)
 pytestmark = pytest.mark.slow
@@ -87,8 +88,8 @@ def test_every_option_has_help(verb):
 
 def test_dtype_spellings_are_exactly_those_the_help_lists(w2_folder, tmp_path):
     line = next(line for line in help_text("merge").splitlines() if line.strip().startswith("--dtype"))
-    listed = set(re.findall(r"\b(keep|[a-z]+\d+)\b", line))
-    assert listed == set(TARGET_ALIASES), line
+    listed = set(re.findall(r"\b(keep|[a-z]+\d+(?:-block)?)\b", line))
+    assert listed == set(TARGET_ALIASES) | set(FP8_NAMES), line
     for spelling in ("half", "float", "BF16", "Float32", " bf16"):
         result = run_cli("merge", w2_folder, "--out", tmp_path / "out", "--dtype", spelling)
         assert result.returncode == EXIT_BAD_INPUT and f"--dtype {spelling!r} is not one of" in result.stderr, (
@@ -115,7 +116,7 @@ def test_errors_are_exported_and_bad_input_is_a_value_error():
 @pytest.mark.parametrize(
     "argument, value, cli, api",
     [
-        ("dtype", "fp8", ["--dtype", "fp8"], "dtype='fp8' is not one of"),
+        ("dtype", "fp4", ["--dtype", "fp4"], "dtype='fp4' is not one of"),
         ("max_shard_size", "5XB", ["--max-shard-size", "5XB"], "max_shard_size='5XB' is not a size"),
         ("engine", "warp", ["--engine", "warp"], "engine='warp' is not one of"),
         ("layout", "fsdp9", ["--layout", "fsdp9"], "layout='fsdp9' is not a known layout"),
