@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fp8_block.h"
+#include "fp8_block_outputs.h"
 
 namespace fsdpfast {
 namespace {
@@ -55,20 +56,11 @@ void quantize_block_row(const T* in, uint8_t* out, float* scale_inv, int64_t row
 
 std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& weight, int64_t block_rows,
                                                          int64_t block_cols) {
-  TORCH_CHECK(weight.dim() >= 2, "fp8_block_quantize takes a tensor of 2 or more dimensions, got ", weight.sizes());
-  TORCH_CHECK(block_rows > 0 && block_cols > 0, "fp8_block_quantize: block sizes must be positive");
-  const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "fp8_block_quantize takes float32, bfloat16 or float16, got ", dtype);
-  const at::Tensor in = weight.contiguous();
-  const int64_t rows = in.size(-2), cols = in.size(-1);
-  const int64_t row_blocks = (rows + block_rows - 1) / block_rows, col_blocks = (cols + block_cols - 1) / block_cols;
-  const int64_t leading = rows * cols == 0 ? 0 : in.numel() / (rows * cols);
-  std::vector<int64_t> scale_shape(in.sizes().begin(), in.sizes().end() - 2);
-  scale_shape.push_back(row_blocks);
-  scale_shape.push_back(col_blocks);
-  at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale_inv = at::empty(scale_shape, in.options().dtype(at::kFloat));
+  const Fp8BlockOutputs made = fp8_block_outputs(weight, block_rows, block_cols);
+  const at::Tensor &in = made.in, &out = made.out, &scale_inv = made.scale_inv;
+  const int64_t rows = made.rows, cols = made.cols, row_blocks = made.row_blocks, col_blocks = made.col_blocks;
+  const int64_t leading = made.leading;
+  const auto dtype = in.scalar_type();
   uint8_t* o = static_cast<uint8_t*>(out.data_ptr());
   float* s = scale_inv.data_ptr<float>();
   const int64_t tasks = leading * row_blocks;

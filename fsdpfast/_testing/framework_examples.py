@@ -67,8 +67,8 @@ def write_framework_checkpoints(root: str, specs: list[FrameworkSpec], world_siz
     mp.spawn(_rank_main, args=(world_size, port, root, specs), nprocs=world_size, join=True)
 
 
-def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[FrameworkSpec]) -> None:
-    # What `accelerate launch` / torchrun put in each rank's environment; accelerate reads it.
+def launched_environment(rank: int, world_size: int, port: int) -> None:
+    """What `accelerate launch` / torchrun put in each rank's environment; accelerate reads it."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -77,6 +77,10 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[Fra
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _rank_main(rank: int, world_size: int, port: int, root: str, specs: list[FrameworkSpec]) -> None:
+    launched_environment(rank, world_size, port)
     serve_rank(rank, world_size, port, "gloo", [partial(_write_one, rank, root, spec) for spec in specs])
 
 

@@ -61,14 +61,9 @@ def _spec(seed: int) -> CheckpointSpec:
 
 
 def _rank_main(rank: int, world_size: int, port: int, root: str, framework: str, steps: int, seed: int) -> None:
-    os.environ.update(  # what `accelerate launch` / torchrun put in each rank's environment
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from .framework_examples import launched_environment
+
+    launched_environment(rank, world_size, port)
     job = _torchtitan if framework == "torchtitan" else _accelerate
     serve_rank(rank, world_size, port, "gloo", [partial(job, rank, root, framework, steps, seed)])
 

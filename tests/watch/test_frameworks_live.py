@@ -93,17 +93,9 @@ def watched_run(request, tmp_path_factory):
     observer.start()
     try:
         write_framework_run(str(root), framework, STEPS)
-        deadline = time.monotonic() + _PATIENCE_S
-        while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
-            assert watcher.poll() is None, watcher.communicate()[1]
-            assert time.monotonic() < deadline, _events(log)
-            time.sleep(0.05)
+        _await_every_step(watcher, log)
     finally:
-        observer.stop.set()
-        observer.join()
-        watcher.send_signal(signal.SIGTERM)
-        _, err = watcher.communicate(timeout=_PATIENCE_S)
-    assert watcher.returncode == 0, err
+        _stop(watcher, observer)
     names = [checkpoint_name(framework, step) for step in range(1, STEPS + 1)]
     return framework, root, run_dir, names, _events(log), observer
 
@@ -196,16 +188,9 @@ def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_
     try:
         for iteration in range(1, STEPS + 1):
             _replay_megatron_save(run, iteration)
-        deadline = time.monotonic() + _PATIENCE_S
-        while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
-            assert watcher.poll() is None and time.monotonic() < deadline, _events(log)
-            time.sleep(0.05)
+        _await_every_step(watcher, log)
     finally:
-        observer.stop.set()
-        observer.join()
-        watcher.send_signal(signal.SIGTERM)
-        _, err = watcher.communicate(timeout=_PATIENCE_S)
-    assert watcher.returncode == 0, err
+        _stop(watcher, observer)
     events = _events(log)
     assert [e["checkpoint"] for e in events if e["event"] == "published"] == names, events
     assert {e["framework"] for e in events if e["event"] == "found"} == {"megatron"}
@@ -215,3 +200,21 @@ def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_
         final = _files(str(run / name))
         assert observer.seen[name] == {final}, (name, observer.seen[name] - {final})
         assert observer.incomplete.get(name, 0) > 0, observer.incomplete
+
+
+def _await_every_step(watcher: subprocess.Popen, log) -> None:
+    """Until the watcher has said how each of the STEPS checkpoints ended (it must stay up meanwhile)."""
+    deadline = time.monotonic() + _PATIENCE_S
+    while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
+        assert watcher.poll() is None, watcher.communicate()[1]
+        assert time.monotonic() < deadline, _events(log)
+        time.sleep(0.05)
+
+
+def _stop(watcher: subprocess.Popen, observer) -> None:
+    """The observer stopped, the watcher sent SIGTERM: it must exit 0."""
+    observer.stop.set()
+    observer.join()
+    watcher.send_signal(signal.SIGTERM)
+    _, err = watcher.communicate(timeout=_PATIENCE_S)
+    assert watcher.returncode == 0, err
