@@ -8,7 +8,9 @@ the module's weights) and, in each rank's optimizer file, a parameter group of i
 master weights; `mp_rank_00_model_states.pt` records `ds_autoep_layers` (which ranks hold which
 experts). The masters are read, as for every other parameter (readers.deepspeed_zero); the per-expert
 files are checked to be there. The conversion then writes transformers 5's packed tensors
-(`gate_up_proj` = [w1; w3] per expert, `down_proj` = w2, the router as `mlp.gate.weight`), which the
+(`gate_up_proj` = [w1; w3] per expert, `down_proj` = w2, the router as `mlp.gate.weight`, DeepSeek-V3's
+router correction bias, which AutoEP keeps as `mlp.router.e_score_correction_bias`, as
+`mlp.gate.e_score_correction_bias`), which the
 Hub layout transform (families.transform) writes one tensor per expert. Expert data parallelism
 (more ranks than experts' shards) and ZeRO stage 3 are refused in one line.
 """
@@ -27,7 +29,8 @@ from ..plan.windows import Window, Windows
 
 EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
 _GROUPED = re.compile(r"(?P<prefix>.*)\.experts\.w(?P<which>[123])")
-_ROUTER = re.compile(r"(?P<prefix>.*)\.router\.gate\.weight")
+# the router's weight, and DeepSeek-V3's correction bias (a buffer AutoEP copies onto its router)
+_ROUTER = re.compile(r"(?P<prefix>.*)\.router\.(?P<what>gate\.weight|e_score_correction_bias)")
 _OLD_GATE = re.compile(r"(?P<prefix>.*)\.gate\.gate\.weight")  # the replaced router, kept by AutoEP untrained
 
 
@@ -119,7 +122,8 @@ def expert_tensors(
 
 @dataclass(frozen=True)
 class AutoEpToTransformers(NamesOnly):
-    """AutoEP's names onto transformers 5's: [w1; w3] -> gate_up_proj, w2 -> down_proj, router.gate -> gate."""
+    """AutoEP's names onto transformers 5's: [w1; w3] -> gate_up_proj, w2 -> down_proj, router.gate -> gate,
+    router.e_score_correction_bias -> gate.e_score_correction_bias."""
 
     def apply(self, plan: MergePlan, models=None) -> MergePlan:
         windows = Windows(plan.tensors)
@@ -133,7 +137,7 @@ class AutoEpToTransformers(NamesOnly):
             grouped = _GROUPED.fullmatch(tensor.name)
             if grouped is None:
                 router = _ROUTER.fullmatch(tensor.name)
-                out.append(tensor if router is None else _renamed(tensor, f"{router['prefix']}.gate.weight"))
+                out.append(tensor if router is None else _renamed(tensor, _router_name(router)))
                 continue
             prefix = grouped["prefix"]
             if prefix in done:
@@ -162,6 +166,13 @@ class AutoEpToTransformers(NamesOnly):
             if stale
             else "",
         )
+
+
+def _router_name(router: re.Match) -> str:
+    """transformers' name of an AutoEP router tensor: `router.gate.weight` -> `gate.weight`,
+    `router.e_score_correction_bias` -> `gate.e_score_correction_bias` (DeepSeek-V3's TopkRouter holds both)."""
+    what = "weight" if router["what"] == "gate.weight" else router["what"]
+    return f"{router['prefix']}.gate.{what}"
 
 
 def _renamed(tensor: TensorPlan, name: str) -> TensorPlan:

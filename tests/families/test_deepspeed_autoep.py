@@ -1,7 +1,7 @@
 """DeepSpeed AutoEP checkpoints (readers.deepspeed_experts) merged to the Hub layout.
 
-Fixtures (tests/data/deepspeed_autoep/, by tests/fixtures/make_deepspeed_autoep.py): tiny Qwen3-MoE and
-Mixtral models wrapped by real DeepSpeed 0.19.8 on gloo CPU ranks with AutoEP over 2 expert-parallel
+Fixtures (tests/data/deepspeed_autoep/, by tests/fixtures/make_deepspeed_autoep.py): tiny Qwen3-MoE,
+Mixtral and DeepSeek-V3 (shared experts, a dense first layer, router correction biases set) models wrapped by real DeepSpeed 0.19.8 on gloo CPU ranks with AutoEP over 2 expert-parallel
 ranks, ZeRO 1 and 2, saved by `engine.save_checkpoint` (per-expert files, each rank's experts in an
 optimizer group of its own); the anchor is the unsharded model's save_pretrained. Each merge must
 equal it bit for bit, load with from_pretrained with no missing or unexpected keys and compute the
@@ -23,7 +23,7 @@ import fsdpfast
 pytestmark = [pytest.mark.slow]
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "deepspeed_autoep")
-FIXTURES = ["qwen3_moe_zero1_ep2", "qwen3_moe_zero2_ep2", "mixtral_zero1_ep2"]
+FIXTURES = ["qwen3_moe_zero1_ep2", "qwen3_moe_zero2_ep2", "mixtral_zero1_ep2", "deepseek_v3_zero1_ep2"]
 
 
 def anchor(name: str) -> str:
@@ -51,6 +51,23 @@ def test_autoep_merged_as_save_pretrained_writes_it(tmp_path, name):
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_deepseek_v3_router_bias_kept_in_fp32_by_a_bf16_merge(tmp_path):
+    """AutoEP keeps DeepSeek-V3's correction bias on its router; a bf16 merge writes it as
+    from_pretrained(dtype=bf16) + save_pretrained does: under transformers' name, in float32."""
+    import transformers
+
+    name = "deepseek_v3_zero1_ep2"
+    cast = transformers.AutoModelForCausalLM.from_pretrained(anchor(name), dtype=torch.bfloat16)
+    cast.save_pretrained(tmp_path / "anchor")
+    fsdpfast.merge(checkpoint(name), tmp_path / "out", dtype="bf16")
+    merged, want = read_merged(tmp_path / "out"), read_merged(tmp_path / "anchor")
+    assert sorted(merged) == sorted(want)
+    for key, value in want.items():
+        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+    bias = merged["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0
 
 
 def test_autoep_packed_on_request(tmp_path):
