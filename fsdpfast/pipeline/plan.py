@@ -58,12 +58,12 @@ def planned_merge(src: str, options: MergeOptions, wait: bool = False) -> tuple[
     build = deferred = None
     try:
         plan = readers.read_plan(src, options.layout, config, lora_r=options.lora.lora_r, **options.layout_options)
+        if config is not None:  # before the conversions: one may need the family config.json names
+            plan = plan.but(config_dir=config)
         for conversion in plan.conversions:  # the layout's names and shapes onto the model's, before the checks
             plan = conversion.apply(plan.but(conversions=()), models)
         check_plan(plan)  # every element of every tensor exactly once, inside its file
         plan = check_copies(plan, full=options.full_copy_check, read_mode=options.read_mode)
-        if config is not None:
-            plan = plan.but(config_dir=config)
         transforms = plan_transforms(src, options)
         for transform in transforms:
             plan = transform.apply(plan, models)

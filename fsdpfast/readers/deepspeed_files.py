@@ -21,6 +21,7 @@ from .._parsing.safe_load import Record, TensorRef, is_count, safe_unpickle
 from .._parsing.torch_zip import TorchZip
 from ..errors import BadInput, option
 from .deepspeed_experts import EXPERT_FILE, autoep_layers, check_expert_files
+from .deepspeed_moe import native_moe_layers
 from .discover import complete_ranks
 from .saved_steps import scalar_value
 
@@ -102,6 +103,7 @@ class RankFiles:
     model: list[tuple[str, dict]]  # stage 1/2: one file; stage 3: one per rank
     optim_files: list[OptimizerFile]  # per rank, as `optim`
     autoep: list[dict] | None = None  # DeepSpeed AutoEP's layers (readers.deepspeed_experts), None without
+    native_moe: tuple[int, ...] | None = None  # experts per deepspeed.moe layer (readers.deepspeed_moe), None without
 
 
 def read_rank_files(tag_dir: str) -> RankFiles:
@@ -109,13 +111,13 @@ def read_rank_files(tag_dir: str) -> RankFiles:
     unsupported = [
         e for e in entries if e.endswith(".pt") and (e.startswith(("expp_rank_", "layer_")) or "expert" in e)
     ]
-    autoep = _autoep(tag_dir, entries) if unsupported else None
-    if autoep is not None:  # AutoEP: its per-expert files are expected (readers.deepspeed_experts)
+    autoep, native = _experts(tag_dir, entries) if unsupported else (None, None)
+    if autoep is not None or native is not None:  # MoE: per-expert files expected (readers.deepspeed_experts, _moe)
         unsupported = [e for e in unsupported if not EXPERT_FILE.fullmatch(e)]
     if unsupported:
         raise BadInput(
-            f"{os.path.join(tag_dir, unsupported[0])}: MoE / pipeline-parallel DeepSpeed checkpoints are not supported "
-            "(DeepSpeed's AutoEP ones, whose model states record ds_autoep_layers, are)"
+            f"{os.path.join(tag_dir, unsupported[0])}: pipeline-parallel DeepSpeed checkpoints, and MoE ones "
+            "without ZeRO (expp_rank_* optimizer files), are not supported"
         )
     optim, prefixes, mp_ranks = {}, set(), set()
     for entry in entries:
@@ -145,12 +147,13 @@ def read_rank_files(tag_dir: str) -> RankFiles:
         )
     first_file = _optimizer_file(optim[0])
     state0 = first_file[0]
-    stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0], autoep is not None)
+    experts = autoep is not None or native is not None
+    stage, world = _stage(state0, optim[0]), _partition_count(state0, optim[0], experts)
     ordered = complete_ranks(tag_dir, optim, world, lambda r: _optim_name(prefix, r))
     read = [first_file] + [_optimizer_file(path) for _, path in ordered[1:]]
     states = [(path, state) for (_, path), (state, _) in zip(ordered, read)]
     for path, state in states[1:]:
-        if _stage(state, path) != stage or _partition_count(state, path, autoep is not None) != world:
+        if _stage(state, path) != stage or _partition_count(state, path, experts) != world:
             raise BadInput(
                 f"{path}: ZeRO stage {_stage(state, path)} over {_partition_count(state, path, True)} ranks, but "
                 f"{optim[0]} says stage {stage} over {world}; the files come from different runs"
@@ -166,20 +169,24 @@ def read_rank_files(tag_dir: str) -> RankFiles:
                 f"{model_paths[0]} is missing: a ZeRO stage {stage} checkpoint keeps the model's shapes and buffers there"
             )
     model = [(path, _model_state(path)) for path in model_paths]
-    if autoep is not None and stage == 3:
-        raise BadInput(f"{tag_dir}: an AutoEP checkpoint of ZeRO stage 3; fsdpfast reads AutoEP under stages 1 and 2")
-    return RankFiles(world, stage, prefix == "bf16_", states, model, [facts for _, facts in read], autoep)
+    if experts and stage == 3:
+        what = "an AutoEP" if autoep is not None else "a DeepSpeed MoE"
+        raise BadInput(f"{tag_dir}: {what} checkpoint of ZeRO stage 3; fsdpfast reads MoE under stages 1 and 2")
+    return RankFiles(world, stage, prefix == "bf16_", states, model, [facts for _, facts in read], autoep, native)
 
 
-def _autoep(tag_dir: str, entries: list[str]) -> list[dict] | None:
-    """The AutoEP layers mp_rank_00_model_states.pt records (its expert files checked), or None."""
+def _experts(tag_dir: str, entries: list[str]) -> tuple[list[dict] | None, tuple[int, ...] | None]:
+    """(the AutoEP layers mp_rank_00_model_states.pt records, or None; else the experts per native
+    deepspeed.moe layer, or None), their per-expert files checked."""
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
-        return None
-    layers = autoep_layers(_model_state(path))
+        return None, None
+    model = _model_state(path)
+    layers = autoep_layers(model)
     if layers is not None:
         check_expert_files(tag_dir, entries, layers)
-    return layers
+        return layers, None
+    return None, native_moe_layers(model, tag_dir, entries)
 
 
 def _optim_name(prefix: str, rank: int) -> str:

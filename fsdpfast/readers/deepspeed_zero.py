@@ -23,6 +23,8 @@ from ..geometry.flat_runs import FlatRuns
 from ..plan.model import Extent, MergePlan, TensorPlan
 from .deepspeed_experts import AutoEpToTransformers, expert_tensors
 from .deepspeed_files import RankFiles, flat_partition, is_tag_folder, read_rank_files, resolve_tag, tags_in
+from .deepspeed_moe import NativeMoeToTransformers
+from .deepspeed_moe import expert_tensors as native_expert_tensors
 from .deepspeed_saves import check_one_save
 from .reader import Reader, ReaderOption
 from .storage_sources import StorageSources
@@ -104,6 +106,13 @@ def read(folder: str, tag: str | None = None, exclude_frozen: bool | None = None
             f"DeepSpeed AutoEP: {len(files.autoep)} MoE layers, {files.autoep[0].get('num_experts')} experts each "
             f"over {files.autoep[0].get('ep_size')} expert-parallel ranks (their fp32 masters from the optimizer files)"
         )  # the tag read, so verify reads it again even after `latest` moves on
+    if files.native_moe is not None:
+        first = os.path.join(tag_dir, "layer_0_expert_0_mp_rank_00_model_states.pt")
+        plan = plan.but(conversions=(NativeMoeToTransformers(first),)).noted(
+            f"DeepSpeed MoE (deepspeed.moe.layer.MoE): {len(files.native_moe)} MoE layers of "
+            f"{', '.join(map(str, sorted(set(files.native_moe))))} experts, their fp32 masters from the optimizer "
+            "files; the per-expert files checked to be there"
+        )
     return plan
 
 
@@ -177,6 +186,9 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
                 expert_tensors(files.autoep, model_path, group, [rank[g] for rank in ranks], alignment[g], dtype)
             )
             continue
+        if files.native_moe is not None and _expert_group(files, g):
+            out.update(_native_experts(files, g, model_path, group, [rank[g] for rank in ranks], alignment[g], dtype))
+            continue
         flat = FlatRuns([rank[g] for rank in ranks])
         paddings = alignment[g]
         offset = 0
@@ -195,8 +207,21 @@ def _stage12_trained(files: RankFiles, sources: StorageSources) -> dict[str, Ten
     return out
 
 
+def _native_experts(files: RankFiles, g: int, model_path: str, group, ranks, paddings, dtype) -> dict:
+    """A deepspeed.moe expert group partitioned over fewer ranks than the dense ones: each rank's own experts,
+    whole, when every rank is an expert-parallel rank of its own (expert data parallelism 1)."""
+    count = files.optim[0][1]["partition_count"][g]
+    if count != 1:
+        raise BadInput(
+            f"{model_path}: DeepSpeed MoE experts sharded over {count} expert-data-parallel ranks each, "
+            f"{files.world // count} expert-parallel ranks: not supported yet (expert parallelism of 1 or of every rank is)"
+        )
+    return native_expert_tensors(files.native_moe, model_path, group, ranks, paddings, dtype)
+
+
 def _expert_group(files: RankFiles, group: int) -> bool:
-    """Whether optimizer group `group` holds AutoEP experts: partitioned over fewer ranks than the dense groups."""
+    """Whether optimizer group `group` holds experts each expert-parallel rank trains (AutoEP, deepspeed.moe):
+    partitioned over fewer ranks than the dense groups."""
     counts = files.optim[0][1].get("partition_count")
     return isinstance(counts, (list, tuple)) and len(counts) > group and counts[group] != files.world
 
