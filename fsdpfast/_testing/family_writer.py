@@ -142,3 +142,40 @@ def _blocks(model) -> list:
         if name.rsplit(".", 1)[-1] in ("layers", "blocks") and isinstance(module, torch.nn.ModuleList)
         for block in module
     ]
+
+
+@dataclass(frozen=True)
+class Fsdp1FamilySpec:
+    """A family's tiny model wrapped by FSDP1 (FullyShardedDataParallel, one unit per decoder layer and the
+    root, device_id=cpu on gloo), saved live by fsdpfast.save_pretrained (`live/`, and `live-bf16/` cast)."""
+
+    family: FamilySpec
+    use_orig_params: bool
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+
+def write_family_fsdp1_saves(root: str, specs: list[Fsdp1FamilySpec], world_size: int) -> None:
+    spawn_writers(root, specs, world_size, _write_one_fsdp1)
+
+
+def _write_one_fsdp1(rank: int, world_size: int, root: str, spec: Fsdp1FamilySpec) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import fsdpfast
+
+    model = build_family_model(spec.family)
+    if rank == 0:
+        model.save_pretrained(spec.family.anchor_folder(root))
+    layers = {type(block) for block in _blocks(model)}
+    wrapped = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(layers),
+        use_orig_params=spec.use_orig_params,
+        device_id=torch.device("cpu"),
+    )
+    fsdpfast.save_pretrained(wrapped, spec.family.live_folder(root))
+    fsdpfast.save_pretrained(wrapped, spec.family.live_folder(root) + "-bf16", dtype="bf16")
