@@ -54,6 +54,47 @@ QWEN2_5_VL = dict(
         depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
     ),
 )
+VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32)  # Qwen3-VL's, Qwen3.5's
+QWEN3_VL = dict(
+    text_config=dict(TEXT, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]}), vision_config=VISION
+)
+# Qwen3.5-MoE: a linear-attention (gated delta net) layer and a full-attention one, 4 experts and a shared expert
+QWEN3_5_MOE_TEXT = dict(
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention"],
+)
+QWEN3_5_MOE = dict(text_config=dict(TEXT, **QWEN3_5_MOE_TEXT), vision_config=VISION)
+LLAMA4 = dict(
+    text_config=dict(
+        TEXT, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1
+    ),
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    ),
+)
+ENCODER = dict(  # BERT's and ModernBERT's small sizes
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
 GEMMA3 = dict(
     text_config=TEXT,
     vision_config=dict(
@@ -146,8 +187,10 @@ def _blocks(model) -> list:
 
 @dataclass(frozen=True)
 class Fsdp1FamilySpec:
-    """A family's tiny model wrapped by FSDP1 (FullyShardedDataParallel, one unit per decoder layer and the
-    root, device_id=cpu on gloo), saved live by fsdpfast.save_pretrained (`live/`, and `live-bf16/` cast)."""
+    """A family's tiny model wrapped by FSDP1 (FullyShardedDataParallel, one unit per decoder layer, the
+    model's _no_split_modules, and the root; device_id=cpu on gloo), saved live by fsdpfast.save_pretrained
+    (`live/`, and `live-bf16/` cast), and as FSDP1 LOCAL_STATE_DICT rank files with config.json
+    (`fsdp1/`, for the offline fsdp1-flat merge)."""
 
     family: FamilySpec
     use_orig_params: bool
@@ -162,20 +205,71 @@ def write_family_fsdp1_saves(root: str, specs: list[Fsdp1FamilySpec], world_size
 
 
 def _write_one_fsdp1(rank: int, world_size: int, root: str, spec: Fsdp1FamilySpec) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     import fsdpfast
 
+    from .fsdp1_examples import FILE_NAME, wrap_classes
+
     model = build_family_model(spec.family)
+    folder = os.path.join(spec.family.folder(root), "fsdp1")
     if rank == 0:
         model.save_pretrained(spec.family.anchor_folder(root))
-    layers = {type(block) for block in _blocks(model)}
+        model.config.save_pretrained(folder)
     wrapped = FullyShardedDataParallel(
         model,
-        auto_wrap_policy=ModuleWrapPolicy(layers),
+        auto_wrap_policy=ModuleWrapPolicy(wrap_classes(model, ())),
         use_orig_params=spec.use_orig_params,
         device_id=torch.device("cpu"),
     )
     fsdpfast.save_pretrained(wrapped, spec.family.live_folder(root))
     fsdpfast.save_pretrained(wrapped, spec.family.live_folder(root) + "-bf16", dtype="bf16")
+    with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.LOCAL_STATE_DICT):
+        local = wrapped.state_dict()
+    os.makedirs(folder, exist_ok=True)
+    torch.save(local, os.path.join(folder, FILE_NAME.format(rank=rank)))
+
+
+def write_family_accelerate_saves(root: str, specs: list[FamilySpec], world_size: int) -> None:
+    """Each family's tiny model prepared by accelerate with FSDP2 on gloo ranks (framework_examples' CPU
+    Accelerator, its decoder-layer class wrapped), saved by accelerate's own `save_fsdp_model(...,
+    use_dcp=False)` (`accelerate-ranks/`: pytorch_model_fsdp_0_rank{r}.bin, config.json beside them) and
+    `Accelerator.save_state` (`accelerate-state/`: a DCP folder); `save_pretrained/` is the anchor."""
+    import torch.multiprocessing as mp
+
+    from .fsdp2_writer import _free_port
+
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_accelerate_rank, args=(world_size, _free_port(), root, specs), nprocs=world_size, join=True)
+
+
+def _accelerate_rank(rank: int, world_size: int, port: int, root: str, specs: list[FamilySpec]) -> None:
+    from functools import partial
+
+    from .framework_examples import launched_environment
+    from .fsdp2_writer import serve_rank
+
+    launched_environment(rank, world_size, port)
+    serve_rank(rank, world_size, port, "gloo", [partial(_write_one_accelerate, rank, root, spec) for spec in specs])
+
+
+def _write_one_accelerate(rank: int, root: str, spec: FamilySpec) -> None:
+    from accelerate.utils import save_fsdp_model
+
+    from .framework_examples import _accelerator
+
+    model = build_family_model(spec)
+    ranks, state = (
+        os.path.join(spec.folder(root), "accelerate-ranks"),
+        os.path.join(spec.folder(root), "accelerate-state"),
+    )
+    if rank == 0:
+        model.save_pretrained(spec.anchor_folder(root))
+        for folder in (ranks, state):
+            model.config.save_pretrained(folder)
+    accelerator = _accelerator(2, "SHARDED_STATE_DICT", tuple(model._no_split_modules))
+    # FSDP2 under accelerate takes the optimizer with the model (no step is taken: the weights stay the anchor's)
+    prepared, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    save_fsdp_model(accelerator.state.fsdp_plugin, accelerator, prepared, ranks, use_dcp=False)
+    accelerator.save_state(state)

@@ -95,8 +95,9 @@ def _write_one(rank: int, root: str, spec: FrameworkSpec) -> None:
 # ---- accelerate and the Trainer ---------------------------------------------------------------
 
 
-def _accelerator(fsdp_version: int, state_dict_type: str):
-    """An Accelerator that runs FSDP on the CPU: what accelerate's launcher would select on GPUs."""
+def _accelerator(fsdp_version: int, state_dict_type: str, wrap: tuple[str, ...] = ("LlamaDecoderLayer",)):
+    """An Accelerator that runs FSDP on the CPU: what accelerate's launcher would select on GPUs;
+    `wrap`: the decoder-layer classes its transformer_based_wrap wraps."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -106,7 +107,7 @@ def _accelerator(fsdp_version: int, state_dict_type: str):
         fsdp_version=fsdp_version,
         state_dict_type=state_dict_type,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        transformer_cls_names_to_wrap=list(wrap),
         cpu_ram_efficient_loading=False,
     )
     # PartialState's shared state is copied into AcceleratorState's whenever one is constructed

@@ -35,7 +35,8 @@ class ExpertNames:
 _QWEN2_MOE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 _MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")  # the router too: block_sparse_moe.gate.weight
 
-# model_type -> Hub names (transformers 5.24's _MODEL_TO_CONVERSION_PATTERN, the two MoE patterns)
+# model_type -> Hub names (transformers 5.24's _MODEL_TO_CONVERSION_PATTERN, the two MoE patterns; 5.25 adds
+# qwen3_5_moe_text: the prefix change it drops when saving a model it did not load, then the qwen2_moe pattern)
 PER_EXPERT: dict[str, ExpertNames] = {
     **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL),
     **dict.fromkeys(
@@ -66,6 +67,7 @@ PER_EXPERT: dict[str, ExpertNames] = {
             "sarvam_mla",
             "exaone_moe",
             "cohere2_moe",
+            "qwen3_5_moe_text",
         ),
         _QWEN2_MOE,
     ),
@@ -77,6 +79,25 @@ PER_EXPERT: dict[str, ExpertNames] = {
 # transformers 5.25's save_pretrained writes them as held (its reverse Transpose compares the tensor
 # with the parameter's own shape, finds them equal and keeps it), which vLLM's loader transposes wrongly.
 TRANSPOSED = ("qwen3_vl_moe",)
+
+
+def expert_names(config: dict) -> ExpertNames | None:
+    """The Hub names of the experts of the model config.json describes, or None where its Hub checkpoints keep
+    the packed tensors. transformers looks its conversion up per sub-model too, so a vision-language model's
+    text model (Qwen3.5-MoE's `qwen3_5_moe_text` under `qwen3_5_moe`) counts as well."""
+    found = PER_EXPERT.get(_model_type(config))
+    text = config.get("text_config")
+    return found if found is not None or not isinstance(text, dict) else PER_EXPERT.get(_model_type(text))
+
+
+def is_transposed(config: dict) -> bool:
+    return _model_type(config) in TRANSPOSED
+
+
+def _model_type(config: dict) -> str:
+    found = config.get("model_type")
+    return found if isinstance(found, str) else ""
+
 
 _PACKED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)")
 _MLP = re.compile(r"(?P<prefix>.*)\.mlp\.(?P<rest>.+)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hub_experts import _PACKED, PER_EXPERT, TRANSPOSED, hub_parts
+from .hub_experts import _PACKED, expert_names, hub_parts, is_transposed
 from .hub_prefixes import hub_name, rules_for
 
 
@@ -31,12 +31,11 @@ class HubTensor:
 def hub_tensors(name: str, shape: tuple[int, ...], config: dict, expert_layout: str = "hub") -> list[HubTensor]:
     """What state-dict tensor `name` of `shape` is written as, for the model config.json describes."""
     renamed = hub_name(name, rules_for(config))
-    model_type = config.get("model_type")
-    if expert_layout == "packed" or not isinstance(model_type, str):
+    if expert_layout == "packed":
         return [HubTensor(renamed, shape, name)]
-    if model_type in TRANSPOSED and _PACKED.fullmatch(renamed) and len(shape) == 3:
+    if is_transposed(config) and _PACKED.fullmatch(renamed) and len(shape) == 3:
         return [HubTensor(renamed, (shape[0], shape[2], shape[1]), name, (0, 0, 0), tuple(shape), transposed=True)]
-    names = PER_EXPERT.get(model_type)
+    names = expert_names(config)
     if names is None:
         return [HubTensor(renamed, shape, name)]
     parts = hub_parts(renamed, shape, names)

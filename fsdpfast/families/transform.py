@@ -21,11 +21,11 @@ from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels, NamesOnly
 from .hub_experts import (
-    PER_EXPERT,
-    TRANSPOSED,
     ExpertNames,
+    expert_names,
     has_packed,
     hub_shapes,
+    is_transposed,
     split_experts,
     transpose_experts,
     transposed_shapes,
@@ -88,11 +88,11 @@ class HubPrefixes(NamesOnly):
 @dataclass(frozen=True)
 class HubLayout(NamesOnly):
     def _names(self, plan: MergePlan) -> ExpertNames | None:
-        return PER_EXPERT.get(model_type(plan) or "")
+        return expert_names(config_of(plan))
 
     def apply(self, plan: MergePlan, models: ExpectedModels) -> MergePlan:
         names = self._names(plan)
-        if model_type(plan) in TRANSPOSED and has_packed(plan.tensors, clean_name):
+        if is_transposed(config_of(plan)) and has_packed(plan.tensors, clean_name):
             return self._transposed(plan)
         if names is None:
             return plan
@@ -120,7 +120,7 @@ class HubLayout(NamesOnly):
         )
 
     def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
-        if model_type(plan) in TRANSPOSED:
+        if is_transposed(config_of(plan)):
             return replace(expected, shapes=transposed_shapes(expected.shapes))
         names = self._names(plan)
         return expected if names is None else replace(expected, shapes=hub_shapes(expected.shapes, names))

@@ -46,15 +46,22 @@ class LiveTensor:
 
 
 def plan_live(
-    state: dict, dtype: str | None, config: dict | None, kept_in_fp32=None, expert_layout: str = "hub"
+    state: dict,
+    dtype: str | None,
+    config: dict | None,
+    kept_in_fp32=None,
+    expert_layout: str = "hub",
+    model_ties: dict[str, str] | None = None,
 ) -> tuple[MergePlan, list[LiveTensor]]:
     """The plan (tensors without extents: a live plan is written by `local_piece`, not by engines)
     and the tensors to write in plan order; tied names are written once as the offline merge does.
     `kept_in_fp32` (name -> bool): the floating tensors a cast leaves in float32 (families.keep_fp32).
+    `model_ties` (tied name -> the name it shares, the model's `all_tied_weights_keys`): the ties transformers
+    makes on load, where config.json's names do not tell them (ModernBERT's `decoder.weight`).
     The names are the Hub layout's of the model's family (families.live_layout: experts per expert or
     transposed, a VLM's prefixes); `expert_layout="packed"` keeps transformers' packed experts."""
     wanted = parse_dtype(dtype)
-    tensors, live, seen, taken = [], [], {}, {}
+    tensors, live, seen, taken, written_as = [], [], {}, {}, {}
     for key, value in state.items():
         name = clean_name(key)
         if name in taken:
@@ -64,7 +71,10 @@ def plan_live(
             placement_kinds(value, key)
         source = dtype_name(value.dtype)
         kept = wanted is not None and kept_in_fp32 is not None and kept_in_fp32(name)
-        for out in hub_tensors(name, tuple(value.shape), config or {}, expert_layout):
+        outputs = hub_tensors(name, tuple(value.shape), config or {}, expert_layout)
+        if len(outputs) == 1:
+            written_as[name] = outputs[0].name
+        for out in outputs:
             if out.name in seen:
                 raise BadInput(f"{seen[out.name]} and {key} are both written as {out.name}")
             if out.transposed:
@@ -75,7 +85,7 @@ def plan_live(
             )
             live.append(LiveTensor(out.name, key, value, None if out.offsets is None else out))
     dropped = {}
-    for kept, other in tied_pairs(tensors, None, config or {}):
+    for kept, other in _tied(tensors, config or {}, model_ties or {}, written_as):
         if not _same_values(state[seen[kept]], state[seen[other]]):
             raise BadInput(
                 f"config.json ties {other} to {kept}, but the model holds different values (or, under FSDP1, two "
@@ -93,6 +103,19 @@ def plan_live(
     ]
     live = [t for t in live if t.name not in dropped]
     return MergePlan(LAYOUT, _world(state), (), tensors), live
+
+
+def _tied(tensors: list[TensorPlan], config: dict, model_ties: dict[str, str], written_as: dict[str, str]) -> list:
+    """(kept, dropped) output names: the ties config.json's names tell (plan.normalise.tied_pairs, as offline
+    without a model), and those the model makes on load, by their names in the output."""
+    pairs = tied_pairs(tensors, None, config)
+    paired = {name for pair in pairs for name in pair}
+    for other, kept in model_ties.items():
+        kept, other = written_as.get(clean_name(str(kept))), written_as.get(clean_name(str(other)))
+        if kept is not None and other is not None and kept != other and not {kept, other} & paired:
+            pairs.append((kept, other))
+            paired |= {kept, other}
+    return pairs
 
 
 @dataclass(frozen=True)

@@ -154,11 +154,13 @@ def _with_architecture(config: dict | None, model) -> dict | None:
 
 def _plan(model, dtype, config: dict | None, expert_layout: str = "hub"):
     keep = _kept_in_fp32(model, parse_dtype(dtype))
+    ties = getattr(getattr(model, "module", model), "all_tied_weights_keys", None)  # transformers 5's, on load
+    ties = {str(a): str(b) for a, b in ties.items()} if isinstance(ties, dict) else None
     if is_fsdp1(model):  # FSDP1's state dicts gather; its flat shards are read in place (live.fsdp1)
         state, world = live_state(model)
-        plan, tensors = plan_live(state, dtype, config, keep, expert_layout)
+        plan, tensors = plan_live(state, dtype, config, keep, expert_layout, ties)
         return replace(plan, world_size=world), tensors
-    return plan_live(model.state_dict(), dtype, config, keep, expert_layout)
+    return plan_live(model.state_dict(), dtype, config, keep, expert_layout, ties)
 
 
 def _kept_in_fp32(model, dtype: str | None):

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from math import prod
 
 from ..errors import BadInput, option
-from ..families.hub_experts import PER_EXPERT, TRANSPOSED
-from ..families.transform import model_type
+from ..families.hub_experts import PER_EXPERT, TRANSPOSED, expert_names, is_transposed
+from ..families.transform import config_of, model_type
 from ..plan.model import Extent, MergePlan, TensorPlan
 from ..plan.transform import NamesOnly
 from ..plan.windows import Window, Windows
@@ -134,8 +134,8 @@ class NativeMoeToTransformers(NamesOnly):
                 f"names do not say which Hugging Face model the run trained; pass {option('config', meta='HF_DIR')} "
                 "with the model's config.json"
             )
-        names = PER_EXPERT.get(found)
-        if names is None and found not in TRANSPOSED:
+        names = expert_names(config_of(plan))
+        if names is None and not is_transposed(config_of(plan)):
             families = {*PER_EXPERT, *TRANSPOSED}
             named = ", ".join(f for f in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe") if f in families)
             raise BadInput(

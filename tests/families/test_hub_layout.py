@@ -19,8 +19,13 @@ from refusals import api_refuses
 import fsdpfast
 from fsdpfast._testing.family_writer import (
     DEEPSEEK_V3,
+    ENCODER,
     GEMMA3,
+    LLAMA4,
     QWEN2_5_VL,
+    QWEN3_5_MOE,
+    QWEN3_5_MOE_TEXT,
+    QWEN3_VL,
     TEXT,
     FamilySpec,
     build_family_model,
@@ -41,6 +46,40 @@ SPECS = {
         # vision-language models: the Hub's prefixes (visual., language_model.model., ...)
         FamilySpec("qwen2_5_vl", "qwen2_5_vl", QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
         FamilySpec("gemma3", "gemma3", GEMMA3, seed=7, auto_class="AutoModelForImageTextToText"),
+        # Qwen3.5-MoE: transformers 5.25 saves its experts per expert (its text model's rule), the VLM and text-only
+        FamilySpec("qwen3_5_moe", "qwen3_5_moe", QWEN3_5_MOE, seed=9, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("qwen3_5_moe_text", "qwen3_5_moe_text", QWEN3_5_MOE_TEXT, seed=10),
+        # keep their names: Llama 4 (packed experts, transposed in memory as on the Hub), Qwen3-VL, dense models
+        FamilySpec("llama4", "llama4", LLAMA4, seed=11, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("qwen3_vl", "qwen3_vl", QWEN3_VL, seed=12, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("qwen3", "qwen3", seed=13),
+        FamilySpec("gemma3_text", "gemma3_text", seed=14),
+        FamilySpec("phi3", "phi3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), seed=15),
+        # a reward model (score head on the last token) and a verl critic (a value per token)
+        FamilySpec(
+            "reward",
+            "qwen3",
+            dict(TEXT, num_labels=1, pad_token_id=0),
+            seed=16,
+            auto_class="AutoModelForSequenceClassification",
+        ),
+        FamilySpec("critic", "qwen3", dict(TEXT, num_labels=1), seed=17, auto_class="AutoModelForTokenClassification"),
+        FamilySpec("bert", "bert", ENCODER, seed=18, auto_class="AutoModelForMaskedLM"),
+        FamilySpec(
+            "modernbert",
+            "modernbert",
+            dict(
+                ENCODER,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                cls_token_id=3,
+                sep_token_id=4,
+                local_attention=16,
+            ),
+            seed=19,
+            auto_class="AutoModelForMaskedLM",
+        ),
     ],
     # 5 experts over 3 ranks: FSDP2's Shard(0) cuts the packed tensors between experts unevenly
     3: [FamilySpec("glm4_moe-w3-bf16", "glm4_moe", {**DEEPSEEK_V3, "n_routed_experts": 5}, dtype="bfloat16", seed=5)],
@@ -82,7 +121,11 @@ def test_merged_as_save_pretrained_writes_it(families, tmp_path, world, spec, la
 
 
 def assert_same_logits(loaded, trained) -> None:
-    """The loaded folder computes what the training model computes (text tokens: every family takes them)."""
+    """The loaded folder computes what the training model computes (text tokens: every family takes them).
+    The loaded weights are copied first: from_pretrained maps them from the file, and a matrix product
+    over memory aligned otherwise may round its last bit otherwise (the reward model's one-row score head)."""
+    for parameter in loaded.parameters():
+        parameter.data = parameter.data.clone()
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = loaded.eval()(input_ids=ids).logits, trained.eval()(input_ids=ids).logits

@@ -1,16 +1,20 @@
-"""fsdpfast.save_pretrained of MoE families held by FSDP1 (FullyShardedDataParallel, use_orig_params True
+"""MoE families held by FSDP1 (FullyShardedDataParallel, use_orig_params True
 and False, device_id=cpu on gloo ranks, 2 and 3 of them): the Hub layout, bit for bit what transformers'
 save_pretrained of the unsharded model writes (Mixtral's block_sparse_moe w1/w3/w2, DeepSeek-V3's
 per-expert names), and, cast to bf16, what from_pretrained(dtype=bf16) + save_pretrained writes (the
 float32-kept router bias of DeepSeek-V3 kept). Each rank cuts its experts out of its own run of FSDP1's
-flat shard. (FSDP2 on 2 and 3 ranks: tests/families/test_hub_layout.py.)"""
+flat shard. The same sharded models' FSDP1 LOCAL_STATE_DICT rank files, merged offline (fsdp1-flat), are
+save_pretrained's files too. (FSDP2 on 2 and 3 ranks: tests/families/test_hub_layout.py.)"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from helpers import read_merged
 
+import fsdpfast
 from fsdpfast._testing.family_writer import DEEPSEEK_V3, FamilySpec, Fsdp1FamilySpec, write_family_fsdp1_saves
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -68,3 +72,12 @@ def test_live_fsdp1_bf16_save_is_a_bf16_save_pretrained(saved, tmp_path, world, 
     same(read_merged(family.live_folder(root) + "-bf16"), want)
     if family.model_type == "deepseek_v3":
         assert want["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("world,spec", CASES, ids=[f"w{w}-{s.name}" for w, s in CASES])
+def test_fsdp1_rank_files_merge_to_save_pretrained(saved, tmp_path, world, spec):
+    root = str(saved / f"w{world}")
+    src = os.path.join(spec.family.folder(root), "fsdp1")
+    report = fsdpfast.merge(src, tmp_path / "out")
+    assert report.layout == "fsdp1-flat" and report.world_size == world
+    same(read_merged(tmp_path / "out"), read_merged(spec.family.anchor_folder(root)))
