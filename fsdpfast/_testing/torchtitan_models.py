@@ -20,7 +20,7 @@ import torch
 from .framework_examples import TrainState
 from .fsdp2_writer import _free_port, serve_rank
 
-FAMILIES = ("llama3", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 _SIZES = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=128, hidden=96, experts=4, moe_hidden=32)
 
 
@@ -59,6 +59,27 @@ def titan_config(family: str):
                 hidden_dim=s["hidden"],
                 rope=ComplexRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=500000, scaling="llama"),
                 attn_backend="flex",
+            ),
+        )
+    if family == "qwen3":
+        from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+        return Qwen3Model.Config(
+            vocab_size=s["vocab"],
+            dim=s["dim"],
+            norm=_qwen3_norm(s["dim"]),
+            tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"]),
+            lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"]),
+            layers=_build_qwen3_layers(
+                n_layers=s["n_layers"],
+                dim=s["dim"],
+                n_heads=s["n_heads"],
+                n_kv_heads=s["n_kv_heads"],
+                head_dim=s["head_dim"],
+                hidden_dim=s["hidden"],
+                attn_backend="flex",
+                rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=1000000.0),
             ),
         )
     if family == "qwen3_moe":
@@ -141,6 +162,10 @@ def hf_config(family: str):
         return LlamaConfig(
             architectures=["LlamaForCausalLM"], intermediate_size=s["hidden"], rms_norm_eps=1e-5, **common
         )
+    if family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(architectures=["Qwen3ForCausalLM"], intermediate_size=s["hidden"], **common)
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 

@@ -131,3 +131,20 @@ def test_expert_counts_that_disagree_with_config_are_refused(tmp_path):
     values["num_local_experts"] = 6  # transformers 5 saves num_experts under this name
     (config / "config.json").write_text(json.dumps(values))
     api_refuses(checkpoint(FIXTURES[0]), tmp_path / "out", mentions=["experts"], config=config)
+
+
+def test_expert_counts_that_do_not_divide_over_the_ranks_are_refused(tmp_path):
+    # the model states count 3 experts per layer (and its files agree), the 2 expert-parallel ranks hold 2 each
+    src = copied(tmp_path, FIXTURES[0])
+    for layer in (0, 1):
+        os.remove(src / "global_step0" / f"layer_{layer}_expert_3_mp_rank_00_model_states.pt")
+    path = src / "global_step0" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states["num_experts"] = [3, 3]
+    torch.save(states, path)
+    api_refuses(
+        src,
+        tmp_path / "out",
+        mentions=["on each of 2 expert-parallel ranks", "num_experts counts 3"],
+        config=anchor(FIXTURES[0]),
+    )

@@ -1,6 +1,6 @@
 """torchtitan's step folders merged to the Hub's names (families.torchtitan), equal to torchtitan's own `to_hf`.
 
-Checkpoints: torchtitan 0.3's own tiny llama3, qwen3 MoE and deepseek_v3 models, sharded by FSDP2 on
+Checkpoints: torchtitan 0.3's own tiny llama3, qwen3 (dense and MoE) and deepseek_v3 models, sharded by FSDP2 on
 gloo ranks and saved by its CheckpointManager (fsdpfast._testing.torchtitan_models); the anchor is
 torchtitan's state-dict adapter (`to_hf`) of the unsharded state dict, names, dtypes and bytes.
 torchtitan's model code imports triton, so these skip where it is not installed.
@@ -24,7 +24,7 @@ needs_titan_models = pytest.mark.skipif(
     not (importlib.util.find_spec("torchtitan") and importlib.util.find_spec("triton")),
     reason="torchtitan's model code needs torchtitan and triton",
 )
-FAMILIES = ("llama3", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def _adapter(family: str):
@@ -34,9 +34,11 @@ def _adapter(family: str):
 
     from fsdpfast._testing.torchtitan_models import titan_config
 
-    adapter = {"llama3": Llama3StateDictAdapter, "qwen3_moe": Qwen3StateDictAdapter}.get(
-        family, DeepSeekV3StateDictAdapter
-    )
+    adapter = {
+        "llama3": Llama3StateDictAdapter,
+        "qwen3": Qwen3StateDictAdapter,
+        "qwen3_moe": Qwen3StateDictAdapter,
+    }.get(family, DeepSeekV3StateDictAdapter)
     return adapter(titan_config(family), None)
 
 
