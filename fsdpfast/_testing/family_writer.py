@@ -87,6 +87,33 @@ LLAMA4 = dict(
         projector_output_dim=32,
     ),
 )
+MISTRAL3 = dict(
+    text_config=dict(TEXT, model_type="mistral"),
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        head_dim=16,
+    ),
+    spatial_merge_size=1,
+)
+LLAVA = dict(
+    text_config=dict(TEXT, model_type="llama"),
+    vision_config=dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    ),
+    vision_feature_layer=-1,
+)
 ENCODER = dict(  # BERT's and ModernBERT's small sizes
     hidden_size=32,
     num_hidden_layers=2,

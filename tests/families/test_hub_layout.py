@@ -22,6 +22,8 @@ from fsdpfast._testing.family_writer import (
     ENCODER,
     GEMMA3,
     LLAMA4,
+    LLAVA,
+    MISTRAL3,
     QWEN2_5_VL,
     QWEN3_5_MOE,
     QWEN3_5_MOE_TEXT,
@@ -46,6 +48,8 @@ SPECS = {
         # vision-language models: the Hub's prefixes (visual., language_model.model., ...)
         FamilySpec("qwen2_5_vl", "qwen2_5_vl", QWEN2_5_VL, seed=6, auto_class="AutoModelForImageTextToText"),
         FamilySpec("gemma3", "gemma3", GEMMA3, seed=7, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("mistral3", "mistral3", MISTRAL3, seed=20, auto_class="AutoModelForImageTextToText"),
+        FamilySpec("llava", "llava", LLAVA, seed=21, auto_class="AutoModelForImageTextToText"),
         # Qwen3.5-MoE: transformers 5.25 saves its experts per expert (its text model's rule), the VLM and text-only
         FamilySpec("qwen3_5_moe", "qwen3_5_moe", QWEN3_5_MOE, seed=9, auto_class="AutoModelForImageTextToText"),
         FamilySpec("qwen3_5_moe_text", "qwen3_5_moe_text", QWEN3_5_MOE_TEXT, seed=10),
