@@ -27,6 +27,8 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    # (what transformers holds, what its save writes): a family's renames beside its experts', as name endings
+    renames: tuple[tuple[str, str], ...] = ()
 
     def expert(self, prefix: str, e: int, projection: str) -> str:
         return f"{prefix}.{self.module}.experts.{e}.{projection}.weight"
@@ -34,6 +36,13 @@ class ExpertNames:
 
 _QWEN2_MOE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 _MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")  # the router too: block_sparse_moe.gate.weight
+# transformers 5.25's exaone_moe and ernie4_5_moe rules add to qwen2_moe's a rename of the router's correction
+# bias, which their save reverses
+_EXAONE_MOE = replace(_QWEN2_MOE, renames=((".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),))
+_ERNIE4_5_MOE = replace(
+    _QWEN2_MOE,
+    renames=((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.moe_statics.e_score_correction_bias"),),
+)
 
 # model_type -> Hub names (transformers 5.24's _MODEL_TO_CONVERSION_PATTERN, the two MoE patterns; 5.25 adds
 # qwen3_5_moe_text: the prefix change it drops when saving a model it did not load, then the qwen2_moe pattern)
@@ -47,7 +56,6 @@ PER_EXPERT: dict[str, ExpertNames] = {
             "deepseek_v3",
             "deepseek_v32",
             "dots1",
-            "ernie4_5_moe",
             "glm4_moe",
             "glm4_moe_lite",
             "glm_moe_dsa",
@@ -65,12 +73,13 @@ PER_EXPERT: dict[str, ExpertNames] = {
             "flex_olmo",
             "olmoe",
             "sarvam_mla",
-            "exaone_moe",
             "cohere2_moe",
             "qwen3_5_moe_text",
         ),
         _QWEN2_MOE,
     ),
+    "exaone_moe": _EXAONE_MOE,
+    "ernie4_5_moe": _ERNIE4_5_MOE,
 }
 
 # Families whose Hub checkpoints hold the packed experts transposed ([E, H, 2I], [E, I, H]; loading
@@ -108,6 +117,9 @@ def hub_parts(name: str, shape: tuple[int, ...], names: ExpertNames) -> list[tup
     packed experts, (Hub name, shape, the window of `name` it is) for each tensor it becomes."""
     packed = _PACKED.fullmatch(name)
     if packed is None:
+        for held, written in names.renames:
+            if name.endswith(held):
+                return name[: -len(held)] + written
         mlp = _MLP.fullmatch(name)
         if mlp is not None and names.module != "mlp":  # the router (and all else of the MoE module) moves
             return f"{mlp['prefix']}.{names.module}.{mlp['rest']}"

@@ -50,3 +50,27 @@ def test_hub_layout_and_packed(tmp_path, spec):
 def test_an_unknown_expert_layout_is_refused(tmp_path):
     with pytest.raises(BadInput, match="expert_layout='split'"):
         fsdpfast.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "out", expert_layout="split")
+
+
+# families whose conversion renames more than the experts (transformers 5.25: exaone_moe's and ernie4_5_moe's
+# router correction bias; minimax_m2's, which moves with block_sparse_moe)
+RENAMING = [
+    FamilySpec("exaone_moe", "exaone_moe", dict(moe_intermediate_size=16, num_experts=4, first_k_dense_replace=1)),
+    FamilySpec("ernie4_5_moe", "ernie4_5_moe", dict(moe_intermediate_size=16, moe_num_experts=4, moe_k=2)),
+    FamilySpec("minimax_m2", "minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2)),
+]
+
+
+@pytest.mark.parametrize("spec", RENAMING, ids=lambda s: s.name)
+def test_families_that_rename_their_router_bias(tmp_path, spec):
+    model = build_family_model(spec)
+    model.save_pretrained(tmp_path / "anchor")
+    anchor = read_merged(tmp_path / "anchor")
+    assert any("e_score_correction_bias" in name for name in anchor)
+    fsdpfast.save_pretrained(model, tmp_path / "live")
+    same_files(read_merged(tmp_path / "live"), anchor)
+    src = tmp_path / "ckpt"  # the same state dict as a one-rank checkpoint, merged offline
+    model.config.save_pretrained(src / "huggingface")
+    torch.save(model.state_dict(), src / "model_world_size_1_rank_0.pt")
+    fsdpfast.merge(src, tmp_path / "merged")
+    same_files(read_merged(tmp_path / "merged"), anchor)
