@@ -205,3 +205,24 @@ def _write_oracle(base: str, spec: DeepSpeedSpec) -> None:
         except Exception as exc:
             result["safetensors_error"] = f"{type(exc).__name__}: {exc}"
     torch.save(result, spec.oracle_path(base))
+
+
+def finish_fixture(folder: str) -> None:
+    """A stored DeepSpeed fixture's last touches (rank 0, after save_checkpoint into `folder`/checkpoint):
+    DeepSpeed's zero_to_fp32 scripts removed (not fixtures), and `versions.json` saying what wrote it."""
+    import json
+
+    import deepspeed
+    import transformers
+
+    for stale in ("zero_to_fp32.py", "zero_to_torch.py"):
+        path = os.path.join(folder, "checkpoint", stale)
+        if os.path.exists(path):
+            os.remove(path)
+    versions = {
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+    with open(os.path.join(folder, "versions.json"), "w") as f:
+        json.dump(versions, f)

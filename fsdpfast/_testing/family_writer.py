@@ -54,6 +54,10 @@ QWEN2_5_VL = dict(
         depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
     ),
 )
+# a ViT of one layer over 2x2 patches of 14 pixels (Gemma 3's SigLIP, Llama 4's, Mistral 3's Pixtral, LLaVA's CLIP)
+VISION_TOWER = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32)  # Qwen3-VL's, Qwen3.5's
 QWEN3_VL = dict(
     text_config=dict(TEXT, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]}), vision_config=VISION
@@ -75,43 +79,16 @@ LLAMA4 = dict(
     text_config=dict(
         TEXT, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1
     ),
-    vision_config=dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        vision_output_dim=32,
-        projector_input_dim=32,
-        projector_output_dim=32,
-    ),
+    vision_config=dict(VISION_TOWER, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
 )
 MISTRAL3 = dict(
     text_config=dict(TEXT, model_type="mistral"),
-    vision_config=dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        head_dim=16,
-    ),
+    vision_config=dict(VISION_TOWER, head_dim=16),
     spatial_merge_size=1,
 )
 LLAVA = dict(
     text_config=dict(TEXT, model_type="llama"),
-    vision_config=dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        projection_dim=32,
-    ),
+    vision_config=dict(VISION_TOWER, model_type="clip_vision_model", num_hidden_layers=2, projection_dim=32),
     vision_feature_layer=-1,
 )
 ENCODER = dict(  # BERT's and ModernBERT's small sizes
@@ -124,9 +101,7 @@ ENCODER = dict(  # BERT's and ModernBERT's small sizes
 )
 GEMMA3 = dict(
     text_config=TEXT,
-    vision_config=dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    ),
+    vision_config=VISION_TOWER,
     mm_tokens_per_image=4,
 )
 

@@ -61,50 +61,36 @@ def titan_config(family: str):
                 attn_backend="flex",
             ),
         )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
 
-        return Qwen3Model.Config(
-            vocab_size=s["vocab"],
+        attention = dict(
+            n_layers=s["n_layers"],
             dim=s["dim"],
-            norm=_qwen3_norm(s["dim"]),
-            tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"]),
-            lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"]),
-            layers=_build_qwen3_layers(
-                n_layers=s["n_layers"],
-                dim=s["dim"],
-                n_heads=s["n_heads"],
-                n_kv_heads=s["n_kv_heads"],
-                head_dim=s["head_dim"],
-                hidden_dim=s["hidden"],
-                attn_backend="flex",
-                rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=1000000.0),
-            ),
+            n_heads=s["n_heads"],
+            n_kv_heads=s["n_kv_heads"],
+            head_dim=s["head_dim"],
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=1000000.0),
         )
-    if family == "qwen3_moe":
-        from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
-
-        return Qwen3Model.Config(
-            vocab_size=s["vocab"],
-            dim=s["dim"],
-            norm=_qwen3_norm(s["dim"]),
-            tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"]),
-            lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"]),
-            layers=_build_qwen3_moe_layers(
-                n_layers=s["n_layers"],
-                dim=s["dim"],
-                n_heads=s["n_heads"],
-                n_kv_heads=s["n_kv_heads"],
-                head_dim=s["head_dim"],
+        if family == "qwen3":
+            layers = _build_qwen3_layers(hidden_dim=s["hidden"], **attention)
+        else:
+            layers = _build_qwen3_moe_layers(
                 moe_hidden_dim=s["moe_hidden"],
                 num_experts=s["experts"],
                 top_k=2,
-                attn_backend="flex",
                 moe_comm_backend="standard",
-                rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=256, theta=1000000.0),
-            ),
+                **attention,
+            )
+        return Qwen3Model.Config(
+            vocab_size=s["vocab"],
+            dim=s["dim"],
+            norm=_qwen3_norm(s["dim"]),
+            tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"]),
+            lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"]),
+            layers=layers,
         )
     if family == "deepseek_v3":
         from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm

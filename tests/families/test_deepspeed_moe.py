@@ -71,7 +71,7 @@ def test_without_a_config_the_merge_is_refused_naming_config(tmp_path):
 
 
 def test_a_config_beside_the_checkpoint_is_taken(tmp_path):
-    src = copied(tmp_path, FIXTURES[0])
+    src = shutil.copytree(checkpoint(FIXTURES[0]), tmp_path / "ckpt")
     shutil.copy(os.path.join(anchor(FIXTURES[0]), "config.json"), src / "config.json")
     fsdpfast.merge(src, tmp_path / "out")
     assert_is_anchor(tmp_path / "out", FIXTURES[0])
@@ -92,14 +92,8 @@ def test_packed_on_request(tmp_path):
         )
 
 
-def copied(tmp_path, name: str):
-    src = tmp_path / "ckpt"
-    shutil.copytree(checkpoint(name), src)
-    return src
-
-
 def test_a_missing_expert_file_is_refused(tmp_path):
-    src = copied(tmp_path, FIXTURES[0])
+    src = shutil.copytree(checkpoint(FIXTURES[0]), tmp_path / "ckpt")
     os.remove(src / "global_step0" / "layer_1_expert_2_mp_rank_00_model_states.pt")
     api_refuses(
         src,
@@ -135,7 +129,7 @@ def test_expert_counts_that_disagree_with_config_are_refused(tmp_path):
 
 def test_expert_counts_that_do_not_divide_over_the_ranks_are_refused(tmp_path):
     # the model states count 3 experts per layer (and its files agree), the 2 expert-parallel ranks hold 2 each
-    src = copied(tmp_path, FIXTURES[0])
+    src = shutil.copytree(checkpoint(FIXTURES[0]), tmp_path / "ckpt")
     for layer in (0, 1):
         os.remove(src / "global_step0" / f"layer_{layer}_expert_3_mp_rank_00_model_states.pt")
     path = src / "global_step0" / "mp_rank_00_model_states.pt"
