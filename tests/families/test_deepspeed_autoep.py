@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import read_merged
+from helpers import assert_folder_is_anchor, read_merged
 from refusals import api_refuses
 
 import fsdpfast
@@ -36,21 +36,10 @@ def checkpoint(name: str) -> str:
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_autoep_merged_as_save_pretrained_writes_it(tmp_path, name):
-    import transformers
-
     report = fsdpfast.merge(checkpoint(name), tmp_path / "out")
-    merged, want = read_merged(tmp_path / "out"), read_merged(anchor(name))
-    assert sorted(merged) == sorted(want)
-    for key, value in want.items():
-        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+    assert_folder_is_anchor(tmp_path / "out", anchor(name))
     assert any("AutoEP" in note for note in report.notes), report.notes
     assert fsdpfast.verify(tmp_path / "out", against=checkpoint(name)).ok
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    trained = transformers.AutoModelForCausalLM.from_pretrained(anchor(name))
-    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, trained(input_ids=ids).logits)
 
 
 def test_deepseek_v3_router_bias_kept_in_fp32_by_a_bf16_merge(tmp_path):

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import read_merged
+from helpers import assert_folder_is_anchor, read_merged
 from refusals import api_refuses, cli_refuses
 
 import fsdpfast
@@ -44,18 +44,10 @@ def assert_is_anchor(out, name: str) -> None:
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_native_moe_merged_as_save_pretrained_writes_it(tmp_path, name):
-    import transformers
-
     report = fsdpfast.merge(checkpoint(name), tmp_path / "out", config=anchor(name))
-    assert_is_anchor(tmp_path / "out", name)
+    assert_folder_is_anchor(tmp_path / "out", anchor(name))
     assert any("deepspeed.moe" in note for note in report.notes), report.notes
     assert fsdpfast.verify(tmp_path / "out", against=checkpoint(name)).ok
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    trained = transformers.AutoModelForCausalLM.from_pretrained(anchor(name))
-    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(model.eval()(input_ids=ids).logits, trained.eval()(input_ids=ids).logits)
 
 
 def test_mixtral_experts_are_written_under_block_sparse_moe(tmp_path):

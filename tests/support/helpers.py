@@ -211,3 +211,23 @@ def tiny_tokenizer():
 
     vocabulary = models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabulary), unk_token="<unk>")
+
+
+def assert_folder_is_anchor(out_dir, anchor_dir) -> None:
+    """OUT holds save_pretrained's tensors (ANCHOR_DIR's) bit for bit, loads with from_pretrained with no
+    missing, unexpected or mismatched key and computes the anchor model's logits (a causal LM's)."""
+    import transformers
+
+    merged, want = read_merged(out_dir), read_merged(anchor_dir)
+    assert sorted(merged) == sorted(want), sorted(set(merged) ^ set(want))
+    for key, value in want.items():
+        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    trained = transformers.AutoModelForCausalLM.from_pretrained(anchor_dir)
+    for loaded in (model, trained):  # mapped from their files: the same alignment for both products
+        for parameter in loaded.parameters():
+            parameter.data = parameter.data.clone()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, trained.eval()(input_ids=ids).logits)
