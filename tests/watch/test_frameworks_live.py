@@ -1,6 +1,6 @@
 """Each framework's own checkpoint manager saves several steps while `fsdpfast watch` runs in
-another process (polling every 20 ms, inotify too): accelerate's `save_state`, the Trainer's
-checkpoint-N calls, torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
+another process (polling every 20 ms, inotify too): accelerate's `save_state`, a real
+`Trainer.train()` under FSDP2 (save_steps=1), torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
 frameworks are in fsdpfast._testing.framework_runs). Every step is published once, in step order,
 bit for bit what `merge` writes from the finished checkpoint afterwards and the live model's
 weights; nothing refused or failed. Beside the watcher, this process asks watch.discover which
