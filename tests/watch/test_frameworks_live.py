@@ -136,44 +136,51 @@ def test_a_checkpoint_is_complete_only_with_every_file_the_merge_reads(watched_r
 # ---- Megatron: megatron-core is not installed in CI; its save is replayed -----------------------
 
 MEGATRON = Path(__file__).parents[1] / "data" / "megatron" / "tp2_pp1"
-# The order of an iteration's writes, derived from the source (not recorded from a live save):
-# megatron-core's dist_checkpointing.save (serialization.py, read at NVIDIA/Megatron-LM 0057095):
-# rank 0's common.pt (save_common); the torch_dist strategy's save, every rank's
-# __<rank>_<i>.distcp (torch DCP's FileSystemWriter, written in pieces here) then DCP's .metadata
-# by the coordinator; rank 0's metadata.json (metadata_finalize_fn, then a barrier). Then
-# Megatron-LM's save_checkpoint, after a barrier, has rank 0 rewrite
-# run/latest_checkpointed_iteration.txt in place (open "w": empty for a moment, then the number).
-_MEGATRON_ORDER = [
-    "common.pt",
-    "__0_0.distcp",
-    "__1_0.distcp",
-    "__0_1.distcp",
-    "__1_1.distcp",
-    ".metadata",
-    "metadata.json",
-]
+# The file system calls of a live megatron-core 0.16.1 dist_checkpointing.save of this fixture and
+# Megatron-LM's tracker write after it, in the order they began, recorded with strace by
+# tests/fixtures/record_megatron_save_order.py: rank 0's common.pt; both ranks' writer threads'
+# __<rank>_<i>.distcp, interleaved, each fsynced and closed; rank 0's .metadata.tmp renamed to
+# .metadata; metadata.json; then the tracker, truncated and rewritten in place.
+SAVE_ORDER = json.loads((MEGATRON.parent / "save_order_tp2_pp1.json").read_text())["ops"]
+_RECORDED = "iter_0000007"
+_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _replay_megatron_save(run: Path, iteration: int) -> None:
-    source = MEGATRON / "run" / "iter_0000007"
-    folder = run / f"iter_{iteration:07d}"
-    folder.mkdir()
-    assert sorted(_MEGATRON_ORDER) == sorted(os.listdir(source))
-    for name in _MEGATRON_ORDER:
-        data = (source / name).read_bytes()
-        with open(folder / name, "wb") as f:
-            for start in range(0, len(data), max(1, len(data) // 4)):
-                f.write(data[start : start + max(1, len(data) // 4)])
-                f.flush()
-                time.sleep(0.03)
-    tracker = run / "latest_checkpointed_iteration.txt"
-    with open(tracker, "w") as f:
-        f.flush()
-        time.sleep(0.05)  # the truncated tracker, empty, is looked at too
-        f.write(str(iteration))
+    """The recorded calls, one at a time, on the fixture's own bytes (`.metadata.tmp`'s are
+    `.metadata`'s), the folder renamed to this iteration's; a pause after each so that the
+    watcher and the observer look at every state the save passes through."""
+    source = MEGATRON / "run" / _RECORDED
+    folder = f"iter_{iteration:07d}"
+    written = {o["to"] for o in SAVE_ORDER if o["op"] == "rename"} | {
+        o["path"] for o in SAVE_ORDER if o["op"] == "open" and not o["path"].endswith(".tmp")
+    }
+    assert sorted(written) == sorted([f"{_RECORDED}/{n}" for n in os.listdir(source)] + [_TRACKER])
+    files, left = {}, {}
+    for op in SAVE_ORDER:
+        path = run / op["path"].replace(_RECORDED, folder)
+        if op["op"] == "mkdir":
+            path.mkdir()
+        elif op["op"] == "open":
+            files[path] = open(path, "wb")
+            name = op["path"].removeprefix(_RECORDED + "/").removesuffix(".tmp")
+            left[path] = str(iteration).encode() if name == _TRACKER else (source / name).read_bytes()
+        elif op["op"] == "write":
+            count = len(left[path]) if path.name == _TRACKER else op["bytes"]
+            files[path].write(left[path][:count])
+            files[path].flush()
+            left[path] = left[path][count:]
+        elif op["op"] == "fsync":
+            os.fsync(files[path].fileno())
+        elif op["op"] == "close":
+            files.pop(path).write(left.pop(path))  # the rest, where the fixture's file is longer
+        elif op["op"] == "rename":
+            os.rename(path, run / op["to"].replace(_RECORDED, folder))
+        time.sleep(0.005 if op["op"] == "write" else 0.03)
+    assert not files
 
 
-def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_each(tmp_path):
+def test_megatron_iterations_written_in_a_recorded_megatron_core_order_are_published_once_each(tmp_path):
     from safetensors.torch import load_file
 
     run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
