@@ -209,10 +209,10 @@ def test_megatron_iterations_written_in_a_recorded_megatron_core_order_are_publi
         assert observer.incomplete.get(name, 0) > 0, observer.incomplete
 
 
-def _await_every_step(watcher: subprocess.Popen, log) -> None:
-    """Until the watcher has said how each of the STEPS checkpoints ended (it must stay up meanwhile)."""
+def _await_every_step(watcher: subprocess.Popen, log, steps: int = STEPS) -> None:
+    """Until the watcher has said how each of the `steps` checkpoints ended (it must stay up meanwhile)."""
     deadline = time.monotonic() + _PATIENCE_S
-    while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
+    while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < steps:
         assert watcher.poll() is None, watcher.communicate()[1]
         assert time.monotonic() < deadline, _events(log)
         time.sleep(0.05)
@@ -225,3 +225,46 @@ def _stop(watcher: subprocess.Popen, observer) -> None:
     watcher.send_signal(signal.SIGTERM)
     _, err = watcher.communicate(timeout=_PATIENCE_S)
     assert watcher.returncode == 0, err
+
+
+# ---- Megatron live, where megatron-core is installed (never in CI) ------------------------------
+
+MEGATRON_PYTHON = os.environ.get("FSDPFAST_MEGATRON_PYTHON")  # an interpreter with megatron-core 0.16.1
+_LIVE_ITERATIONS = 2  # each starts two ranks that import megatron-core: a minute or more apiece
+
+
+@pytest.mark.skipif(
+    not MEGATRON_PYTHON, reason="megatron-core is not installed: FSDPFAST_MEGATRON_PYTHON names a python that has it"
+)
+def test_megatron_cores_own_save_while_watched_is_published_once_each(tmp_path):
+    """megatron-core's dist_checkpointing.save and the tracker write, live on two gloo ranks
+    (tests/fixtures/megatron_live_run.py), while the watcher polls: each iteration published once,
+    the fixture's weights bit for bit, every look at a complete iteration seeing its final files."""
+    from safetensors.torch import load_file
+
+    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
+    run.mkdir()
+    command = [sys.executable, "-m", "fsdpfast", "watch", str(run), "--out", str(out), "--json", "--interval", "0.02"]
+    watcher = subprocess.Popen(
+        command + ["--config", str(MEGATRON / "hf")], stdout=open(log, "w"), stderr=subprocess.PIPE, text=True
+    )
+    observer = Observer(str(run))
+    observer.start()
+    names = [f"iter_{i:07d}" for i in range(1, _LIVE_ITERATIONS + 1)]
+    script = Path(__file__).parents[1] / "fixtures" / "megatron_live_run.py"
+    try:
+        saved = subprocess.run(
+            [MEGATRON_PYTHON, str(script), str(run), str(_LIVE_ITERATIONS)], capture_output=True, text=True
+        )
+        assert saved.returncode == 0, saved.stderr[-3000:]
+        _await_every_step(watcher, log, _LIVE_ITERATIONS)
+    finally:
+        _stop(watcher, observer)
+    events = _events(log)
+    assert [e["checkpoint"] for e in events if e["event"] == "published"] == names, events
+    assert {e["framework"] for e in events if e["event"] == "found"} == {"megatron"}
+    reference = load_file(str(MEGATRON / "reference.safetensors"))
+    for name in names:
+        assert_bit_exact(read_merged(str(out / name)), reference)
+        assert observer.seen[name] == {_files(str(run / name))}, name
+        assert observer.incomplete.get(name, 0) > 0, observer.incomplete
