@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..api import merge_with
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, InterruptedAfterPublishing
 from ..options import MergeOptions
+from ..remote.urls import is_remote
 from .discover import Checkpoint, complete_checkpoints, publishing_order
 from .events import Events
 from .processes import merge_in_processes
@@ -56,7 +57,7 @@ def watch(settings: WatchSettings, events: Events) -> int:
     events(
         "watching",
         run_dir=os.path.abspath(settings.run_dir),
-        out_root=os.path.abspath(settings.out_root),
+        out_root=settings.out_root if is_remote(settings.out_root) else os.path.abspath(settings.out_root),
         once=settings.once,
         interval=settings.interval,
         notified=wakeups.notified,
@@ -96,7 +97,7 @@ class _Watcher:
             name = checkpoint.name
             if self.done.get(name) == signature or self.tried.get(name) == signature:
                 continue
-            out = os.path.join(self.settings.out_root, name)
+            out = _output(self.settings.out_root, name)
             if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 self.events("skipped", checkpoint=name, out=out)
                 self.done[name] = signature
@@ -170,13 +171,18 @@ class _Watcher:
             return
         ours = sorted(outputs_of_run(settings.out_root, settings.run_dir), key=publishing_order)
         for name in ours[: max(0, len(ours) - settings.keep_last)]:
-            folder = os.path.join(settings.out_root, name)
+            folder = _output(settings.out_root, name)
             try:
                 kept = remove_output(folder)
             except BadInput as exc:  # a merge into it is running (another watcher): next pass
                 self.events("failed", checkpoint=name, reason=str(exc))
                 continue
             self.events("removed", out=folder, kept=kept)
+
+
+def _output(out_root: str, name: str) -> str:
+    """OUT_ROOT/<name>: a folder, or an object-store prefix (a URL, "/"-joined)."""
+    return f"{out_root.rstrip('/')}/{name}" if is_remote(out_root) else os.path.join(out_root, name)
 
 
 def _signature(folder: str) -> tuple:
