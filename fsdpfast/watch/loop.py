@@ -46,6 +46,8 @@ class WatchSettings:
     then_shell: bool = False
     nproc: int = 1  # processes per merge (torchrun-started `fsdpfast merge`s: watch.processes)
     merge_words: tuple = ()  # the merge options as command-line words, for those processes
+    nnodes: int = 1  # nodes merging each checkpoint together, each running this watcher (watch.processes)
+    rdzv_endpoint: str | None = None  # their rendezvous, HOST:PORT
 
 
 def watch(settings: WatchSettings, events: Events) -> int:
@@ -117,7 +119,7 @@ class _Watcher:
         self.events("started", checkpoint=name, out=out)
         self.current = name
         try:
-            if self.settings.nproc > 1:
+            if self.settings.nproc > 1 or self.settings.nnodes > 1:
                 report = self._merge_in_processes(checkpoint, out)
             else:
                 report = merge_with(checkpoint.path, out, self.settings.options)
@@ -139,7 +141,7 @@ class _Watcher:
             "published",
             checkpoint=name,
             out=out,
-            seconds=round(report.seconds, 3),
+            seconds=None if report.seconds is None else round(report.seconds, 3),
             bytes=report.bytes_written,
             files=report.files,
             warnings=report.warnings,
@@ -148,7 +150,9 @@ class _Watcher:
 
     def _merge_in_processes(self, checkpoint: Checkpoint, out: str):
         try:
-            return merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
+            settings = self.settings
+            nodes = (settings.nnodes, settings.rdzv_endpoint, checkpoint.name)
+            return merge_in_processes(checkpoint.path, out, settings.nproc, list(settings.merge_words), nodes)
         except KeyboardInterrupt as exc:  # the processes were stopped: had they renamed their output into place?
             if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 raise InterruptedAfterPublishing(str(exc)) from exc
