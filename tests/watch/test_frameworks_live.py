@@ -181,6 +181,17 @@ def _replay_megatron_save(run: Path, iteration: int) -> None:
 
 
 def test_megatron_iterations_written_in_a_recorded_megatron_core_order_are_published_once_each(tmp_path):
+    def save(run: Path) -> None:
+        for iteration in range(1, STEPS + 1):
+            _replay_megatron_save(run, iteration)
+
+    _assert_megatron_iterations_published_once_each(tmp_path, STEPS, save)
+
+
+def _assert_megatron_iterations_published_once_each(tmp_path: Path, iterations: int, save) -> None:
+    """`save(run)` writes iterations 1.. of the tp2_pp1 model while a watcher polls every 20 ms: each
+    published once, the fixture's weights bit for bit, every look at a complete iteration seeing its
+    final files, and each looked at while it was still incomplete."""
     from safetensors.torch import load_file
 
     run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
@@ -191,11 +202,10 @@ def test_megatron_iterations_written_in_a_recorded_megatron_core_order_are_publi
     )
     observer = Observer(str(run))
     observer.start()
-    names = [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
+    names = [f"iter_{i:07d}" for i in range(1, iterations + 1)]
     try:
-        for iteration in range(1, STEPS + 1):
-            _replay_megatron_save(run, iteration)
-        _await_every_step(watcher, log)
+        save(run)
+        _await_every_step(watcher, log, iterations)
     finally:
         _stop(watcher, observer)
     events = _events(log)
@@ -238,33 +248,13 @@ _LIVE_ITERATIONS = 2  # each starts two ranks that import megatron-core: a minut
 )
 def test_megatron_cores_own_save_while_watched_is_published_once_each(tmp_path):
     """megatron-core's dist_checkpointing.save and the tracker write, live on two gloo ranks
-    (tests/fixtures/megatron_live_run.py), while the watcher polls: each iteration published once,
-    the fixture's weights bit for bit, every look at a complete iteration seeing its final files."""
-    from safetensors.torch import load_file
-
-    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
-    run.mkdir()
-    command = [sys.executable, "-m", "fsdpfast", "watch", str(run), "--out", str(out), "--json", "--interval", "0.02"]
-    watcher = subprocess.Popen(
-        command + ["--config", str(MEGATRON / "hf")], stdout=open(log, "w"), stderr=subprocess.PIPE, text=True
-    )
-    observer = Observer(str(run))
-    observer.start()
-    names = [f"iter_{i:07d}" for i in range(1, _LIVE_ITERATIONS + 1)]
+    (tests/fixtures/megatron_live_run.py), while the watcher polls."""
     script = Path(__file__).parents[1] / "fixtures" / "megatron_live_run.py"
-    try:
+
+    def save(run: Path) -> None:
         saved = subprocess.run(
             [MEGATRON_PYTHON, str(script), str(run), str(_LIVE_ITERATIONS)], capture_output=True, text=True
         )
         assert saved.returncode == 0, saved.stderr[-3000:]
-        _await_every_step(watcher, log, _LIVE_ITERATIONS)
-    finally:
-        _stop(watcher, observer)
-    events = _events(log)
-    assert [e["checkpoint"] for e in events if e["event"] == "published"] == names, events
-    assert {e["framework"] for e in events if e["event"] == "found"} == {"megatron"}
-    reference = load_file(str(MEGATRON / "reference.safetensors"))
-    for name in names:
-        assert_bit_exact(read_merged(str(out / name)), reference)
-        assert observer.seen[name] == {_files(str(run / name))}, name
-        assert observer.incomplete.get(name, 0) > 0, observer.incomplete
+
+    _assert_megatron_iterations_published_once_each(tmp_path, _LIVE_ITERATIONS, save)
