@@ -88,6 +88,7 @@ class _Watcher:
         self.done: dict[str, tuple] = {}  # published or found published, by name: its files' signature then
         self.tried: dict[str, tuple] = {}  # refused or failed: the signature it had
         self.current: str | None = None  # the checkpoint being merged
+        self.reported = True  # the last merge's report came here (with --nnodes: its rank 0 ran on this node)
         self.status = 0
 
     def one_pass(self) -> None:
@@ -137,6 +138,7 @@ class _Watcher:
             self._failed("failed", name, f"{exc.filename or ''}: {exc.strerror or exc}", EXIT_FAILURE)
             return False
         self.current = None
+        self.reported = report.bytes_written is not None
         self.events(
             "published",
             checkpoint=name,
@@ -164,7 +166,8 @@ class _Watcher:
         self.status = max(self.status, status)
 
     def _then(self, out: str) -> None:
-        if self.settings.then:
+        """--then once per published folder: on several nodes, on the one that got the report."""
+        if self.settings.then and self.reported:
             status = run_then(self.settings.then, out, self.settings.then_shell)
             self.events("then", command=self.settings.then, out=out, status=status)
 

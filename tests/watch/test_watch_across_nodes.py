@@ -3,7 +3,7 @@ checkpoint together: `fsdpfast watch --once --nnodes 2 --rdzv-endpoint 127.0.0.1
 over a real run's folder (accelerate's save_state on two gloo ranks), as a cluster job step runs it
 once per node. Each checkpoint is merged once, by both nodes' processes meeting in the rendezvous
 named after it; the output is byte for byte the single-process merge's; the node whose process
-held rank 0 reports its bytes, the other says published without them."""
+held rank 0 reports its bytes and runs --then, the other says published without them."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def test_two_nodes_merge_each_checkpoint_together_as_one_process_would(finished_
     endpoint = f"127.0.0.1:{_free_port()}"
     command = [sys.executable, "-m", "fsdpfast", "watch", run_dir, "--out", str(out), "--once", "--json"]
     command += ["--config", run_dir, "--max-shard-size", "1MB", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    then_log = tmp_path / "then.log"  # each node appends the folders its --then ran on
+    command += [
+        "--then",
+        f"{sys.executable} -c \"import sys; open({str(then_log)!r}, 'a').write(sys.argv[1] + '\\n')\"",
+    ]
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], results
@@ -51,6 +56,7 @@ def test_two_nodes_merge_each_checkpoint_together_as_one_process_would(finished_
     for name in names:  # rank 0 reports on one node; the other knows only that it published
         sizes = [e["bytes"] for events in published for e in events if e["checkpoint"] == name]
         assert len(sizes) == 2 and sizes.count(None) == 1 and max(s or 0 for s in sizes) > 0, sizes
+    assert sorted(then_log.read_text().splitlines()) == [str(out / name) for name in names]  # once each
     for name in names:
         single = tmp_path / "single" / name
         fsdpfast.merge(os.path.join(run_dir, name), single, config=run_dir, max_shard_size="1MB")
