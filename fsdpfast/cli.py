@@ -245,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge each checkpoint with N processes on this machine (torchrun, as `torchrun --nproc-per-node N "
         "-m fsdpfast merge` does; default 1: in the watcher's process)",
     )
+    watch.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="merge each checkpoint on N nodes together, each running this same watch command "
+        "(torchrun's c10d rendezvous at --rdzv-endpoint, one per checkpoint; default 1)",
+    )
+    watch.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes: the rendezvous of the nodes' merges (a node's address and a free port)",
+    )
 
     demo = verbs.add_parser(
         "demo",
@@ -603,6 +617,10 @@ def _watch(args) -> int:
     options = merge_options(engine=args.engine, overwrite=args.overwrite, **_plan_options(args))  # parsed once
     if args.nproc_per_merge < 1:
         raise BadInput(f"--nproc-per-merge {args.nproc_per_merge}: give the number of processes, 1 or more")
+    if args.nnodes < 1:
+        raise BadInput(f"--nnodes {args.nnodes}: give the number of nodes, 1 or more")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise BadInput(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes' merges meet")
     merge_only = argparse.ArgumentParser(add_help=False)
     _add_merge_options(merge_only)
     settings = WatchSettings(
@@ -616,5 +634,7 @@ def _watch(args) -> int:
         args.then_shell,
         args.nproc_per_merge,
         tuple(merge_words(merge_only, args)),
+        args.nnodes,
+        args.rdzv_endpoint,
     )
     return watch(settings, Events(args.json))

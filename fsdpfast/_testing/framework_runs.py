@@ -5,8 +5,12 @@ Real gloo ranks; one AdamW step before each save, so every step's weights differ
 - "accelerate": `Accelerator.save_state(run/checkpoint_N)` on an FSDP2 model (framework_examples'
   CPU Accelerator); the model's DCP folder `pytorch_model_fsdp_0/` beside the optimizer's and the
   rng states.
-- "trainer": `run/checkpoint-N/` by the calls `Trainer._save_checkpoint` makes under FSDP (model,
-  optimizer, scheduler, rng states, trainer_state.json last), config.json in the output_dir.
+- "trainer": a real `transformers.Trainer.train()` under FSDP2 (save_steps=1) writes `run/checkpoint-N/`
+  itself (model and optimizer DCP folders, scheduler, rng states, trainer_state.json last);
+  config.json in the output_dir. No TrainingArguments switch runs the Trainer's FSDP on CPU ranks
+  (accelerate's AcceleratorState picks FSDP only for accelerator ranks; `fsdp=` with `use_cpu=True`
+  trains DDP), so the Accelerator's state is set to FSDP first, as framework_examples does, and
+  the Trainer is told `accelerator_config={"use_configured_state": True}` to take it.
 - "torchtitan": its `CheckpointManager` (interval 1) saves `run/step-N/` (the manager's folder is
   the run folder) with the model, optimizer, scheduler and train state.
 - "deepspeed": `engine.save_checkpoint(run)` (ZeRO-3, bf16), tags `global_stepN`, `latest` after.
@@ -15,7 +19,6 @@ Rank 0 saves each step's unsharded model to `refs/<checkpoint name>.pt` after th
 
 from __future__ import annotations
 
-import json
 import os
 from functools import partial
 
@@ -64,7 +67,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, framework: str,
     from .framework_examples import launched_environment
 
     launched_environment(rank, world_size, port)
-    job = _torchtitan if framework == "torchtitan" else _accelerate
+    job = {"torchtitan": _torchtitan, "trainer": _trainer}.get(framework, _accelerate)
     serve_rank(rank, world_size, port, "gloo", [partial(job, rank, root, framework, steps, seed)])
 
 
@@ -89,37 +92,59 @@ def _ids(vocab: int, seed: int, step: int) -> torch.Tensor:
 
 
 def _accelerate(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
-    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
-
     from .framework_examples import _accelerator
 
     if rank == 0:
         _write_config(root, seed)
     accelerator = _accelerator(2, "SHARDED_STATE_DICT")
-    plugin = accelerator.state.fsdp_plugin
     model = build_model(_spec(seed))
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for step in range(1, steps + 1):
         ids = _ids(SIZES["vocab_size"], seed, step)
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         optimizer.step()
         optimizer.zero_grad()
         name = checkpoint_name(framework, step)
-        folder = os.path.join(root, "run", name)
-        if framework == "accelerate":
-            accelerator.save_state(folder)
-        else:  # what Trainer._save_checkpoint writes under FSDP, in its order
-            os.makedirs(folder, exist_ok=True)
-            save_fsdp_model(plugin, accelerator, model, folder)
-            save_fsdp_optimizer(plugin, accelerator, optimizer, model, folder)
-            if rank == 0:
-                torch.save(scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
-            torch.save({"python": 0, "cpu": torch.get_rng_state()}, os.path.join(folder, f"rng_state_{rank}.pth"))
-            if rank == 0:
-                with open(os.path.join(folder, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step, "max_steps": steps, "log_history": []}, f)
+        accelerator.save_state(os.path.join(root, "run", name))
         _save_reference(rank, root, name, model)
+
+
+def _trainer(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from .framework_examples import _accelerator
+
+    if rank == 0:
+        _write_config(root, seed)
+    _accelerator(2, "SHARDED_STATE_DICT")  # the state the Trainer's Accelerator takes (use_configured_state)
+
+    class SaveReference(TrainerCallback):  # called on every rank right after _save_checkpoint
+        def on_save(self, args, state, control, model=None, **kwargs):
+            _save_reference(rank, root, checkpoint_name(framework, state.global_step), model)
+
+    batches = [_ids(SIZES["vocab_size"], seed, step) for step in range(1, steps + 1)]
+    rows = [{"input_ids": row, "labels": row} for ids in batches for row in ids]  # 2 ranks x 1 row a step
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "run"),
+        use_cpu=True,
+        max_steps=steps,
+        save_steps=1,
+        per_device_train_batch_size=1,
+        learning_rate=1e-2,
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=steps + 1,
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "state_dict_type": "SHARDED_STATE_DICT",
+        },
+        accelerator_config={"use_configured_state": True},
+    )
+    trainer = Trainer(model=build_model(_spec(seed)), args=args, train_dataset=rows, callbacks=[SaveReference()])
+    assert trainer.is_fsdp_enabled, "the Trainer did not take the FSDP state"
+    trainer.train()
 
 
 def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..api import merge_with
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, InterruptedAfterPublishing
 from ..options import MergeOptions
+from ..remote.urls import is_remote
 from .discover import Checkpoint, complete_checkpoints, publishing_order
 from .events import Events
 from .processes import merge_in_processes
@@ -45,6 +46,8 @@ class WatchSettings:
     then_shell: bool = False
     nproc: int = 1  # processes per merge (torchrun-started `fsdpfast merge`s: watch.processes)
     merge_words: tuple = ()  # the merge options as command-line words, for those processes
+    nnodes: int = 1  # nodes merging each checkpoint together, each running this watcher (watch.processes)
+    rdzv_endpoint: str | None = None  # their rendezvous, HOST:PORT
 
 
 def watch(settings: WatchSettings, events: Events) -> int:
@@ -56,7 +59,7 @@ def watch(settings: WatchSettings, events: Events) -> int:
     events(
         "watching",
         run_dir=os.path.abspath(settings.run_dir),
-        out_root=os.path.abspath(settings.out_root),
+        out_root=settings.out_root if is_remote(settings.out_root) else os.path.abspath(settings.out_root),
         once=settings.once,
         interval=settings.interval,
         notified=wakeups.notified,
@@ -85,6 +88,7 @@ class _Watcher:
         self.done: dict[str, tuple] = {}  # published or found published, by name: its files' signature then
         self.tried: dict[str, tuple] = {}  # refused or failed: the signature it had
         self.current: str | None = None  # the checkpoint being merged
+        self.reported = True  # the last merge's report came here (with --nnodes: its rank 0 ran on this node)
         self.status = 0
 
     def one_pass(self) -> None:
@@ -96,7 +100,7 @@ class _Watcher:
             name = checkpoint.name
             if self.done.get(name) == signature or self.tried.get(name) == signature:
                 continue
-            out = os.path.join(self.settings.out_root, name)
+            out = _output(self.settings.out_root, name)
             if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 self.events("skipped", checkpoint=name, out=out)
                 self.done[name] = signature
@@ -116,7 +120,7 @@ class _Watcher:
         self.events("started", checkpoint=name, out=out)
         self.current = name
         try:
-            if self.settings.nproc > 1:
+            if self.settings.nproc > 1 or self.settings.nnodes > 1:
                 report = self._merge_in_processes(checkpoint, out)
             else:
                 report = merge_with(checkpoint.path, out, self.settings.options)
@@ -134,11 +138,12 @@ class _Watcher:
             self._failed("failed", name, f"{exc.filename or ''}: {exc.strerror or exc}", EXIT_FAILURE)
             return False
         self.current = None
+        self.reported = report.bytes_written is not None
         self.events(
             "published",
             checkpoint=name,
             out=out,
-            seconds=round(report.seconds, 3),
+            seconds=None if report.seconds is None else round(report.seconds, 3),
             bytes=report.bytes_written,
             files=report.files,
             warnings=report.warnings,
@@ -147,7 +152,9 @@ class _Watcher:
 
     def _merge_in_processes(self, checkpoint: Checkpoint, out: str):
         try:
-            return merge_in_processes(checkpoint.path, out, self.settings.nproc, list(self.settings.merge_words))
+            settings = self.settings
+            nodes = (settings.nnodes, settings.rdzv_endpoint, checkpoint.name)
+            return merge_in_processes(checkpoint.path, out, settings.nproc, list(settings.merge_words), nodes)
         except KeyboardInterrupt as exc:  # the processes were stopped: had they renamed their output into place?
             if published(out, checkpoint.path, self.settings.options.dtype, self.settings.options.fp8_skip):
                 raise InterruptedAfterPublishing(str(exc)) from exc
@@ -159,7 +166,8 @@ class _Watcher:
         self.status = max(self.status, status)
 
     def _then(self, out: str) -> None:
-        if self.settings.then:
+        """--then once per published folder: on several nodes, on the one that got the report."""
+        if self.settings.then and self.reported:
             status = run_then(self.settings.then, out, self.settings.then_shell)
             self.events("then", command=self.settings.then, out=out, status=status)
 
@@ -170,13 +178,18 @@ class _Watcher:
             return
         ours = sorted(outputs_of_run(settings.out_root, settings.run_dir), key=publishing_order)
         for name in ours[: max(0, len(ours) - settings.keep_last)]:
-            folder = os.path.join(settings.out_root, name)
+            folder = _output(settings.out_root, name)
             try:
                 kept = remove_output(folder)
             except BadInput as exc:  # a merge into it is running (another watcher): next pass
                 self.events("failed", checkpoint=name, reason=str(exc))
                 continue
             self.events("removed", out=folder, kept=kept)
+
+
+def _output(out_root: str, name: str) -> str:
+    """OUT_ROOT/<name>: a folder, or an object-store prefix (a URL, "/"-joined)."""
+    return f"{out_root.rstrip('/')}/{name}" if is_remote(out_root) else os.path.join(out_root, name)
 
 
 def _signature(folder: str) -> tuple:

@@ -25,9 +25,9 @@ GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
-class ChildReport:
-    seconds: float
-    bytes_written: int
+class ChildReport:  # None, [] on a node whose processes do not hold rank 0 (the report is printed there)
+    seconds: float | None
+    bytes_written: int | None
     files: list
     warnings: list
 
@@ -51,10 +51,19 @@ def merge_words(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     return words
 
 
-def merge_in_processes(src: str, out: str, nproc: int, words: list[str]) -> ChildReport:
+def merge_in_processes(src: str, out: str, nproc: int, words: list[str], nodes=(1, None, "")) -> ChildReport:
     """Merge `src` into `out` with `nproc` processes; BadInput (exit 2: refused) or FsdpfastError
-    (anything else) with the child's error line when it does not publish."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    (anything else) with the child's error line when it does not publish. `nodes`: (how many nodes
+    merge it together, their rendezvous HOST:PORT, the checkpoint's name): each node's watcher
+    starts its torchrun into the c10d rendezvous named after the checkpoint, so nodes meet only
+    over the same checkpoint."""
+    nnodes, endpoint, name = nodes
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes > 1:
+        command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
+        command += [f"--rdzv-id=fsdpfast-{name}"]
+    else:
+        command += ["--standalone"]
     command += ["-m", "fsdpfast", "merge", src, "--out", out, "--json", "--quiet", *words]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     child = subprocess.Popen(
@@ -66,6 +75,8 @@ def merge_in_processes(src: str, out: str, nproc: int, words: list[str]) -> Chil
         _stop(child)
         raise
     if child.returncode == 0:
+        if not stdout.strip():  # rank 0, which reports, ran on another node
+            return ChildReport(None, None, [], [])
         report = json.loads(stdout)
         return ChildReport(report["seconds"], report["bytes_written"], report["files"], report["warnings"])
     errors = [line[len("fsdpfast: error: ") :] for line in stderr.splitlines() if line.startswith("fsdpfast: error: ")]

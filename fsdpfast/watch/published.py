@@ -1,7 +1,7 @@
 """What the watcher published before, read from the outputs themselves, so a restarted watcher
 (or one killed at any moment) knows it: an output folder whose manifest names the checkpoint
 folder and the identity of its files as they are now (path, size, mtime_ns: manifest.sources) is
-that checkpoint published. A merge killed before its rename left no output (io.local_target),
+that checkpoint published (an object-store OUT_ROOT alike: watch.remote_outputs). A merge killed before its rename left no output (io.local_target),
 so it is simply redone; its staging folder is removed by the next merge into the same folder.
 """
 
@@ -13,10 +13,14 @@ from ..errors import BadInput
 from ..io.earlier_output import remove_written
 from ..io.output_guard import OutputLock
 from ..manifest import changed_sources, read_manifest
+from ..remote.urls import is_remote
+from .remote_outputs import remote_manifest, remote_output_names, remove_remote_output
 
 
 def manifest_of(out_dir: str) -> dict | None:
-    """The manifest of an output folder; None when there is none or it cannot be read."""
+    """The manifest of an output folder (or object-store prefix); None when there is none or it cannot be read."""
+    if is_remote(out_dir):
+        return remote_manifest(out_dir)
     if os.path.islink(out_dir) or not os.path.isdir(out_dir):
         return None
     try:
@@ -43,7 +47,11 @@ def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
     --keep-last may remove: a merge of the same run into another name (`out/best`) is the user's."""
     run = os.path.abspath(run_dir)
     try:
-        entries = sorted(e for e in os.listdir(out_root) if not e.startswith("."))
+        entries = (
+            remote_output_names(out_root)
+            if is_remote(out_root)
+            else sorted(e for e in os.listdir(out_root) if not e.startswith("."))
+        )
     except FileNotFoundError:
         return []
     found = []
@@ -57,7 +65,10 @@ def outputs_of_run(out_root: str, run_dir: str) -> list[str]:
 
 def remove_output(out_dir: str) -> list[str]:
     """Remove what the merge into `out_dir` wrote, its manifest listing it (io.earlier_output), under
-    the folder's lock (no merge into it is running); what is left, fsdpfast not having written it."""
+    the folder's lock (no merge into it is running); what is left, fsdpfast not having written it.
+    On an object store (no lock there): the objects its manifest lists (watch.remote_outputs)."""
+    if is_remote(out_dir):
+        return remove_remote_output(out_dir)
     lock = OutputLock(out_dir)
     try:
         return remove_written(out_dir)

@@ -1,6 +1,6 @@
 """Each framework's own checkpoint manager saves several steps while `fsdpfast watch` runs in
-another process (polling every 20 ms, inotify too): accelerate's `save_state`, the Trainer's
-checkpoint-N calls, torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
+another process (polling every 20 ms, inotify too): accelerate's `save_state`, a real
+`Trainer.train()` under FSDP2 (save_steps=1), torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
 frameworks are in fsdpfast._testing.framework_runs). Every step is published once, in step order,
 bit for bit what `merge` writes from the finished checkpoint afterwards and the live model's
 weights; nothing refused or failed. Beside the watcher, this process asks watch.discover which
@@ -136,44 +136,62 @@ def test_a_checkpoint_is_complete_only_with_every_file_the_merge_reads(watched_r
 # ---- Megatron: megatron-core is not installed in CI; its save is replayed -----------------------
 
 MEGATRON = Path(__file__).parents[1] / "data" / "megatron" / "tp2_pp1"
-# The order of an iteration's writes, derived from the source (not recorded from a live save):
-# megatron-core's dist_checkpointing.save (serialization.py, read at NVIDIA/Megatron-LM 0057095):
-# rank 0's common.pt (save_common); the torch_dist strategy's save, every rank's
-# __<rank>_<i>.distcp (torch DCP's FileSystemWriter, written in pieces here) then DCP's .metadata
-# by the coordinator; rank 0's metadata.json (metadata_finalize_fn, then a barrier). Then
-# Megatron-LM's save_checkpoint, after a barrier, has rank 0 rewrite
-# run/latest_checkpointed_iteration.txt in place (open "w": empty for a moment, then the number).
-_MEGATRON_ORDER = [
-    "common.pt",
-    "__0_0.distcp",
-    "__1_0.distcp",
-    "__0_1.distcp",
-    "__1_1.distcp",
-    ".metadata",
-    "metadata.json",
-]
+# The file system calls of a live megatron-core 0.16.1 dist_checkpointing.save of this fixture and
+# Megatron-LM's tracker write after it, in the order they began, recorded with strace by
+# tests/fixtures/record_megatron_save_order.py: rank 0's common.pt; both ranks' writer threads'
+# __<rank>_<i>.distcp, interleaved, each fsynced and closed; rank 0's .metadata.tmp renamed to
+# .metadata; metadata.json; then the tracker, truncated and rewritten in place.
+SAVE_ORDER = json.loads((MEGATRON.parent / "save_order_tp2_pp1.json").read_text())["ops"]
+_RECORDED = "iter_0000007"
+_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _replay_megatron_save(run: Path, iteration: int) -> None:
-    source = MEGATRON / "run" / "iter_0000007"
-    folder = run / f"iter_{iteration:07d}"
-    folder.mkdir()
-    assert sorted(_MEGATRON_ORDER) == sorted(os.listdir(source))
-    for name in _MEGATRON_ORDER:
-        data = (source / name).read_bytes()
-        with open(folder / name, "wb") as f:
-            for start in range(0, len(data), max(1, len(data) // 4)):
-                f.write(data[start : start + max(1, len(data) // 4)])
-                f.flush()
-                time.sleep(0.03)
-    tracker = run / "latest_checkpointed_iteration.txt"
-    with open(tracker, "w") as f:
-        f.flush()
-        time.sleep(0.05)  # the truncated tracker, empty, is looked at too
-        f.write(str(iteration))
+    """The recorded calls, one at a time, on the fixture's own bytes (`.metadata.tmp`'s are
+    `.metadata`'s), the folder renamed to this iteration's; a pause after each so that the
+    watcher and the observer look at every state the save passes through."""
+    source = MEGATRON / "run" / _RECORDED
+    folder = f"iter_{iteration:07d}"
+    written = {o["to"] for o in SAVE_ORDER if o["op"] == "rename"} | {
+        o["path"] for o in SAVE_ORDER if o["op"] == "open" and not o["path"].endswith(".tmp")
+    }
+    assert sorted(written) == sorted([f"{_RECORDED}/{n}" for n in os.listdir(source)] + [_TRACKER])
+    files, left = {}, {}
+    for op in SAVE_ORDER:
+        path = run / op["path"].replace(_RECORDED, folder)
+        if op["op"] == "mkdir":
+            path.mkdir()
+        elif op["op"] == "open":
+            files[path] = open(path, "wb")
+            name = op["path"].removeprefix(_RECORDED + "/").removesuffix(".tmp")
+            left[path] = str(iteration).encode() if name == _TRACKER else (source / name).read_bytes()
+        elif op["op"] == "write":
+            count = len(left[path]) if path.name == _TRACKER else op["bytes"]
+            files[path].write(left[path][:count])
+            files[path].flush()
+            left[path] = left[path][count:]
+        elif op["op"] == "fsync":
+            os.fsync(files[path].fileno())
+        elif op["op"] == "close":
+            files.pop(path).write(left.pop(path))  # the rest, where the fixture's file is longer
+        elif op["op"] == "rename":
+            os.rename(path, run / op["to"].replace(_RECORDED, folder))
+        time.sleep(0.005 if op["op"] == "write" else 0.03)
+    assert not files
 
 
-def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_each(tmp_path):
+def test_megatron_iterations_written_in_a_recorded_megatron_core_order_are_published_once_each(tmp_path):
+    def save(run: Path) -> None:
+        for iteration in range(1, STEPS + 1):
+            _replay_megatron_save(run, iteration)
+
+    _assert_megatron_iterations_published_once_each(tmp_path, STEPS, save)
+
+
+def _assert_megatron_iterations_published_once_each(tmp_path: Path, iterations: int, save) -> None:
+    """`save(run)` writes iterations 1.. of the tp2_pp1 model while a watcher polls every 20 ms: each
+    published once, the fixture's weights bit for bit, every look at a complete iteration seeing its
+    final files, and each looked at while it was still incomplete."""
     from safetensors.torch import load_file
 
     run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "events.jsonl"
@@ -184,11 +202,10 @@ def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_
     )
     observer = Observer(str(run))
     observer.start()
-    names = [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
+    names = [f"iter_{i:07d}" for i in range(1, iterations + 1)]
     try:
-        for iteration in range(1, STEPS + 1):
-            _replay_megatron_save(run, iteration)
-        _await_every_step(watcher, log)
+        save(run)
+        _await_every_step(watcher, log, iterations)
     finally:
         _stop(watcher, observer)
     events = _events(log)
@@ -202,10 +219,10 @@ def test_megatron_iterations_written_in_megatron_cores_order_are_published_once_
         assert observer.incomplete.get(name, 0) > 0, observer.incomplete
 
 
-def _await_every_step(watcher: subprocess.Popen, log) -> None:
-    """Until the watcher has said how each of the STEPS checkpoints ended (it must stay up meanwhile)."""
+def _await_every_step(watcher: subprocess.Popen, log, steps: int = STEPS) -> None:
+    """Until the watcher has said how each of the `steps` checkpoints ended (it must stay up meanwhile)."""
     deadline = time.monotonic() + _PATIENCE_S
-    while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < STEPS:
+    while len([e for e in _events(log) if e["event"] in ("published", "refused", "failed")]) < steps:
         assert watcher.poll() is None, watcher.communicate()[1]
         assert time.monotonic() < deadline, _events(log)
         time.sleep(0.05)
@@ -218,3 +235,26 @@ def _stop(watcher: subprocess.Popen, observer) -> None:
     watcher.send_signal(signal.SIGTERM)
     _, err = watcher.communicate(timeout=_PATIENCE_S)
     assert watcher.returncode == 0, err
+
+
+# ---- Megatron live, where megatron-core is installed (never in CI) ------------------------------
+
+MEGATRON_PYTHON = os.environ.get("FSDPFAST_MEGATRON_PYTHON")  # an interpreter with megatron-core 0.16.1
+_LIVE_ITERATIONS = 2  # each starts two ranks that import megatron-core: a minute or more apiece
+
+
+@pytest.mark.skipif(
+    not MEGATRON_PYTHON, reason="megatron-core is not installed: FSDPFAST_MEGATRON_PYTHON names a python that has it"
+)
+def test_megatron_cores_own_save_while_watched_is_published_once_each(tmp_path):
+    """megatron-core's dist_checkpointing.save and the tracker write, live on two gloo ranks
+    (tests/fixtures/megatron_live_run.py), while the watcher polls."""
+    script = Path(__file__).parents[1] / "fixtures" / "megatron_live_run.py"
+
+    def save(run: Path) -> None:
+        saved = subprocess.run(
+            [MEGATRON_PYTHON, str(script), str(run), str(_LIVE_ITERATIONS)], capture_output=True, text=True
+        )
+        assert saved.returncode == 0, saved.stderr[-3000:]
+
+    _assert_megatron_iterations_published_once_each(tmp_path, _LIVE_ITERATIONS, save)
