@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 
-from .io.sources import rebased
 from .options import MergeOptions, layout_options_only, merge_options
 from .pipeline import job as merge_job
 from .pipeline import plan as pipeline_plan
@@ -89,9 +87,7 @@ def inspect(
             features = {
                 k: v for t in pipeline_plan.plan_transforms(mirror.root, asked) for k, v in t.describe(plan).items()
             }
-            plan = plan.but(sources=rebased(plan.sources, mirror.root, mirror.url))
-            said = json.dumps(Inspection.of(src, plan, features).as_dict())
-            return json.loads(said.replace(json.dumps(mirror.root)[1:-1], mirror.url))  # notes name the store
+            return Inspection.of(mirror.url, plan, features, stand_in=mirror.root).as_dict()
     plan = pipeline_plan.plan_merge(src, asked)
     features = {
         key: value for t in pipeline_plan.plan_transforms(src, asked) for key, value in t.describe(plan).items()
