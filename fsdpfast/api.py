@@ -87,7 +87,7 @@ def inspect(
             features = {
                 k: v for t in pipeline_plan.plan_transforms(mirror.root, asked) for k, v in t.describe(plan).items()
             }
-            return Inspection.of(mirror.url, plan, features, stand_in=mirror.root).as_dict()
+            return Inspection.of(mirror.url, plan, features, said=mirror.said).as_dict()
     plan = pipeline_plan.plan_merge(src, asked)
     features = {
         key: value for t in pipeline_plan.plan_transforms(src, asked) for key, value in t.describe(plan).items()

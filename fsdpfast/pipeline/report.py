@@ -129,10 +129,10 @@ class Inspection:
     adapters: list[dict] = field(default_factory=list)  # PEFT LoRA adapters (lora.transform)
 
     @classmethod
-    def of(cls, src: str, plan: MergePlan, features: dict, stand_in: str | None = None) -> Inspection:
-        """`features`: what each plan transform shows (lora.transform: `adapters`). `stand_in`: the local
-        folder `src` (a store's prefix) was planned from (remote.metadata_mirror): its paths are said as `src`'s."""
-        said = _StoreNames(stand_in, src) if stand_in is not None else (lambda value: value)
+    def of(cls, src: str, plan: MergePlan, features: dict, said=None) -> Inspection:
+        """`features`: what each plan transform shows (lora.transform: `adapters`). `said`: how a path
+        the plan names is told (a store's prefix planned from a local stand-in: Mirrored.said); as it is."""
+        said = said or (lambda value: value)
         tensors = [
             {
                 "name": t.name,
@@ -187,21 +187,6 @@ class Inspection:
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines + _assumed_lines(self.assumed))
-
-
-class _StoreNames:
-    """A path, or a text naming paths, inside the local stand-in of a store's prefix, said with the
-    store's URL instead (a path is `root/...`; a note names it as one of its words)."""
-
-    def __init__(self, root: str, url: str):
-        self.root, self.url = os.path.abspath(root), url.rstrip("/")
-
-    def __call__(self, value):
-        if not isinstance(value, str):
-            return value
-        if value == self.root or value.startswith(self.root + os.sep):
-            return self.url + value[len(self.root) :].replace(os.sep, "/")
-        return value.replace(self.root + os.sep, self.url + "/").replace(self.root, self.url)
 
 
 def _assumed_lines(assumed: dict) -> list[str]:

@@ -35,6 +35,16 @@ class Mirrored:
     url: str  # the checkpoint's prefix in the store
     etags: dict[str, str]  # object URL -> its ETag when listed: a later GET must find the same
 
+    def said(self, value):
+        """A path inside the stand-in, or a text naming such paths (a reader's note, an error), said with
+        the store's URL instead; anything else unchanged."""
+        if not isinstance(value, str):
+            return value
+        root = os.path.abspath(self.root)
+        if value == root or value.startswith(root + os.sep):
+            return self.url + value[len(root) :].replace(os.sep, "/")
+        return value.replace(root + os.sep, self.url + "/").replace(root, self.url)
+
 
 @contextmanager
 def mirrored_metadata(url: str, windows_of=None):
