@@ -35,6 +35,11 @@ class Mirrored:
     url: str  # the checkpoint's prefix in the store
     etags: dict[str, str]  # object URL -> its ETag when listed: a later GET must find the same
 
+    def identity(self, stand_in: list[dict]) -> list[dict]:
+        """The sources' identity a manifest records (manifest.source_identity of the stand-in's files), with
+        each object's ETag instead of the stand-in's modification time: what tells a later changed object."""
+        return [{**entry, "mtime_ns": 0, "etag": self.etags.get(f"{self.url}/{entry['path']}")} for entry in stand_in]
+
     def said(self, value):
         """A path inside the stand-in, or a text naming such paths (a reader's note, an error), said with
         the store's URL instead; anything else unchanged."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from s3_server import objects
+from s3_server import objects, upload_folder
 
 import fsdpfast
 from fsdpfast.cli import main
@@ -79,3 +79,23 @@ def test_another_merges_manifest_and_refusals(merged, checkpoints, tmp_path, cap
         assert main(["verify", url, *asked]) == EXIT_BAD_INPUT
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fsdpfast: error:")]
         assert len(errors) == 1 and "local disk" in errors[0], errors
+
+
+def test_a_remote_merge_records_each_source_objects_etag(checkpoints, s3_server, bucket, capsys):
+    """A later verify tells a replaced source object by its ETag (the stand-in's file times mean nothing)."""
+    _, folder = checkpoints.get(NAME)
+    client = s3_server.client()
+    upload_folder(client, folder, bucket, "run")
+    fsdpfast.merge(f"s3://{bucket}/run", f"s3://{bucket}/out")
+    sources = json.loads(objects(client, bucket, "out")[MANIFEST_NAME])["sources"]
+    assert sources and all(s["mtime_ns"] == 0 for s in sources)
+    for source in sources:
+        assert source["etag"] == client.head_object(Bucket=bucket, Key=f"run/{source['path']}")["ETag"]
+    assert main(["verify", f"s3://{bucket}/out"]) == 0
+    assert "changed since the merge" not in capsys.readouterr().out
+    replaced = sources[0]["path"]
+    body = client.get_object(Bucket=bucket, Key=f"run/{replaced}")["Body"].read()
+    client.put_object(Bucket=bucket, Key=f"run/{replaced}", Body=body[:-1] + bytes([body[-1] ^ 1]))  # same size
+    assert main(["verify", f"s3://{bucket}/out"]) == 0  # the output is still its manifest's: a note, as locally
+    notes = [line for line in capsys.readouterr().out.splitlines() if "changed since the merge" in line]
+    assert len(notes) == 1 and f"{replaced}: replaced since (ETag" in notes[0], notes
