@@ -55,7 +55,8 @@ def test_merge_through_s3_is_the_local_merge(checkpoints, tmp_path, s3_server, b
         upload_folder(client, folder, bucket, "run")
     source = folder if direction == "local-to-s3" else f"s3://{bucket}/run"
     if direction == "s3-to-local":
-        fsdpfast.merge(source, tmp_path / "out", **options)
+        report = fsdpfast.merge(source, tmp_path / "out", **options)
+        assert "fsdpfast-remote-" not in repr(report)  # the stand-in folder is never named
         merged = _local_files(tmp_path / "out")
     else:
         fsdpfast.merge(source, f"s3://{bucket}/merged", **options)
