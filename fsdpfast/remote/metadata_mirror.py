@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..errors import BadInput
+from ..errors import BadInput, FsdpfastError
 from .stores import store_for
 
 WHOLE_BYTES = 4 << 20  # objects up to this size are fetched whole (configs, .metadata, common.pt, small shards)
@@ -84,7 +84,13 @@ def mirrored_metadata(url: str, windows_of=None):
                 for offset, length in found
             ]
             list(pool.map(lambda job: _fill_window(store, root, prefix, *job), jobs))
-        yield Mirrored(root, url, etags)
+        mirror = Mirrored(root, url, etags)
+        try:
+            yield mirror
+        except FsdpfastError as exc:  # a refusal names the store's objects, never the stand-in
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (mirror.said(exc.args[0]), *exc.args[1:])
+            raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
