@@ -99,3 +99,23 @@ def test_a_remote_merge_records_each_source_objects_etag(checkpoints, s3_server,
     assert main(["verify", f"s3://{bucket}/out"]) == 0  # the output is still its manifest's: a note, as locally
     notes = [line for line in capsys.readouterr().out.splitlines() if "changed since the merge" in line]
     assert len(notes) == 1 and f"{replaced}: replaced since (ETag" in notes[0], notes
+
+
+@pytest.mark.parametrize("name", ["w2-llama", "w2-dcp"])
+def test_verify_against_shards_in_the_store(checkpoints, s3_server, bucket, tmp_path, capsys, monkeypatch, name):
+    """Every tensor recomputed from the shards in the store (their bytes by ranged GETs, none in the stand-in)."""
+    monkeypatch.setattr(metadata_mirror, "WHOLE_BYTES", 0)
+    _, folder = checkpoints.get(name)
+    upload_folder(s3_server.client(), folder, bucket, "run")
+    fsdpfast.merge(folder, tmp_path / "out")
+    assert main(["verify", str(tmp_path / "out"), "--against", f"s3://{bucket}/run"]) == 0
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    target, entry = max(manifest["tensors"].items(), key=lambda item: item[1]["nbytes"])
+    path = tmp_path / "out" / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 8] ^= 1
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "out"), "--against", f"s3://{bucket}/run"]) == EXIT_MISMATCH
+    lines, _ = _mismatch_lines(capsys)
+    assert len(lines) == 1 and target in lines[0] and "byte 8)" in lines[0], lines
