@@ -11,6 +11,9 @@ from .pipeline.report import DryRun, Inspection, MergeReport
 from .pipeline.run import run_merge
 from .plan.layout import DEFAULT_MAX_SHARD_SIZE
 from .plan.model import MergePlan
+from .readers.dcp import archive_windows
+from .remote.metadata_mirror import mirrored_metadata
+from .remote.urls import is_remote
 
 __all__ = ["MergeReport", "dry_run", "inspect", "merge", "plan_merge"]
 
@@ -78,6 +81,13 @@ def inspect(
     what was assumed rather than read (fsdp1-flat: the model, wrap classes, units, param order), and
     PEFT LoRA adapters (rank, alpha, target modules)."""
     src, asked = os.fspath(src), _options(locals())
+    if is_remote(src):  # planned from the metadata fetched into a stand-in; paths said as the store's
+        with mirrored_metadata(src, windows_of=archive_windows) as mirror:
+            plan = pipeline_plan.plan_merge(mirror.root, asked)
+            features = {
+                k: v for t in pipeline_plan.plan_transforms(mirror.root, asked) for k, v in t.describe(plan).items()
+            }
+            return Inspection.of(mirror.url, plan, features, said=mirror.said).as_dict()
     plan = pipeline_plan.plan_merge(src, asked)
     features = {
         key: value for t in pipeline_plan.plan_transforms(src, asked) for key, value in t.describe(plan).items()

@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--expert-layout", choices=("hub", "packed"), default="hub", help="as for merge")
     _add_lora_options(inspect, _LORA_NUMBERS)
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    _add_storage_option(inspect)
 
     verify = verbs.add_parser(
         "verify",
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_layout_options(verify, "--against: ")
     verify.add_argument("--json", action="store_true", help="print the report (every mismatch) as JSON")
+    _add_storage_option(verify)
 
     watch = verbs.add_parser(
         "watch",
@@ -325,14 +327,7 @@ def _add_merge_options(verb) -> None:
     verb.add_argument(
         "--overwrite", action="store_true", help="replace an earlier merge in --out once the new one is complete"
     )
-    verb.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an object store's setting for s3:// (gs://, az://) paths (obstore's keys: endpoint, region, ...); "
-        "credentials are read as the AWS tools read them (AWS_* variables, AWS_ENDPOINT_URL)",
-    )
+    _add_storage_option(verb)
 
 
 def _add_layout_options(verb, purpose: str = "") -> None:
@@ -400,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     if processes.started_here():  # torchrun: leave without the interpreter's shutdown (see processes.leave)
         processes.leave(status)
     return status
+
+
+def _add_storage_option(verb) -> None:
+    verb.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object store's setting for s3:// (gs://, az://) paths (obstore's keys: endpoint, region, ...); "
+        "credentials are read as the AWS tools read them (AWS_* variables, AWS_ENDPOINT_URL)",
+    )
 
 
 def _main(argv: list[str] | None) -> int:

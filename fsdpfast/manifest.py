@@ -2,7 +2,7 @@
 
 `fsdpfast-manifest.json` records every tensor's place (file, offset, bytes, dtype, shape) and its
 CRC-32C, taken while the engine wrote it (no second read), plus the identity of the source files
-(path, size, modification time). `verify` checks the output against it without the sources, and
+(path, size, modification time; for objects in a store, size and ETag). `verify` checks the output against it without the sources, and
 tells whether the sources changed since the merge.
 """
 
@@ -203,6 +203,7 @@ def _check_fields(path: str, manifest) -> None:
             and isinstance(source.get("path"), str)
             and is_count(source.get("size"))
             and is_count(source.get("mtime_ns"))
+            and isinstance(source.get("etag", ""), (str, type(None)))
         ):
             _damaged(path, f"a source entry is {str(source)[:80]!r}, not a path, size and mtime_ns")
 

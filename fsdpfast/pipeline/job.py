@@ -237,7 +237,8 @@ def finish(job: MergeJob, pieces: list, start: float, processes: int) -> MergeRe
         dtype=job.dtype,
         extras=job.extras,
     )
-    source = Provenance(job.remote.url if job.remote else job.src, job.identity, job.engine.name)
+    identity = job.remote.identity(job.identity) if job.remote else job.identity  # objects: by ETag
+    source = Provenance(job.remote.url if job.remote else job.src, identity, job.engine.name)
     done = write_small_files(target, plan, files, pieces, beside, source, job.dtype)
     job.check_sources()
     target.publish()

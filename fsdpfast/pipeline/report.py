@@ -129,8 +129,10 @@ class Inspection:
     adapters: list[dict] = field(default_factory=list)  # PEFT LoRA adapters (lora.transform)
 
     @classmethod
-    def of(cls, src: str, plan: MergePlan, features: dict) -> Inspection:
-        """`features`: what each plan transform shows (lora.transform: `adapters`)."""
+    def of(cls, src: str, plan: MergePlan, features: dict, said=None) -> Inspection:
+        """`features`: what each plan transform shows (lora.transform: `adapters`). `said`: how a path
+        the plan names is told (a store's prefix planned from a local stand-in: Mirrored.said); as it is."""
+        said = said or (lambda value: value)
         tensors = [
             {
                 "name": t.name,
@@ -149,12 +151,12 @@ class Inspection:
             tensors=tensors,
             total_tensors=len(tensors),
             total_bytes=sum(t["bytes"] for t in tensors),
-            source_files=sorted({s.path for s in plan.sources}),
-            config_dir=plan.config_dir,
+            source_files=sorted({said(s.path) for s in plan.sources}),
+            config_dir=said(plan.config_dir),
             built_config=plan.built_config,
-            notes=list(plan.notes),
-            warnings=list(plan.warnings),
-            assumed=plan.assumed,
+            notes=[said(note) for note in plan.notes],
+            warnings=[said(warning) for warning in plan.warnings],
+            assumed={key: said(value) for key, value in plan.assumed.items()},
             **features,
         )
 

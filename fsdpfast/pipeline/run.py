@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 from ..errors import BadInput, InterruptedAfterPublishing
 from ..readers.dcp import archive_windows
@@ -35,7 +36,11 @@ def run_merge(src, dst, options_of, given: dict, progress: bool, group) -> Merge
     if not is_remote(src):
         return _merge_twice(src, dst, options_of, given, processes, progress, start, None)
     with mirrored_metadata(src, windows_of=archive_windows) as mirror:  # planned from its metadata, read from the store
-        return _merge_twice(mirror.root, dst, options_of, given, processes, progress, start, mirror)
+        report = _merge_twice(mirror.root, dst, options_of, given, processes, progress, start, mirror)
+        # the notes name the store's objects, never the stand-in
+        return replace(
+            report, notes=[mirror.said(n) for n in report.notes], warnings=[mirror.said(w) for w in report.warnings]
+        )
 
 
 def _merge_twice(src, dst, options_of, given, processes, progress, start, remote) -> MergeReport:

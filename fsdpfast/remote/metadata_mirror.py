@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..errors import BadInput
+from ..errors import BadInput, FsdpfastError
 from .stores import store_for
 
 WHOLE_BYTES = 4 << 20  # objects up to this size are fetched whole (configs, .metadata, common.pt, small shards)
@@ -34,6 +34,21 @@ class Mirrored:
     root: str  # the local stand-in folder
     url: str  # the checkpoint's prefix in the store
     etags: dict[str, str]  # object URL -> its ETag when listed: a later GET must find the same
+
+    def identity(self, stand_in: list[dict]) -> list[dict]:
+        """The sources' identity a manifest records (manifest.source_identity of the stand-in's files), with
+        each object's ETag instead of the stand-in's modification time: what tells a later changed object."""
+        return [{**entry, "mtime_ns": 0, "etag": self.etags.get(f"{self.url}/{entry['path']}")} for entry in stand_in]
+
+    def said(self, value):
+        """A path inside the stand-in, or a text naming such paths (a reader's note, an error), said with
+        the store's URL instead; anything else unchanged."""
+        if not isinstance(value, str):
+            return value
+        root = os.path.abspath(self.root)
+        if value == root or value.startswith(root + os.sep):
+            return self.url + value[len(root) :].replace(os.sep, "/")
+        return value.replace(root + os.sep, self.url + "/").replace(root, self.url)
 
 
 @contextmanager
@@ -69,7 +84,13 @@ def mirrored_metadata(url: str, windows_of=None):
                 for offset, length in found
             ]
             list(pool.map(lambda job: _fill_window(store, root, prefix, *job), jobs))
-        yield Mirrored(root, url, etags)
+        mirror = Mirrored(root, url, etags)
+        try:
+            yield mirror
+        except FsdpfastError as exc:  # a refusal names the store's objects, never the stand-in
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (mirror.said(exc.args[0]), *exc.args[1:])
+            raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -16,19 +16,25 @@ a failed --overwrite leaves the prefix empty, never a mix of two merges.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 import threading
 from contextlib import contextmanager
 
-from ..errors import BadInput
+from ..errors import BadInput, FsdpfastError
 from ..manifest import MANIFEST_NAME, WRITTEN
 from .stores import store_for
 
 PART_BYTES = 16 << 20  # one part of a multipart upload (S3's minimum is 5 MB)
 UPLOADS = 8  # parts of one file in flight at once: memory held is about PART_BYTES * UPLOADS per file
 CONFIG = "config.json"
+log = logging.getLogger("fsdpfast")
+
+
+class UploadFailed(FsdpfastError):
+    """A part or the completion of an output object's multipart upload failed (after the client's retries)."""
 
 
 class ObjectTarget:
@@ -95,12 +101,31 @@ class ObjectTarget:
         self.published = True
 
     def discard(self) -> None:
-        """Unless published: the pending uploads aborted, every object written deleted."""
+        """Unless published: the pending uploads aborted, every object written deleted. A store that does not
+        answer (after the client's retries) leaves some: said in one warning line, and never loadable, since
+        config.json and the manifest are put only by `publish`."""
         if self.published:
             return
-        for file in list(self._open):
-            file.abort()
-        self.delete(list(self._written))
+        pending = [file.name for file in list(self._open) if not file.abort()]
+        written = list(self._written)
+        try:
+            self.delete(written)
+        except Exception:  # the store is gone: what is left is said below
+            pass
+        else:
+            written = []
+        if pending or written:
+            log.warning(
+                "%s: the store did not answer the clean-up: %d objects (%s) and %d pending multipart uploads (%s) "
+                "may be left under this prefix; nothing there is loadable (no config.json, no manifest); remove "
+                "them once the store answers (e.g. aws s3 rm --recursive, aws s3api abort-multipart-upload, or a "
+                "lifecycle rule aborting incomplete multipart uploads)",
+                self.url,
+                len(written),
+                ", ".join(written[:3]) or "none",
+                len(pending),
+                ", ".join(pending[:3]) or "none",
+            )
 
     def delete(self, names: list[str]) -> None:
         import obstore
@@ -156,16 +181,19 @@ class ObjectFile:
         self._ahead: dict[int, bytes] = {}  # offset -> bytes written beyond a gap
         self._lock = threading.Lock()
         self._done = False
+        self._aborted: bool | None = None  # None: not tried; else whether the store took the abort
+        self._failed: str | None = None  # the one line of the first failure, said again to any later write
 
     def write_at(self, data, offset: int) -> None:
         data = bytes(data)
         if not data:
             return
         with self._lock:
+            self._check_failed()
             self._ahead[offset] = data
             while self._next in self._ahead:
                 chunk = self._ahead.pop(self._next)
-                self._writer.write(chunk)
+                self._upload(self._writer.write, chunk)
                 self._next += len(chunk)
 
     def window(self, start: int, end: int):
@@ -177,21 +205,46 @@ class ObjectFile:
     def sync(self) -> None:
         """The upload is completed once every byte has been streamed (a file's last part)."""
         with self._lock:
+            self._check_failed()
             if self._done or self._next < self.size or self._ahead:
                 return
-            self._writer.close()
+            self._upload(self._writer.close)  # the last part and the completion (on failure the client aborts)
             self._done = True
         self.target.put_done(self.name, self.size)
 
-    def abort(self) -> None:
+    def abort(self) -> bool:
+        """Abort the multipart upload; whether nothing of it is left pending (False: the store did not take it)."""
         with self._lock:
-            if self._done:
-                return
-            self._done = True
-            try:
-                self._writer.__exit__(RuntimeError, RuntimeError("discarded"), None)  # aborts the multipart upload
-            except Exception:  # the store may be gone: nothing more can be done from here
-                pass
+            return self._abort()
+
+    def _abort(self) -> bool:
+        if self._done:
+            return True
+        if self._aborted is None:
+            try:  # the client's own abort, with its retries: once only (a failed abort cannot be tried again)
+                self._writer.__exit__(RuntimeError, RuntimeError("discarded"), None)
+                self._aborted = True
+            except Exception:
+                self._aborted = False
+        return self._aborted
+
+    def _upload(self, step, *args) -> None:
+        """A call into the upload; on failure the merge fails in one line naming the object, and the writer is
+        not called again but to abort (ObjectTarget.discard). A failure in `close` was aborted by the client
+        itself, with its retries (remote.stores.RETRIES); what it could not abort is said by `discard`."""
+        try:
+            step(*args)
+        except Exception as exc:
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0].split(" - ")[-1].strip()
+            self._failed = (
+                f"{self.target.url}/{self.name}: the upload failed after the client's retries ({reason[:160]}); "
+                "nothing was published"
+            )
+            raise UploadFailed(self._failed) from None
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise UploadFailed(self._failed)
 
     def close(self) -> None:
         self.sync()

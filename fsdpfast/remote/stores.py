@@ -11,9 +11,11 @@ from datetime import timedelta
 from .urls import require_client, split_url
 
 # Transient errors (5xx, dropped connections, timeouts) retried by the client with exponential backoff
-# and jitter: 100 ms doubling to 5 s, five tries, given up after 60 s (then the merge fails, nothing published).
+# and jitter: 100 ms doubling to 5 s, ten tries (about 25 s: a store restarting is waited for), given up
+# after 60 s (then the merge fails, nothing published). The client's abort of a multipart upload has the
+# same retries and cannot be tried again after them (obstore 0.12): the clean-up outlasts no longer outage.
 RETRIES = {
-    "max_retries": 5,
+    "max_retries": 10,
     "retry_timeout": timedelta(seconds=60),
     "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
 }

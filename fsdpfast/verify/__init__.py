@@ -5,6 +5,7 @@
 - against a checkpoint: every tensor recomputed from the shards chunk by chunk (the merge's own
   plan and kernels, nothing held whole) and compared byte for byte.
 - against a reference folder: tensor by tensor, exact, or within rtol/atol in float64.
+A folder in an object store is checked against a manifest, its bytes streamed by ranged GETs (store_folder).
 Each mismatch names the tensor and, where known, the first differing element and byte.
 
 `verify` here runs the checks asked for, in order; each lives in its own module (manifest_check,
@@ -20,11 +21,13 @@ import os
 from ..errors import BadInput, option
 from ..io.safetensors_folder import DamagedFile, MappedFiles, StoredTensor, read_folder
 from ..pipeline.plan import folder_checks
+from ..remote.urls import is_remote
 from .against import check_against
 from .manifest_check import check_manifest, check_other_manifest, note_source_changes, other_manifest, own_manifest
 from .reference import check_reference
 from .report import Mismatch, VerifyReport
 from .smoke import smoke_base, smoke_test
+from .store_folder import verify_in_store
 
 __all__ = ["verify", "VerifyReport", "Mismatch"]
 
@@ -57,6 +60,8 @@ def verify(
     run as asked.
     """
     out_dir = os.fspath(out_dir)
+    if is_remote(out_dir):
+        return _verify_in_store(out_dir, against, reference, rtol, atol, smoke, manifest_of)
     # A damaged output (its headers or its own manifest) is a failed check, not a usage error.
     extras = folder_checks()
     try:
@@ -100,6 +105,17 @@ def verify(
     if smoke:
         _smoke(report, [(c, folders) for c, folders in listed if folders])
     return report
+
+
+def _verify_in_store(url, against, reference, rtol, atol, smoke, manifest_of) -> VerifyReport:
+    """A folder in an object store: its manifest's checksums (or another merge's), by streamed ranged GETs."""
+    if reference is not None or smoke or rtol is not None or atol is not None:
+        raise BadInput(
+            f"{url}: {option('reference', meta='HF_DIR')} and --smoke read the folder whole and need it on local "
+            "disk; verify the folder in the store against its manifest, or download it first"
+        )
+    other = other_manifest(os.fspath(manifest_of)) if manifest_of is not None else None
+    return verify_in_store(url, against=against, other=other, manifest_of=manifest_of, refuse_nothing=_nothing_to_check)
 
 
 def _nothing_to_check(report: VerifyReport) -> VerifyReport:

@@ -17,11 +17,15 @@ from ..execute.engines import compute_device
 from ..execute.runner import run
 from ..io.read_modes import chosen_read_mode
 from ..io.safetensors_folder import MappedFiles, StoredTensor
-from ..io.sources import open_sources
+from ..io.sources import open_sources, rebased
 from ..manifest import CHECKSUM
 from ..options import layout_options_only, merge_options
 from ..pipeline.plan import folder_checks, kept_in_fp32, plan_merge
 from ..plan.layout import PlacedTensor
+from ..readers.dcp import archive_windows
+from ..remote.metadata_mirror import mirrored_metadata
+from ..remote.range_sources import RangeSources
+from ..remote.urls import is_remote
 from .report import Mismatch, VerifyReport, compare_names
 
 
@@ -35,7 +39,13 @@ def check_against(
     options: dict,
 ) -> None:
     report.checks.append(f"recomputed from {checkpoint}")
-    manifest = manifest or {}
+    if is_remote(checkpoint):  # planned from its metadata's stand-in, the shards' bytes by ranged GETs
+        with mirrored_metadata(checkpoint, windows_of=archive_windows) as mirror:
+            return _check(report, stored, files, mirror.root, manifest or {}, layout, options, mirror)
+    _check(report, stored, files, checkpoint, manifest or {}, layout, options, None)
+
+
+def _check(report, stored, files, checkpoint: str, manifest: dict, layout, options: dict, mirror) -> None:
     options = dict(options)
     read_mode = options.pop("read_mode", None) or "auto"  # how the checkpoint is read, as a merge's --read-mode
     plan = _replan(report, checkpoint, manifest, layout, options, read_mode)
@@ -46,7 +56,12 @@ def check_against(
     recorded = manifest.get("tensors", {}) if manifest.get("checksum") == CHECKSUM else {}
     sink = CompareSink(files, _fused_device(manifest, plan))
     pieces = [PlacedTensor(tensor, have.byte_offset, have.nbytes) for tensor, have in jobs]
-    with open_sources(plan.sources, chosen_read_mode(read_mode, plan.sources)[0]) as sources:
+    opened = (
+        RangeSources(rebased(plan.sources, mirror.root, mirror.url), etags=mirror.etags)
+        if mirror is not None
+        else open_sources(plan.sources, chosen_read_mode(read_mode, plan.sources)[0])
+    )
+    with opened as sources:
         crcs = run(pieces, sources, sink)
     for (tensor, have), crc in zip(jobs, crcs):
         report.count_checked(have)

@@ -12,6 +12,8 @@ from ..errors import BadInput, option
 from ..execute.compare import SLICE_BYTES
 from ..io.safetensors_folder import MappedFiles, StoredTensor
 from ..manifest import CHECKSUM, MANIFEST_NAME, DamagedManifest, changed_sources, load_manifest, read_manifest
+from ..remote.changed_objects import changed_objects
+from ..remote.urls import is_remote
 from .report import Mismatch, VerifyReport, compare_names
 
 
@@ -37,10 +39,13 @@ def other_manifest(path: str) -> dict:
 
 def note_source_changes(report: VerifyReport, manifest: dict, against: str | None) -> None:
     root = against or manifest.get("checkpoint")
-    if not root or not os.path.isdir(root):
+    if root and is_remote(root):  # a checkpoint in an object store: its objects' sizes and ETags, listed
+        changes = changed_objects(root, manifest.get("sources", []))
+    elif not root or not os.path.isdir(root):
         report.notes.append(f"the merge's sources ({manifest.get('checkpoint')}) are not there to compare with")
         return
-    changes = changed_sources(root, manifest.get("sources", []))
+    else:
+        changes = changed_sources(root, manifest.get("sources", []))
     if changes:
         report.notes.append(f"source files changed since the merge ({len(changes)}): {'; '.join(changes[:5])}")
 
@@ -56,7 +61,7 @@ def check_other_manifest(
 
 
 def _identity(manifest: dict) -> list:
-    return [(s["path"], s["size"], s["mtime_ns"]) for s in manifest.get("sources", [])]
+    return [(s["path"], s["size"], s["mtime_ns"], s.get("etag")) for s in manifest.get("sources", [])]
 
 
 def check_manifest(

@@ -5,14 +5,17 @@ command line says why in one line with a non-zero status, as locally."""
 from __future__ import annotations
 
 import sys
+import uuid
+from datetime import timedelta
 
 import pytest
-from s3_server import objects, pending_uploads, upload_folder
+from s3_server import S3Server, objects, pending_uploads, upload_folder
+from tcp_proxy import TcpProxy
 
 import fsdpfast
 from fsdpfast.cli import main
 from fsdpfast.manifest import MANIFEST_NAME
-from fsdpfast.remote import metadata_mirror
+from fsdpfast.remote import metadata_mirror, object_target, stores
 from fsdpfast.remote.object_target import ObjectFile
 from fsdpfast.remote.range_sources import RangeSources
 
@@ -109,3 +112,96 @@ def test_the_manifest_is_written_last(checkpoints, s3_server, bucket):
     when = {item["Key"].split("/", 1)[1]: item["LastModified"] for item in listed}
     weights = [when[n] for n in when if n.endswith(".safetensors")]
     assert max(weights) <= when["config.json"] <= when[MANIFEST_NAME]
+
+
+# --- the server failing under the merge: a TCP proxy in front of a server of its own ------------------
+QUICK_RETRIES = {
+    "max_retries": 2,
+    "retry_timeout": timedelta(seconds=5),
+    "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(milliseconds=200), "base": 2},
+}
+PART = 8192  # parts this small (moto's minimum lowered to match) make the tiny weights files multipart uploads
+
+
+@pytest.fixture
+def proxied(monkeypatch):
+    """(the server's boto3 client, the proxy, a bucket): the merge talks to the proxy, the test to the server.
+    The server keeps its state while the proxy is stopped: what a merge leaves is there to see after."""
+    server = S3Server(S3_UPLOAD_PART_MIN_SIZE=str(PART // 2))
+    server.start()
+    proxy = TcpProxy(server.port).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(stores, "RETRIES", QUICK_RETRIES)
+    monkeypatch.setattr(object_target, "PART_BYTES", PART)
+    client = server.client()
+    bucket = f"proxied-{uuid.uuid4().hex[:8]}"  # a store of its own (stores are kept by bucket)
+    client.create_bucket(Bucket=bucket)
+    yield client, proxy, bucket
+    proxy.stop()
+    server.stop()
+
+
+def _stop_after_parts(monkeypatch, proxy, outage=None, parts: int = 3) -> None:
+    """The server stops answering once `parts` parts of the first weights file have been streamed: for good
+    (`outage` None), or until the request holding `outage` has been refused (TcpProxy.outage)."""
+    original = ObjectFile.write_at
+    stopped = []
+
+    def writing(self, data, offset):
+        original(self, data, offset)
+        if self._next > parts * PART and not stopped:
+            stopped.append(offset)
+            proxy.stop() if outage is None else proxy.outage(outage)
+
+    monkeypatch.setattr(ObjectFile, "write_at", writing)
+
+
+def test_a_dropped_part_upload_is_retried(checkpoints, tmp_path, proxied):
+    client, proxy, bucket = proxied
+    _, folder = checkpoints.get(NAME)
+    proxy.drop(b"partNumber=", 2)
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) == 0
+    assert proxy.dropped == 2
+    fsdpfast.merge(folder, tmp_path / "local")
+    merged = objects(client, bucket, "out")
+    for name in merged:
+        if name != MANIFEST_NAME:
+            assert merged[name] == (tmp_path / "local" / name).read_bytes(), name
+    assert pending_uploads(client, bucket) == []
+
+
+def test_a_part_failing_every_try_leaves_nothing(checkpoints, proxied, capsys):
+    client, proxy, bucket = proxied
+    _, folder = checkpoints.get(NAME)
+    proxy.drop(b"partNumber=", 10_000)
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) != 0
+    line = _error_line(capsys)
+    assert "model.safetensors: the upload failed" in line and "nothing was published" in line, line
+    assert objects(client, bucket, "out") == {}
+    assert pending_uploads(client, bucket) == []
+
+
+def test_the_server_down_mid_upload_and_back_for_the_clean_up(checkpoints, proxied, capsys, monkeypatch):
+    client, proxy, bucket = proxied
+    _, folder = checkpoints.get(NAME)
+    _stop_after_parts(monkeypatch, proxy, outage=b"DELETE /")  # back when the client first tries to abort
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) != 0
+    assert "the upload failed" in _error_line(capsys)
+    assert objects(client, bucket, "out") == {}
+    assert pending_uploads(client, bucket) == []
+
+
+def test_the_server_never_back_leaves_nothing_loadable_and_says_what_is_left(checkpoints, proxied, capsys, monkeypatch):
+    client, proxy, bucket = proxied
+    _, folder = checkpoints.get(NAME)
+    _stop_after_parts(monkeypatch, proxy)
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) != 0
+    err = capsys.readouterr().err.splitlines()
+    assert len([line for line in err if line.startswith("fsdpfast: error:")]) == 1, err
+    warned = [line for line in err if "did not answer the clean-up" in line]
+    assert len(warned) == 1 and "1 pending multipart uploads (model.safetensors)" in warned[0], err
+    left = objects(client, bucket, "out")  # the server's state, seen past the stopped proxy
+    assert "config.json" not in left and MANIFEST_NAME not in left
+    assert [u["Key"] for u in pending_uploads(client, bucket)] == ["out/model.safetensors"]

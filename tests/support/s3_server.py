@@ -18,9 +18,11 @@ def _free_port() -> int:
 
 
 class S3Server:
-    def __init__(self):
+    def __init__(self, **env: str):
+        """`env`: moto's settings, e.g. S3_UPLOAD_PART_MIN_SIZE="4096" (its 5 MB minimum part, for tiny tests)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env
         self.process = None
 
     def start(self):
@@ -28,6 +30,7 @@ class S3Server:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
         )
         for _ in range(200):
             try:
@@ -43,11 +46,15 @@ class S3Server:
             self.process.wait(10)
             self.process = None
 
-    def client(self):
+    def client(self, url: str | None = None):
         import boto3
 
         return boto3.client(
-            "s3", endpoint_url=self.url, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+            "s3",
+            endpoint_url=url or self.url,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
         )
 
 
