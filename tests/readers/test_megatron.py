@@ -32,6 +32,8 @@ DATA = Path(__file__).parents[1] / "data" / "megatron"
 # (and a 3-layer one whose layer 0 is dense, saved per layer: decoder.layers.{i}.*)
 # (and DeepSeek-V3-like: multi-latent attention, layer 0 dense, layer 1 with a shared expert and expert_bias, EP2)
 MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3"]
+# Qwen3-MoE over 2 pipeline stages (EP2 in each), and in bfloat16 (norms and nothing else float32)
+MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
