@@ -44,6 +44,9 @@ from .megatron_names import (
     MLA,
     MLA_MARKS,
     MOE_KEYS,
+    MTP,
+    MTP_INNER,
+    MTP_OWN,
     NORMS,
     OUTPUT,
     PROJ,
@@ -56,6 +59,7 @@ from .megatron_names import (
     Sizes,
     layer_tensors,
     mla_shapes,
+    mtp_tensors,
 )
 from .reader import Reader
 
@@ -146,6 +150,11 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     )
     plan = plan.noted(
         f"Megatron GPT: {sizes.layers} layers{moe}, "
+        + (
+            f"{sizes.mtp} MTP layer{'s' if sizes.mtp > 1 else ''} (model.layers.{sizes.layers}...), "
+            if sizes.mtp
+            else ""
+        )
         + (
             f"multi-latent attention with {sizes.heads} heads, "
             if sizes.mla
@@ -271,6 +280,7 @@ def _deepseek_sizes(values: dict, path: str, number, hidden: int, heads: int, ti
         kv_rank=number("kv_lora_rank"),
         nope=number("qk_nope_head_dim"),
         rope=number("qk_rope_head_dim"),
+        mtp=values.get("num_nextn_predict_layers") or 0,
     )
 
 
@@ -410,12 +420,15 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
     known_layer = (
         set(NORMS) | set(QKV) | set(QK_NORMS) | set(MLA) | {PROJ, *DENSE_KEYS, *MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS}
     )
-    unknown = [
-        name
-        for name in model
-        if not (LAYER.fullmatch(name) and LAYER.fullmatch(name).group(2) in known_layer)
-        and name not in (EMBED, OUTPUT, FINAL_NORM)
-    ]
+
+    def known(name: str) -> bool:
+        layer, mtp = LAYER.fullmatch(name), MTP.fullmatch(name)
+        if mtp:  # an MTP block's own tensors, or its decoder layer's
+            key = mtp.group(2)
+            return key in MTP_OWN or (key.startswith(MTP_INNER) and key[len(MTP_INNER) :] in known_layer)
+        return (layer is not None and layer.group(2) in known_layer) or name in (EMBED, OUTPUT, FINAL_NORM)
+
+    unknown = [name for name in model if not known(name)]
     if unknown:
         kinds = list(
             dict.fromkeys(
@@ -429,7 +442,7 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (without MTP) only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (with its MTP layers) only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
@@ -539,6 +552,7 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
                 f"{folder}: {name} is {list(model[name].shape)}; {path} gives vocab_size {s.vocab} and hidden_size "
                 f"{s.hidden}: the config is not this checkpoint's model"
             )
+    _check_mtp(folder, path, model, s, expected, why)
     if model[FINAL_NORM].shape != (s.hidden,):
         raise BadInput(
             f"{folder}: {FINAL_NORM} is {list(model[FINAL_NORM].shape)}; {path} gives hidden_size {s.hidden}"
@@ -554,6 +568,37 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
             + (f"tie_word_embeddings {str(s.tied).lower()}" if s.tie_stated else "no tie_word_embeddings (untied)")
             + f": the config is not this checkpoint's model; pass {option('config', meta='DIR')} with its own"
         )
+
+
+def _check_mtp(folder: str, path: str, model: dict, s: Sizes, expected: dict, why: dict) -> None:
+    """DeepSeek-V3's multi-token prediction blocks against num_nextn_predict_layers: as many, each whole (its
+    norms, eh_proj, and a decoder layer with experts as the model's own), each tensor of the config's shape."""
+    blocks = mtp_tensors(model)
+    if sorted(blocks) != list(range(s.mtp)):
+        found = f"MTP layers {sorted(blocks)}" if blocks else "no MTP layers"
+        raise BadInput(
+            f"{folder}: the checkpoint holds {found}; {path} gives num_nextn_predict_layers {s.mtp} "
+            f"(a deepseek_v3 config only): the config is not this checkpoint's model; pass "
+            f"{option('config', meta='DIR')} with its own"
+        )
+    inner_needed = (
+        [PROJ, *MOE_KEYS] + ([EXPERT_BIAS] if s.expert_bias else []) + (list(SHARED_KEYS) if s.shared_ffn else [])
+    )
+    own_shapes = {key: ((s.hidden, 2 * s.hidden) if key == "eh_proj.weight" else (s.hidden,)) for key in MTP_OWN}
+    for k, block in blocks.items():
+        inner = {key[len(MTP_INNER) :]: t for key, t in block.items() if key.startswith(MTP_INNER)}
+        missing = [f"mtp.layers.{k}.{key}" for key in MTP_OWN if key not in block]
+        missing += [f"mtp.layers.{k}.{MTP_INNER}{key}" for key in inner_needed if key not in inner]
+        if missing:
+            raise BadInput(f"{folder}: no {missing[0]} in the checkpoint; not a whole MTP layer")
+        shapes = [(t, own_shapes[key], f"hidden_size {s.hidden}") for key, t in block.items() if key in MTP_OWN]
+        shapes += [(t, expected[key], why.get(key, f"hidden_size {s.hidden}")) for key, t in inner.items()]
+        for tensor, wanted, reason in shapes:
+            if tensor.shape != wanted:
+                raise BadInput(
+                    f"{folder}: {tensor.name} has shape {list(tensor.shape)}; {path} gives {list(wanted)} "
+                    f"({reason}): the config is not this checkpoint's model"
+                )
 
 
 def _layers_named(indices: set[int], listed: bool) -> str:

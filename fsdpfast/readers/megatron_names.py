@@ -34,6 +34,15 @@ from ..plan.transform import ExpectedModels, NamesOnly
 from ..plan.windows import Window, Windows
 
 LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
+# DeepSeek-V3's multi-token prediction block k: its own tensors, and a decoder layer under transformer_layer.
+MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+MTP_INNER = "transformer_layer."
+MTP_OWN = {  # Megatron key -> Hugging Face name in model.layers.{L+k} (the Hub's, megatron-bridge's map)
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
 NORMS = {  # Megatron layer key -> Hugging Face name in the layer (TransformerEngine names, and the local spec's)
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "input_layernorm.weight": "input_layernorm.weight",
@@ -94,6 +103,7 @@ class Sizes:
     kv_rank: int = 0
     nope: int = 0  # qk_nope_head_dim
     rope: int = 0  # qk_rope_head_dim
+    mtp: int = 0  # multi-token prediction layers (num_nextn_predict_layers), written as layers L..L+mtp-1
 
 
 def mla_shapes(s: Sizes) -> dict[str, tuple[int, ...]]:
@@ -110,6 +120,16 @@ def mla_shapes(s: Sizes) -> dict[str, tuple[int, ...]]:
         "self_attention.linear_kv_up_proj.layer_norm_weight": (s.kv_rank,),
         "self_attention.linear_kv_up_proj.weight": (s.heads * (s.nope + s.head_dim), s.kv_rank),
     }
+
+
+def mtp_tensors(tensors: dict) -> dict[int, dict[str, object]]:
+    """MTP block k -> {its key (transformer_layer.X for its decoder layer): tensor}."""
+    blocks: dict[int, dict] = {}
+    for name, tensor in tensors.items():
+        match = MTP.fullmatch(name)
+        if match:
+            blocks.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    return blocks
 
 
 def layer_tensors(tensors: dict) -> dict[str, dict]:
@@ -160,46 +180,58 @@ def _outputs(model: dict, layers: dict, s: Sizes):
 
     yield "model.embed_tokens.weight", (s.vocab, s.hidden), whole(model[EMBED], s.vocab)
     for i in range(s.layers):
-        prefix = f"model.layers.{i}."
-        for key, hf in NORMS.items():
-            if key in layers:
-                yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
-        for key in QKV:
-            if key in layers:
-                yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
-        if s.mla:
-            shapes = mla_shapes(s)
-            for key, hf in MLA.items():
-                if key in layers and i in _held(layers[key]):
-                    shape = shapes[key]
-                    yield prefix + hf, shape, _layer_window(layers[key], i, tuple((0, n) for n in shape))
-        h, inner, d = s.hidden, s.heads * s.head_dim, s.head_dim
-        yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
-        for key, hf in QK_NORMS.items():
-            if key in layers and not s.mla:
-                yield prefix + hf, (d,), _layer_window(layers[key], i, ((0, d),))
-        if i in s.moe_layers:
-            e, f = s.experts, s.expert_ffn
-            yield prefix + "mlp.gate.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
-            if s.expert_bias:
-                bias = "mlp.gate.e_score_correction_bias"
-                yield prefix + bias, (e,), _layer_window(layers[EXPERT_BIAS], i, ((0, e),))
-            if s.shared_ffn:
-                g, fc1, fc2 = s.shared_ffn, layers[SHARED_FC1], layers[SHARED_FC2]
-                yield prefix + "mlp.shared_experts.gate_proj.weight", (g, h), _layer_window(fc1, i, ((0, g), (0, h)))
-                yield prefix + "mlp.shared_experts.up_proj.weight", (g, h), _layer_window(fc1, i, ((g, g), (0, h)))
-                yield prefix + "mlp.shared_experts.down_proj.weight", (h, g), _layer_window(fc2, i, ((0, h), (0, g)))
-            box = ((0, e), (0, 2 * f), (0, h))
-            yield prefix + "mlp.experts.gate_up_proj", (e, 2 * f, h), _layer_window(layers[EXPERT_FC1], i, box)
-            box = ((0, e), (0, h), (0, f))
-            yield prefix + "mlp.experts.down_proj", (e, h, f), _layer_window(layers[EXPERT_FC2], i, box)
-            continue
-        yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((0, s.ffn), (0, h)))
-        yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((s.ffn, s.ffn), (0, h)))
-        yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
+        yield from _layer(layers, i, s, i in s.moe_layers)
     yield "model.norm.weight", (s.hidden,), whole(model[FINAL_NORM])
     if OUTPUT in model:
         yield "lm_head.weight", (s.vocab, s.hidden), whole(model[OUTPUT], s.vocab)
+    for k, block in sorted(mtp_tensors(model).items()):  # the Hub's model.layers.{L+k}, after the model
+        i, h = s.layers + k, s.hidden
+        for key, hf in MTP_OWN.items():
+            shape = (h, 2 * h) if key == "eh_proj.weight" else (h,)
+            yield f"model.layers.{i}.{hf}", shape, whole(block[key])
+        inner = {key[len(MTP_INNER) :]: {i: t} for key, t in block.items() if key.startswith(MTP_INNER)}
+        yield from _layer(inner, i, s, ROUTER in inner)
+
+
+def _layer(layers: dict, i: int, s: Sizes, moe: bool):
+    """Layer i's Hugging Face tensors from its Megatron ones (layer key -> {index or None: tensor})."""
+    prefix = f"model.layers.{i}."
+    for key, hf in NORMS.items():
+        if key in layers:
+            yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
+    for key in QKV:
+        if key in layers:
+            yield from _qkv(layers[key], i, s, prefix, key.rsplit(".", 1)[1])
+    if s.mla:
+        shapes = mla_shapes(s)
+        for key, hf in MLA.items():
+            if key in layers and i in _held(layers[key]):
+                shape = shapes[key]
+                yield prefix + hf, shape, _layer_window(layers[key], i, tuple((0, n) for n in shape))
+    h, inner, d = s.hidden, s.heads * s.head_dim, s.head_dim
+    yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
+    for key, hf in QK_NORMS.items():
+        if key in layers and not s.mla:
+            yield prefix + hf, (d,), _layer_window(layers[key], i, ((0, d),))
+    if moe:
+        e, f = s.experts, s.expert_ffn
+        yield prefix + "mlp.gate.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
+        if s.expert_bias:
+            bias = "mlp.gate.e_score_correction_bias"
+            yield prefix + bias, (e,), _layer_window(layers[EXPERT_BIAS], i, ((0, e),))
+        if s.shared_ffn:
+            g, fc1, fc2 = s.shared_ffn, layers[SHARED_FC1], layers[SHARED_FC2]
+            yield prefix + "mlp.shared_experts.gate_proj.weight", (g, h), _layer_window(fc1, i, ((0, g), (0, h)))
+            yield prefix + "mlp.shared_experts.up_proj.weight", (g, h), _layer_window(fc1, i, ((g, g), (0, h)))
+            yield prefix + "mlp.shared_experts.down_proj.weight", (h, g), _layer_window(fc2, i, ((0, h), (0, g)))
+        box = ((0, e), (0, 2 * f), (0, h))
+        yield prefix + "mlp.experts.gate_up_proj", (e, 2 * f, h), _layer_window(layers[EXPERT_FC1], i, box)
+        box = ((0, e), (0, h), (0, f))
+        yield prefix + "mlp.experts.down_proj", (e, h, f), _layer_window(layers[EXPERT_FC2], i, box)
+        return
+    yield prefix + "mlp.gate_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((0, s.ffn), (0, h)))
+    yield prefix + "mlp.up_proj.weight", (s.ffn, h), _layer_window(layers[FC1], i, ((s.ffn, s.ffn), (0, h)))
+    yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
 
 
 def _held(found: dict) -> set[int]:

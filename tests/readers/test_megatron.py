@@ -32,6 +32,8 @@ DATA = Path(__file__).parents[1] / "data" / "megatron"
 # (and a 3-layer one whose layer 0 is dense, saved per layer: decoder.layers.{i}.*)
 # (and DeepSeek-V3-like: multi-latent attention, layer 0 dense, layer 1 with a shared expert and expert_bias, EP2)
 MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3"]
+# Qwen3-MoE over 2 pipeline stages (EP2 in each), and in bfloat16 (norms and nothing else float32)
+MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
@@ -45,8 +47,8 @@ ITERATION = "iter_0000007"
 REFUSED = [
     "tp1_pp1_moe",
     "tp1_pp1_moe_shared_expert",
-    "tp1_pp1_deepseek_v3_mtp",
 ]  # MoE checkpoints without a reference, only refused
+MTP = ["tp1_pp1_deepseek_v3_mtp"]  # DeepSeek-V3-like, one MoE layer and one MTP layer (model.layers.1 on the Hub)
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -56,7 +58,7 @@ def _copy(name: str, tmp_path: Path) -> Path:
 def test_the_fixtures_are_the_ones_recorded():
     versions = json.loads((DATA / "versions.json").read_text())
     assert versions["megatron-core"] == "0.16.1"
-    assert sorted(f["name"] for f in versions["fixtures"]) == sorted([*MERGED, *REFUSED])
+    assert sorted(f["name"] for f in versions["fixtures"]) == sorted([*MERGED, *REFUSED, *MTP])
     for fixture in versions["fixtures"]:
         assert (DATA / fixture["name"] / "run" / ITERATION / "metadata.json").is_file()
 
@@ -688,8 +690,26 @@ def test_without_config_an_mla_checkpoint_is_refused_naming_the_option(tmp_path)
     cli_refuses(DATA / "tp2_ep2_deepseek_v3" / "run", tmp_path / "out", mentions=("--config",))
 
 
-def test_multi_token_prediction_layers_are_refused_naming_them(tmp_path):
-    # DeepSeek-V3-like with one MTP layer, written by megatron-core: its tensors are not written yet (on the Hub
-    # they are model.layers.{L+k}.*, which transformers ignores), so the model is refused, not merged without them
+@pytest.mark.parametrize("name", MTP)
+def test_multi_token_prediction_layers_merge_bit_exact_as_the_hubs_next_layers(tmp_path, name):
+    # MTP block k is written as model.layers.{L+k}: enorm, hnorm, eh_proj, shared_head.norm (its final_layernorm)
+    # and its transformer layer's tensors, as the Hub's DeepSeek-V3 and megatron-bridge's map name them
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert any("1 MTP layer" in note for note in report.notes), report.notes
+    merged, reference = read_merged(str(tmp_path / "out")), load_file(str(DATA / name / "reference.safetensors"))
+    assert {"model.layers.1.eh_proj.weight", "model.layers.1.shared_head.norm.weight"} <= set(merged)
+    assert "model.layers.1.mlp.experts.1.down_proj.weight" in merged
+    assert_bit_exact(merged, reference)
+
+
+@pytest.mark.parametrize("layers", [0, 2])
+def test_mtp_layers_the_config_does_not_count_are_refused(tmp_path, layers):
+    config = _config(tmp_path, "tp1_pp1_deepseek_v3_mtp", num_nextn_predict_layers=layers)
     run = DATA / "tp1_pp1_deepseek_v3_mtp" / "run"
-    cli_refuses(run, tmp_path / "out", mentions=("multi-token prediction (MTP)", "mtp.layers.0.enorm.weight"))
+    cli_refuses(
+        run, tmp_path / "out", "--config", config, mentions=("MTP layers [0]", f"num_nextn_predict_layers {layers}")
+    )
+
+
+def test_mtp_layers_without_a_config_are_refused(tmp_path):
+    cli_refuses(DATA / "tp1_pp1_deepseek_v3_mtp" / "run", tmp_path / "out", mentions=("--config",))
