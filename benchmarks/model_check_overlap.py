@@ -183,7 +183,9 @@ def table(title: str, runs: dict[str, list[Run]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--merge", action="append", default=None, help="checkpoint folders to merge (repeatable)")
+    parser.add_argument(
+        "--merge", action="append", default=None, help="checkpoint folders to merge (repeatable; '' for none)"
+    )
     parser.add_argument("--plan", default="8B:64", help="MODEL:W cases to dry-run, comma-separated ('' for none)")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "fsdpfast-check-bench"))
     parser.add_argument("--repeat", type=int, default=3)
@@ -192,7 +194,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="merges also with the rank files' pages dropped first")
     args = parser.parse_args()
     os.makedirs(args.root, exist_ok=True)
-    merges = args.merge if args.merge is not None else [default_merge_case(args.root)]
+    merges = [m for m in args.merge if m] if args.merge is not None else [default_merge_case(args.root)]
     plans = [(text, plan_case(args.root, text, args.jobs)) for text in args.plan.split(",") if text]
     subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "fsdpfast")], check=True)
     out = os.path.join(args.root, "out")
