@@ -36,6 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 from measure import Run, run_measured, size  # noqa: E402
+from read_modes import drop_cached  # noqa: E402
 
 # the command line with transformers hidden: the check cannot run (a note says so), all else as usual
 CHECK_OFF = (
@@ -85,15 +86,6 @@ def plan_case(root: str, text: str, jobs: int) -> str:
 
 def input_files(folder: str) -> list[str]:
     return sorted(e.path for e in os.scandir(folder) if e.is_file() and not e.name.endswith(".json"))
-
-
-def drop_cached(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def output_bytes(folder: str, dtype: str) -> int:
