@@ -12,7 +12,9 @@ wall time, peak RSS of its tree). Cold: the rank files' cached pages dropped fir
 posix_fadvise(DONTNEED) (the kernel may keep pages it cannot drop; the floor is measured the
 same way). The slowfs rows need /dev/fuse, fusermount3, a C compiler and the fuse3 headers
 (apt-get install fuse3 libfuse3-dev); they are left out, with the reason, where one is missing.
-The best of --repeats runs is shown; the machine's load is printed with the table.
+The best of --repeats runs is shown; the machine's load is printed with the table. On a loaded
+machine, `--floor-each` measures the slowfs floor again (at its best N) just before each merge, and
+each row's ratio is to that floor: side by side.
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ def main() -> None:
     parser.add_argument(
         "--slowfs-option", action="append", default=[], help="passed to slowfs, e.g. -o max_read=1048576"
     )
+    parser.add_argument(
+        "--floor-each", action="store_true", help="slowfs rows: the floor measured again just before each merge"
+    )
     parser.add_argument("--no-local", action="store_true", help="the slowfs rows alone (no local warm/cold rows)")
     parser.add_argument("--workdir", default=None, help="where the bare copy and the outputs go (default: a temp dir)")
     args = parser.parse_args()
@@ -212,9 +217,14 @@ def main() -> None:
             mounted = rank_files(through)
             floor, threads = best_floor(mounted, True, 1)
             for mode in ("auto", "mmap"):
+                # the floor again at its best N just before each merge: the machine's load moves between rows
+                beside = floor
+                if args.floor_each:
+                    drop_cached(mounted + paths)
+                    beside = read_floor(mounted, threads)
                 found = merge(through, out, mode, args.dtype, mounted + paths, True, args.repeats)
                 name = "pread (auto)" if mode == "auto" and any("FUSE" in n for n in found["notes"]) else mode
-                rows.append((f"slowfs {latency:g} ms", name, found, floor, threads))
+                rows.append((f"slowfs {latency:g} ms", name, found, beside, threads))
         finally:
             said = mount.close()
         if said:

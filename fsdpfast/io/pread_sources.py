@@ -7,9 +7,12 @@ system call releases the GIL) keep many requests outstanding.
 Each source buffer is seen through an anonymous mapping of its size: address space only, no
 memory until bytes are read into it. The runner announces the byte ranges of the batches ahead
 (`read_ahead`), as many as fit in `ahead_bytes` of input, so they are read while the engine
-converts the batch before; `view` waits for the buffer's oldest announced ranges. When a batch is
-done (`release`), its ranges' memory goes back (madvise) and the file's cached pages are dropped
-(posix_fadvise): memory stays under ahead_bytes plus a batch (about 230 MB), whatever the model.
+converts the batch before; `view` waits for the buffer's oldest announced ranges. The file's cached
+pages are dropped (posix_fadvise) by the reading thread as soon as its bytes are copied out, and when
+a batch is done (`release`) its ranges' memory goes back (madvise): memory stays under ahead_bytes
+plus a batch (about 230 MB), whatever the model. (Dropping the file's pages in `release` cost the
+merge's own thread 0.2-0.3 s of 1.6-2.9 s on a 2 ms FUSE mount: a lock shared with 128 readers and
+a system call per range, in turn with converting; profile in docs/performance.md.)
 One read ahead was not enough: a 16 MB batch is only a few requests, and on a mount that answers
 each after a round trip the link sat idle while a batch was converted (0.5x of the parallel-read
 floor at 2 ms a request; with 128 MB ahead in 1 MB reads, about 0.8x).
@@ -73,8 +76,8 @@ class PreadSources:
         return memoryview(self._memory_of(index))[: self.buffers[index].nbytes]
 
     def release(self, index: int) -> None:
-        """The oldest announced batch is done with this buffer: give back its ranges' memory and the
-        file's cached pages, but no page a later batch's ranges touch."""
+        """The oldest announced batch is done with this buffer: give back its ranges' memory, but no
+        page a later batch's ranges touch (the file's cached pages went as they were read)."""
         batches = self._announced.get(index)
         if not batches:
             return
@@ -82,12 +85,10 @@ class PreadSources:
         done.wait(raising=False)  # no read may still be landing in pages given back
         later = [r for batch in batches for r in batch.ranges]
         memory = self._memory[index]
-        buffer = self.buffers[index]
         for start, end in done.ranges:
             if _DONTNEED is not None:
                 for lo, hi in _pages_outside(start, end, later):
                     memory.madvise(_DONTNEED, lo, hi - lo)
-            self._files.drop_cache(buffer.path, buffer.byte_offset + start, end - start)
         if not batches:
             del self._announced[index]
             _close(self._memory.pop(index))
@@ -134,6 +135,7 @@ class PreadSources:
                             "nothing was published; merge again once the checkpoint is complete"
                         )
                     done += got
+                _drop_cached(fd, buffer.byte_offset + start, end - start)  # copied out: not kept on our account
         finally:
             view.release()
 
@@ -165,6 +167,15 @@ def _merged(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
         else:
             found.append((start, end))
     return found
+
+
+def _drop_cached(fd: int, offset: int, length: int) -> None:
+    """The page cache's copy of bytes the merge has read into its own memory: not kept on its account."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:  # advice only
+            pass
 
 
 def _pages_outside(start: int, end: int, kept: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -226,18 +237,6 @@ class _OpenFiles:
             entry[1] -= 1
             self._close_unused(self._limit)
             self._lock.notify_all()
-
-    def drop_cache(self, path: str, offset: int, length: int) -> None:
-        """The page cache's copy of bytes the merge has read: not kept in memory on their account."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        with self._lock:
-            entry = self._open.get(path)
-            if entry is not None:
-                try:
-                    os.posix_fadvise(entry[0], offset, length, os.POSIX_FADV_DONTNEED)
-                except OSError:  # advice only
-                    pass
 
     def _close_unused(self, keep: int) -> None:
         """Close the least recently used descriptors no read is using, down to `keep` open."""
