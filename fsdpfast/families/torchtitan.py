@@ -16,8 +16,8 @@ from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
 from ..plan.normalise import clean_name
 from ..plan.transform import ExpectedModels, NamesOnly
+from .plan_config import config_of
 from .torchtitan_names import FAMILIES, Heads, hub_tensors, is_torchtitan
-from .transform import config_of
 
 
 def transforms(src: str, options) -> list:

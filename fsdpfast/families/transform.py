@@ -9,12 +9,9 @@ The model check compares the written names with the model's state dict in the sa
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass, replace
 
 from ..errors import option
-from ..hf.config import load_config
 from ..options import MergeOptions
 from ..plan.model import MergePlan
 from ..plan.model_check import ExpectedModel
@@ -31,6 +28,7 @@ from .hub_experts import (
     transposed_shapes,
 )
 from .hub_prefixes import hub_name, renamed, rules_for
+from .plan_config import config_of, model_type
 
 
 def transforms(src: str, options: MergeOptions) -> list:
@@ -40,25 +38,6 @@ def transforms(src: str, options: MergeOptions) -> list:
 
 def folder_checks() -> list:
     return []  # writes no folder of its own
-
-
-def config_of(plan: MergePlan) -> dict:
-    """The plan's config.json (read once per file as it is now: every family rule asks for it). Read-only."""
-    path = os.path.join(plan.config_dir, "config.json") if plan.config_dir is not None else None
-    if path is not None and os.path.isfile(path):
-        found = os.stat(path)
-        return _config_at(path, found.st_mtime_ns, found.st_size)
-    return plan.built_config or {}
-
-
-@functools.lru_cache(maxsize=8)
-def _config_at(path: str, mtime_ns: int, size: int) -> dict:
-    return load_config(path)
-
-
-def model_type(plan: MergePlan) -> str | None:
-    found = config_of(plan).get("model_type")
-    return found if isinstance(found, str) else None
 
 
 @dataclass(frozen=True)

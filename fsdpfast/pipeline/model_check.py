@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import FsdpfastError, ModelMismatch, option
 from ..families import keep_fp32
-from ..families.transform import model_type
+from ..families.plan_config import model_type
 from ..fp8.plan import unquantized
 from ..plan.expected_builds import ExpectedBuild
 from ..plan.model import MergePlan

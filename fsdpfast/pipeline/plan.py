@@ -17,7 +17,7 @@ from ..checks.copies import check_copies
 from ..checks.ties import check_tied_bytes
 from ..errors import BadInput, FsdpfastError
 from ..families import keep_fp32
-from ..families.transform import model_type
+from ..families.plan_config import model_type
 from ..fp8.plan import quantize_plan
 from ..options import MergeOptions
 from ..plan.checks import check_plan

@@ -28,7 +28,7 @@ from math import prod
 
 from ..errors import BadInput, option
 from ..families.hub_experts import PER_EXPERT, TRANSPOSED, expert_names, is_transposed
-from ..families.transform import config_of, model_type
+from ..families.plan_config import config_of, model_type
 from ..plan.model import Extent, MergePlan, TensorPlan
 from ..plan.transform import NamesOnly
 from ..plan.windows import Window, Windows
