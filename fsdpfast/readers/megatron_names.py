@@ -94,6 +94,7 @@ class Sizes:
     kv_rank: int = 0
     nope: int = 0  # qk_nope_head_dim
     rope: int = 0  # qk_rope_head_dim
+    expert_keys: tuple[str, str] = ("num_experts", "moe_intermediate_size")  # config.json's, for the messages
 
 
 def mla_shapes(s: Sizes) -> dict[str, tuple[int, ...]]:
