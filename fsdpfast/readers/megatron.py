@@ -437,7 +437,7 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (without MTP) only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral and DeepSeek-V3 (without MTP) only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
