@@ -72,9 +72,10 @@ _MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "deepseek_v3",
+    "mixtral",
 )  # whose Hugging Face names and layout this writes
 _QK_NORM = ("qwen3", "qwen3_moe")  # families with an RMSNorm over each head of q and k
-_MOE = ("qwen3_moe", "deepseek_v3")  # the MoE families this layout writes
+_MOE = ("qwen3_moe", "deepseek_v3", "mixtral")  # the MoE families this layout writes
 _MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS)  # tensors of the layers with experts only
 _HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
@@ -232,6 +233,12 @@ def _sizes(values: dict, path: str) -> Sizes:
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise BadInput(f"{path}: mlp_only_layers is {dense!r}, not a list of layer numbers")
         moe_layers = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    elif model_type == "mixtral":  # every layer has experts; intermediate_size is each expert's
+        experts, expert_ffn, moe_layers = (
+            number("num_local_experts"),
+            number("intermediate_size"),
+            frozenset(range(layers)),
+        )
     return Sizes(
         hidden,
         heads,
@@ -246,6 +253,7 @@ def _sizes(values: dict, path: str) -> Sizes:
         experts=experts,
         expert_ffn=expert_ffn,
         moe_layers=moe_layers,
+        expert_keys=("num_local_experts", "intermediate_size") if model_type == "mixtral" else Sizes.expert_keys,
     )
 
 
@@ -325,7 +333,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
       Mistral and Qwen3 have none.
     - q_layernorm / k_layernorm are Qwen3's q_norm / k_norm (Qwen3 and Qwen3-MoE have them, the others not).
     - Multi-latent attention is DeepSeek-V3's, and so are shared experts and the router's expert_bias.
-    - Routed experts are Qwen3-MoE's or DeepSeek-V3's; those have experts."""
+    - Routed experts are Qwen3-MoE's, Mixtral's or DeepSeek-V3's; those have experts."""
     model_type = values["model_type"]
     how = f"pass {option('config', meta='DIR')} with"
     mla = model_type == "deepseek_v3"
@@ -395,7 +403,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             else "holds no MoE layers (no decoder.layers.mlp.router.weight)"
         )
         fits = (
-            "a qwen3_moe or deepseek_v3 config (the MoE families the megatron layout writes)"
+            "a qwen3_moe, mixtral or deepseek_v3 config (the MoE families the megatron layout writes)"
             if found.experts
             else "a dense one"
         )
@@ -442,7 +450,8 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE and DeepSeek-V3 (with its MTP layers) only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral and DeepSeek-V3 (with its MTP "
+            "layers) only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
@@ -502,7 +511,7 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         SHARED_KEYS[1]: (s.hidden, s.shared_ffn),
         **(mla_shapes(s) if s.mla else {}),  # MLA's q_layernorm is over the q LoRA rank, not a head
     }
-    experts_key = "n_routed_experts" if s.mla else "num_experts"
+    experts_key, ffn_key = ("n_routed_experts", "moe_intermediate_size") if s.mla else s.expert_keys
     why = {
         QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
         PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
@@ -510,8 +519,8 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         FC2: f"hidden_size {s.hidden}, intermediate_size {s.ffn}",
         **{key: f"head_dim {s.head_dim}" for key in QK_NORMS},
         ROUTER: f"{experts_key} {s.experts}, hidden_size {s.hidden}",
-        EXPERT_FC1: f"{experts_key} {s.experts}, 2 x moe_intermediate_size {s.expert_ffn}, hidden_size {s.hidden}",
-        EXPERT_FC2: f"{experts_key} {s.experts}, hidden_size {s.hidden}, moe_intermediate_size {s.expert_ffn}",
+        EXPERT_FC1: f"{experts_key} {s.experts}, 2 x {ffn_key} {s.expert_ffn}, hidden_size {s.hidden}",
+        EXPERT_FC2: f"{experts_key} {s.experts}, hidden_size {s.hidden}, {ffn_key} {s.expert_ffn}",
         SHARED_KEYS[0]: f"2 x shared experts' size {s.shared_ffn}, hidden_size {s.hidden}",
         SHARED_KEYS[1]: f"hidden_size {s.hidden}, shared experts' size {s.shared_ffn}",
         **{

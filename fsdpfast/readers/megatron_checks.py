@@ -152,7 +152,14 @@ def check_against_config(
         _differ("num_attention_heads", args.heads, "num_attention_heads", sizes.heads),
         _differ("num_query_groups", args.groups, "num_key_value_heads", sizes.groups),
         _differ("kv_channels", args.head_dim, "head_dim", sizes.head_dim),
-        _differ("ffn_hidden_size", args.ffn, "intermediate_size", sizes.ffn),
+        # with experts in every layer no tensor has ffn_hidden_size's shape (Mixtral's intermediate_size is the experts')
+        None
+        if len(sizes.moe_layers) == sizes.layers
+        else _differ("ffn_hidden_size", args.ffn, "intermediate_size", sizes.ffn),
+        sizes.experts
+        and _differ(
+            "moe_ffn_hidden_size", _number(r.get("moe_ffn_hidden_size")), "the experts' ffn size", sizes.expert_ffn
+        ),
         _differ("norm_epsilon", _number(r.get("norm_epsilon")), "rms_norm_eps", _number(values.get("rms_norm_eps"))),
         _differ(
             "rotary_base",

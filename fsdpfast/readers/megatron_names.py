@@ -104,6 +104,7 @@ class Sizes:
     nope: int = 0  # qk_nope_head_dim
     rope: int = 0  # qk_rope_head_dim
     mtp: int = 0  # multi-token prediction layers (num_nextn_predict_layers), written as layers L..L+mtp-1
+    expert_keys: tuple[str, str] = ("num_experts", "moe_intermediate_size")  # config.json's, for the messages
 
 
 def mla_shapes(s: Sizes) -> dict[str, tuple[int, ...]]:

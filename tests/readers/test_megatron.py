@@ -31,7 +31,8 @@ DATA = Path(__file__).parents[1] / "data" / "megatron"
 # with the experts split over 2 EP ranks or each expert's rows over 2 expert-TP ranks
 # (and a 3-layer one whose layer 0 is dense, saved per layer: decoder.layers.{i}.*)
 # (and DeepSeek-V3-like: multi-latent attention, layer 0 dense, layer 1 with a shared expert and expert_bias, EP2)
-MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3"]
+# (and Mixtral-like: no q/k layernorms, 4 routed experts in every layer over EP2; Hub names block_sparse_moe.*)
+MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3", "tp2_ep2_mixtral"]
 # Qwen3-MoE over 2 pipeline stages (EP2 in each), and in bfloat16 (norms and nothing else float32)
 MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 MERGED = [
@@ -47,6 +48,7 @@ ITERATION = "iter_0000007"
 REFUSED = [
     "tp1_pp1_moe",
     "tp1_pp1_moe_shared_expert",
+    "tp1_pp1_gpt_oss",
 ]  # MoE checkpoints without a reference, only refused
 MTP = ["tp1_pp1_deepseek_v3_mtp"]  # DeepSeek-V3-like, one MoE layer and one MTP layer (model.layers.1 on the Hub)
 
@@ -108,7 +110,7 @@ def _packed(reference: dict) -> dict:
     """Per-expert tensors (the Hub's names) as transformers 5 holds them in memory: gate_up_proj [E, 2F, H]
     ([gate; up] per expert) and down_proj [E, H, F]."""
     out, experts = {}, {}
-    for key, tensor in reference.items():
+    for key, tensor in _mixtral_as_held(reference).items():
         prefix, sep, rest = key.partition(".mlp.experts.")
         if not sep:
             out[key] = tensor
@@ -121,6 +123,19 @@ def _packed(reference: dict) -> dict:
             [torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered]
         )
         out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+    return out
+
+
+def _mixtral_as_held(reference: dict) -> dict:
+    """Mixtral's Hub names (block_sparse_moe.gate, experts.{e}.w1 / w3 / w2) as Qwen3-MoE's, which transformers 5
+    holds both families under (mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj before packing)."""
+    out = {}
+    for key, tensor in reference.items():
+        if ".block_sparse_moe." in key:
+            key = key.replace(".block_sparse_moe.", ".mlp.")
+            for hub, held in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+                key = key.replace(hub, held)
+        out[key] = tensor
     return out
 
 
@@ -618,6 +633,45 @@ def test_a_qwen3_config_without_head_dim_means_transformers_default(tmp_path):
 
 def test_without_config_an_moe_checkpoint_is_refused_naming_the_option(tmp_path):
     cli_refuses(DATA / "tp2_ep2_qwen3_moe" / "run", tmp_path / "out", mentions=("MoE layers (4 experts)", "--config"))
+    # the args could not tell Mixtral from a Qwen3-MoE without q/k norms either
+    cli_refuses(DATA / "tp2_ep2_mixtral" / "run", tmp_path / "out2", mentions=("MoE layers (4 experts)", "--config"))
+
+
+def test_gpt_oss_is_refused_naming_its_biases(tmp_path):
+    # written by megatron-core 0.16.1 with megatron-bridge's gpt-oss settings (expert, router and attention biases,
+    # learnable softmax_offset, clamped quick-GELU GLU, sliding windows): not yet mapped to GptOss's packed tensors
+    config = _config(tmp_path, "tp2_ep2_mixtral")
+    cli_refuses(DATA / "tp1_pp1_gpt_oss" / "run", tmp_path / "out", "--config", config, mentions=("bias",))
+
+
+# --- Mixtral ------------------------------------------------------------------------------------------
+
+
+def test_mixtral_experts_have_the_hub_names(tmp_path):
+    # written by megatron-core 0.16.1 (no q/k layernorms, SequentialMLP experts over EP2); bridge 0.3.1 has no
+    # Mixtral bridge: the reference is the live weights, fc1's [gate; up] rows as w1 / w3, fc2 as w2
+    fsdpfast.merge(DATA / "tp2_ep2_mixtral" / "run", tmp_path / "out", config=DATA / "tp2_ep2_mixtral" / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    assert merged["model.layers.1.block_sparse_moe.gate.weight"].shape == (4, 64)
+    assert sorted(k for k in merged if k.startswith("model.layers.0.block_sparse_moe.experts.2.")) == [
+        f"model.layers.0.block_sparse_moe.experts.2.{w}.weight" for w in ("w1", "w2", "w3")
+    ]
+    assert not any(".mlp." in k for k in merged)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(num_local_experts=8), ("router.weight", "num_local_experts 8")),
+        (dict(intermediate_size=16), ("experts.linear_fc1.weight", "intermediate_size 16")),
+        (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32), ("no self_attention.q_layernorm",)),
+        (dict(model_type="llama", architectures=["LlamaForCausalLM"]), ("MoE layers (4 experts", "mixtral")),
+    ],
+)
+def test_a_mixtral_config_that_disagrees_with_the_tensors_is_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, "tp2_ep2_mixtral", **changes)
+    run = DATA / "tp2_ep2_mixtral" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=(*mentions, "not this checkpoint's model"))
 
 
 def test_shared_experts_and_an_expert_bias_without_mla_are_refused_naming_them(tmp_path):
