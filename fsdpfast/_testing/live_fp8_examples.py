@@ -27,6 +27,7 @@ class LiveFp8Spec:
     family: FamilySpec | None = None  # None: a Llama of `sizes`
     sizes: dict = field(default_factory=dict)
     fp8_skip: str | None = None
+    expert_layout: str = "hub"  # "packed": the anchor is the model's own state dict (transformers' packed experts)
     seed: int = 0
 
     def folder(self, root: str) -> str:
@@ -48,8 +49,17 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveFp8Spec) -> None:
 
     folder = spec.folder(root)
     model = _model(spec)
-    if rank == 0:
+    if rank == 0 and spec.expert_layout == "packed":
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.join(folder, "anchor"), exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()},
+            os.path.join(folder, "anchor", "model.safetensors"),
+        )
+    elif rank == 0:
         model.save_pretrained(os.path.join(folder, "anchor"))
+    if rank == 0:
         model.config.save_pretrained(os.path.join(folder, "ckpt", "huggingface"))
     if spec.wrap == "fsdp1":
         model = _fsdp1(model)
@@ -57,7 +67,9 @@ def _save_one(rank: int, world_size: int, root: str, spec: LiveFp8Spec) -> None:
         _fsdp2(model, world_size, 1 if spec.wrap == "fsdp2-dim1" else 0)
         os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
         torch.save(model.state_dict(), os.path.join(folder, "ckpt", f"model_world_size_{world_size}_rank_{rank}.pt"))
-    fsdpfast.save_pretrained(model, os.path.join(folder, "live"), dtype="fp8", fp8_skip=spec.fp8_skip)
+    fsdpfast.save_pretrained(
+        model, os.path.join(folder, "live"), dtype="fp8", fp8_skip=spec.fp8_skip, expert_layout=spec.expert_layout
+    )
 
 
 def _fsdp2(model, world_size: int, dim: int) -> None:

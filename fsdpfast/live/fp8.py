@@ -11,22 +11,23 @@ Memory: the amaxes (one float per block, 1/16384 of the weights) and one piece a
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..fp8.plan import Fp8Weight, quantize_plan
-from ..fp8.select import BLOCK
+from ..fp8.select import BLOCK, scale_shape
 from .plan import LiveTensor, extent_runs, hub_piece, local_piece
 
 FP8_MAX = 448.0
 CHUNK = 1 << 22  # elements quantized or reduced at once
 
 
-def plan_fp8(plan, live: list[LiveTensor], skip: tuple[str, ...]):
+def plan_fp8(plan, live: list[LiveTensor], skip: tuple[str, ...], packed: bool = False):
     """The plan with its linear weights quantized (as the offline merge plans them) and the live tensors
     to write: each quantized weight marked with its plan, and its scale_inv as a tensor still to compute."""
     import torch
 
-    plan = quantize_plan(plan, skip)
+    plan = quantize_plan(plan, skip, packed)
     quantized = {t.name: t for t in plan.tensors if isinstance(t.compute, Fp8Weight)}
     out = []
     for tensor in live:
@@ -79,12 +80,11 @@ def quantized_piece(tensor: LiveTensor, piece):
     import torch
 
     data = _as_planned(tensor, piece.data.reshape(-1))
-    scale = tensor.fp8_scale.to(data.device)
+    scale = tensor.fp8_scale.to(data.device).reshape(-1)
     out = torch.zeros(data.numel(), dtype=torch.float8_e4m3fn, device=data.device)
-    cols = tensor.fp8.shape[-1]
     for src, dst in _element_chunks(extent_runs(piece.extents).to(data.device)):
         x = data[src].float()
-        s = scale.reshape(-1)[_block_of(dst, cols, scale.shape[-1])]
+        s = scale[_block_of(dst, tensor.fp8.shape)]
         out[src] = (x * s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return replace(piece, data=out)
 
@@ -93,16 +93,15 @@ def _local_amax(tensor: LiveTensor, rank: int, redistribute: bool):
     """The amax of this rank's elements of each block of the weight (float32, CPU; 0 where it holds none)."""
     import torch
 
-    rows, cols = tensor.fp8.shape[-2:]
-    shape = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-    amax = torch.zeros(shape[0] * shape[1], dtype=torch.float32)
+    shape = scale_shape(tensor.fp8.shape)
+    amax = torch.zeros(math.prod(shape), dtype=torch.float32)
     piece = hub_piece(tensor, local_piece(tensor.value, rank, tensor.key, redistribute))
     if piece is None or not piece.data.numel():
         return amax.view(shape)
     data = _as_planned(tensor, piece.data.reshape(-1))
     amax = amax.to(data.device)
     for src, dst in _element_chunks(extent_runs(piece.extents).to(data.device)):
-        amax.scatter_reduce_(0, _block_of(dst, cols, shape[1]), data[src].float().abs(), "amax")
+        amax.scatter_reduce_(0, _block_of(dst, tensor.fp8.shape), data[src].float().abs(), "amax")
     return amax.view(shape).cpu()
 
 
@@ -120,9 +119,13 @@ def _scale(amax):
     return torch.where(amax > 0, (1.0 / amax) * FP8_MAX, torch.ones_like(amax))
 
 
-def _block_of(dst, cols: int, block_cols: int):
-    """The flat block index of each element at flat tensor index `dst`."""
-    return (dst // cols // BLOCK[0]) * block_cols + (dst % cols) // BLOCK[1]
+def _block_of(dst, shape: tuple[int, ...]):
+    """The flat index in the scales (per matrix of the last two dims, 128x128 blocks) of each element
+    at flat tensor index `dst`."""
+    rows, cols = shape[-2:]
+    block_rows, block_cols = scale_shape(shape)[-2:]
+    matrix, within = dst // (rows * cols), dst % (rows * cols)
+    return (matrix * block_rows + within // cols // BLOCK[0]) * block_cols + (within % cols) // BLOCK[1]
 
 
 def _element_chunks(runs):

@@ -108,7 +108,7 @@ def save_pretrained(
 
     def plan_here():
         plan, live = _plan(model, dtype, config_dict, expert_layout)
-        planned.extend(plan_fp8(plan, live, skip) if fp8 else (plan, live))
+        planned.extend(plan_fp8(plan, live, skip, expert_layout == "packed") if fp8 else (plan, live))
         return holding(*planned), compared_options(asked)
 
     holdings = processes.gather(plan_here)  # a rank that cannot plan stops all; rank 0 gets every rank's holding

@@ -33,6 +33,7 @@ pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 # 300 x 192 MLP weights: 3 x 2 blocks, partial at the bottom and right edges, cut by every rank count
 SIZES = dict(hidden_size=192, intermediate_size=300, num_attention_heads=4, num_key_value_heads=2)
+PACKED_SIZES = dict(hidden_size=256, moe_intermediate_size=128, num_experts_per_tok=2, head_dim=64)
 SPECS = {
     2: [
         LiveFp8Spec("w2-fsdp2-rows", sizes=SIZES, seed=61),
@@ -40,6 +41,12 @@ SPECS = {
         LiveFp8Spec(
             "w2-deepseek-experts",
             family=FamilySpec("deepseek_v3", "deepseek_v3", {**DEEPSEEK_V3, "num_key_value_heads": 4}, seed=63),
+        ),
+        # transformers' packed experts [E, 2I, H] and [E, H, I], quantized per expert (3 x 2 x 2 and 3 x 2 x 1 blocks)
+        LiveFp8Spec(
+            "w2-qwen3-moe-packed",
+            expert_layout="packed",
+            family=FamilySpec("qwen3_moe", "qwen3_moe", {**PACKED_SIZES, "num_experts": 3}, seed=67),
         ),
     ],
     3: [
@@ -74,8 +81,12 @@ def test_the_folder_is_the_anchors_quantization_of_the_unsharded_model(saved, na
     _, spec = ALL[name]
     folder = saved / name
     live, reference = read_merged(folder / "live"), read_merged(folder / "anchor")
-    chosen = [n for n, t in reference.items() if quantized(n, tuple(t.shape), "float32") and not skipped(spec, n)]
+    packed = spec.expert_layout == "packed"
+    chosen = [
+        n for n, t in reference.items() if quantized(n, tuple(t.shape), "float32", (), packed) and not skipped(spec, n)
+    ]
     assert chosen
+    assert packed == any(reference[n].ndim == 3 for n in chosen)
     for key, want in reference.items():
         bf16 = want.to(torch.bfloat16)
         if key in chosen:
@@ -87,7 +98,7 @@ def test_the_folder_is_the_anchors_quantization_of_the_unsharded_model(saved, na
             assert torch.equal(live[key], want if kept else bf16), key
     assert sorted(live) == sorted([*reference, *(f"{n}_scale_inv" for n in chosen)])
     if spec.family is not None:  # per-expert weights quantized per expert, the router not
-        assert any(".experts.1." in n for n in chosen) and not any(n.endswith("mlp.gate.weight") for n in chosen)
+        assert any(".experts." in n for n in chosen) and not any(n.endswith("mlp.gate.weight") for n in chosen)
     else:  # some block is cut between ranks
         assert any(t.shape[0] > 128 for n, t in reference.items() if n in chosen)
     config = json.loads((folder / "live" / "config.json").read_text())["quantization_config"]
@@ -99,8 +110,9 @@ def test_the_folder_is_the_anchors_quantization_of_the_unsharded_model(saved, na
 def test_the_files_are_the_offline_fp8_merges_byte_for_byte(saved, name, tmp_path):
     _, spec = ALL[name]
     folder = saved / name
-    fsdpfast.merge(folder / "ckpt", tmp_path / "merged", dtype="fp8", fp8_skip=spec.fp8_skip)
-    assert_same_weight_files(folder / "live", tmp_path / "merged")
+    merged = tmp_path / "merged"
+    fsdpfast.merge(folder / "ckpt", merged, dtype="fp8", fp8_skip=spec.fp8_skip, expert_layout=spec.expert_layout)
+    assert_same_weight_files(folder / "live", merged)
 
 
 @pytest.mark.parametrize("name", ["w3-fsdp2-uneven", "w3-qwen3-moe-fsdp1"])
