@@ -38,6 +38,14 @@ inline uint8_t e4m3fn_selected(float f) {
   return static_cast<uint8_t>(sign | (magnitude & 0x7Fu));
 }
 
+// Each column block's scale (kept for the quantization) and scale_inv (stored), from its amax.
+inline void block_scales(const std::vector<float>& amax, std::vector<float>& scale, float* scale_inv) {
+  for (size_t b = 0; b < amax.size(); ++b) {
+    scale[b] = fp8_block_scale(amax[b]);
+    scale_inv[b] = 1.0f / scale[b];
+  }
+}
+
 // The block row, vectorised: each row's segment of a column block is widened into a float buffer,
 // its amax taken 8/16 lanes at a time (at::vec::maximum propagates NaN, as fp8_block_amax_step
 // does), and quantized by a branch-free loop the compiler vectorises.
@@ -64,10 +72,7 @@ void quantize_block_row(const T* in, uint8_t* out, float* scale_inv, int64_t row
       amax[b] = a;
     }
   }
-  for (int64_t b = 0; b < col_blocks; ++b) {
-    scale[b] = fp8_block_scale(amax[b]);
-    scale_inv[b] = 1.0f / scale[b];
-  }
+  block_scales(amax, scale, scale_inv);
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = in + r * cols;
     uint8_t* o = out + r * cols;
@@ -100,10 +105,7 @@ void quantize_block_row_scalar(const T* in, uint8_t* out, float* scale_inv, int6
       amax[b] = m;
     }
   }
-  for (int64_t b = 0; b < col_blocks; ++b) {
-    scale[b] = fp8_block_scale(amax[b]);
-    scale_inv[b] = 1.0f / scale[b];
-  }
+  block_scales(amax, scale, scale_inv);
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = in + r * cols;
     uint8_t* o = out + r * cols;
@@ -142,7 +144,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_on_cpu(const at::Tensor& weight, int
   });
   return {out, scale_inv};
 }
-
 
 std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& weight, int64_t block_rows,
                                                          int64_t block_cols) {
