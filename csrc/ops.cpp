@@ -121,6 +121,8 @@ TORCH_LIBRARY(fsdpfast, m) {
   m.def("transpose_copy(Tensor source, Tensor(a!) destination) -> ()");
   m.def("transposed(Tensor source, ScalarType? dtype=None) -> Tensor");
   m.def("fp8_block_quantize(Tensor weight, int block_rows, int block_cols) -> (Tensor, Tensor)");  // fp8_block.cpp
+  // the scalar CPU kernel it replaced, kept to measure side by side (fp8_block.cpp; CPU only)
+  m.def("fp8_block_quantize_scalar(Tensor weight, int block_rows, int block_cols) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fsdpfast, CPU, m) {

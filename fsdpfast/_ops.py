@@ -87,10 +87,13 @@ def _register_fakes(torch) -> None:
         torch._check(source.dim() >= 2, lambda: "transposed: the source needs two dimensions at least")
         return source.new_empty((*source.shape[:-2], source.shape[-1], source.shape[-2]), dtype=dtype or source.dtype)
 
-    @torch.library.register_fake("fsdpfast::fp8_block_quantize")
-    def _(weight, block_rows: int, block_cols: int):
+    def fp8_block_outputs(weight, block_rows: int, block_cols: int):
         grid = [*weight.shape[:-2], -(-weight.shape[-2] // block_rows), -(-weight.shape[-1] // block_cols)]
         return weight.new_empty(weight.shape, dtype=torch.float8_e4m3fn), weight.new_empty(grid, dtype=torch.float32)
+
+    # the scalar CPU kernel, kept to measure beside the vectorised one (csrc/fp8_block.cpp)
+    for name in ("fp8_block_quantize", "fp8_block_quantize_scalar"):
+        torch.library.register_fake(f"fsdpfast::{name}")(fp8_block_outputs)
 
 
 def _release(version: str) -> str:

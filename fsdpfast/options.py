@@ -83,7 +83,7 @@ def merge_options(
     if expert_layout not in EXPERT_LAYOUTS:
         raise BadInput(f"{option('expert_layout', expert_layout)} is not one of {', '.join(EXPERT_LAYOUTS)}")
     check_read_mode(read_mode)
-    skip = _patterns(fp8_skip) if fp8_skip else tuple(fp8 or ())  # `fp8`: as a manifest records them
+    skip = fp8_patterns(fp8_skip) if fp8_skip else tuple(fp8 or ())  # `fp8`: as a manifest records them
     fp8 = str(dtype) in FP8_NAMES or fp8 is not None
     if fp8_skip and not fp8:
         raise BadInput(f"--fp8-skip applies to --dtype fp8 only, not {option('dtype', dtype)}")
@@ -130,7 +130,7 @@ def merge_options(
 FP8_NAMES = ("fp8", "fp8-block")
 
 
-def _patterns(value) -> tuple[str, ...]:
+def fp8_patterns(value) -> tuple[str, ...]:
     """--fp8-skip PATTERN[,PATTERN...] (or a list): fnmatch patterns on the names written."""
     items = value.split(",") if isinstance(value, str) else list(value or ())
     return tuple(p.strip() for p in items if p.strip())

@@ -68,15 +68,20 @@ def written_config(plan: MergePlan) -> dict | None:
     return quantization_config(left_out)
 
 
-def quantize_plan(plan: MergePlan, skip: tuple[str, ...]) -> MergePlan:
-    """The plan with its linear weights quantized and config.json's quantization_config recorded."""
+def quantize_plan(plan: MergePlan, skip: tuple[str, ...], packed: bool | None = None) -> MergePlan:
+    """The plan with its linear weights quantized and config.json's quantization_config recorded.
+    `packed`: the experts are in transformers' packed layout (default: as the plan's options say);
+    their 3-D tensors are quantized per expert unless they have biases (FP8Experts has none)."""
     if not _ops.torch_ops():
         raise BadInput(f"--dtype fp8 needs fsdpfast's torch ops, which did not load: {_ops.torch_ops_error()}")
+    packed = plan.options.get("expert_layout") == "packed" if packed is None else packed
+    names = {t.name for t in plan.tensors}
     tensors: list[TensorPlan] = []
     left_out = 0
     count = 0
     for t in plan.tensors:
-        if t.compute is None and quantized(t.name, t.shape, t.source_dtype, skip):
+        unbiased = packed and f"{t.name}_bias" not in names
+        if t.compute is None and quantized(t.name, t.shape, t.source_dtype, skip, unbiased):
             shared: dict = {}
             lock = threading.Lock()
             tensors.append(replace(t, target_dtype="float8_e4m3fn", compute=Fp8Weight(t, "weight", shared, lock)))

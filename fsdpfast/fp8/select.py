@@ -22,11 +22,22 @@ _LEFT_OUT = re.compile(
 )
 
 
-def quantized(name: str, shape: tuple[int, ...], dtype: str, skip: tuple[str, ...] = ()) -> bool:
-    """Whether --dtype fp8 writes `name` as float8 with a scale_inv."""
-    if len(shape) != 2 or dtype not in FLOATING or not name.endswith(".weight"):
+# transformers' packed experts ([E, out, in]), which its FP8Experts holds in float8 with a
+# `<name>_scale_inv` of [E, ceil(out/128), ceil(in/128)]
+_PACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|up_proj|down_proj)$")
+
+
+def quantized(
+    name: str, shape: tuple[int, ...], dtype: str, skip: tuple[str, ...] = (), packed_experts: bool = False
+) -> bool:
+    """Whether --dtype fp8 writes `name` as float8 with a scale_inv. `packed_experts`: the experts are
+    written in transformers' own packed layout (--expert-layout packed) and have no bias: their 3-D
+    tensors are quantized per expert, as transformers' Fp8Quantize does and FP8Experts loads them."""
+    if dtype not in FLOATING:
         return False
-    if _LEFT_OUT.search(name.removesuffix(".weight")):
+    if len(shape) == 3 and packed_experts and _PACKED_EXPERTS.search(name):
+        pass
+    elif len(shape) != 2 or not name.endswith(".weight") or _LEFT_OUT.search(name.removesuffix(".weight")):
         return False
     return not any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 

@@ -43,6 +43,12 @@ class LiveTensor:
     # The part of `value` written under `name` in the Hub layout (an expert's rows, a transposed
     # tensor: families.live_layout); None: all of it, as it is.
     hub: HubTensor | None = None
+    # save_pretrained(dtype="fp8") (live.fp8): a quantized weight's plan before quantizing (its shape and
+    # the dtype it is quantized from) and, once the ranks agree on them, its blocks' scales; a scale_inv
+    # tensor names the weight it scales
+    fp8: TensorPlan | None = None
+    fp8_scale: object = None
+    fp8_scale_of: str | None = None
 
 
 def plan_live(
@@ -131,6 +137,17 @@ class LocalPiece:
     def rows(cls, start: int, data) -> LocalPiece:
         """`data` is the tensor's elements from `start` on, in one contiguous run."""
         return cls(data, ((0, data.numel(), start, 1, 0, 0),))
+
+
+def extent_runs(extents):
+    """(source element, count, tensor element) of every run, as an int64 tensor of 3 columns."""
+    import torch
+
+    blocks = []
+    for src, count, dst, repeats, src_stride, dst_stride in extents:
+        i = torch.arange(repeats, dtype=torch.int64)
+        blocks.append(torch.stack([src + i * src_stride, torch.full_like(i, count), dst + i * dst_stride], 1))
+    return torch.cat(blocks) if blocks else torch.zeros((0, 3), dtype=torch.int64)
 
 
 def _refuse_untransposable(value, key: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import BadInput
 from ..families import keep_fp32
 from ..io.local_target import JoinedTarget, LocalTarget
-from ..options import FP8_NAMES
+from ..options import FP8_NAMES, fp8_patterns
 from ..pipeline.finish import FolderFiles, Provenance, write_small_files
 from ..pipeline.processes import MergeGroup
 from ..plan.layout import DEFAULT_MAX_SHARD_SIZE, OutputFile, plan_files
@@ -26,6 +26,7 @@ from ..plan.normalise import parse_dtype
 from ..rank_agreement import check_ranks_options, compared_options
 from .agree import agree, holding
 from .background import BackgroundSave, start_background, wait_for_previous
+from .fp8 import exchange, plan_fp8
 from .fsdp1 import is_fsdp1, live_state
 from .plan import plan_live
 from .write import WriteWays, settle, write_runs
@@ -58,6 +59,7 @@ def save_pretrained(
     ways: WriteWays | None = None,
     background: bool = False,
     expert_layout: str = "hub",
+    fp8_skip=None,
 ) -> SaveReport | BackgroundSave:
     """Write `model` as a Hugging Face folder: FSDP2-sharded (DTensor parameters on a 1-D or HSDP mesh,
     or FSDP2 + tensor parallel), FSDP1-wrapped (FullyShardedDataParallel, use_orig_params True or False;
@@ -67,7 +69,10 @@ def save_pretrained(
     Call it on every rank of the process group, as the model's forward is called. The folder is
     the one an offline merge of the same model's checkpoint writes (same files, headers and
     bytes), with its manifest; it appears complete or not at all.
-    dtype: None/"keep", "bf16", "fp16" or "fp32": floating tensors cast as the offline merge rounds (torch's `.to()`).
+    dtype: None/"keep", "bf16", "fp16" or "fp32": floating tensors cast as the offline merge rounds (torch's `.to()`);
+        "fp8" (or "fp8-block"): the offline `--dtype fp8` merge's block-scaled float8 linear weights, the rest
+        bf16 (live.fp8: the blocks' amaxes agreed by one all-reduce, each rank quantizing its own elements);
+        `fp8_skip="PATTERN,..."` leaves the names it matches unquantized.
     config: the model's config (default `model.config`), written as config.json with the dtype
         written; `tokenizer`: saved beside it if given (its save_pretrained).
     group: the process group (default: the default group when torch.distributed is initialised).
@@ -83,11 +88,11 @@ def save_pretrained(
     wait_for_previous()  # one save at a time: the one before publishes first, on every rank alike
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
-    if str(dtype) in FP8_NAMES:  # its blocks straddle the ranks' shards: not written from live pieces yet
-        raise BadInput(
-            f"save_pretrained(dtype={dtype!r}) is not supported yet: merge the training checkpoint with "
-            "`fsdpfast merge CKPT --out OUT --dtype fp8` instead"
-        )
+    fp8 = str(dtype) in FP8_NAMES
+    if fp8_skip and not fp8:
+        raise BadInput(f"save_pretrained: fp8_skip applies to dtype='fp8' only, not {dtype!r}")
+    skip = fp8_patterns(fp8_skip) if fp8_skip else ()
+    dtype = "bf16" if fp8 else dtype  # what fp8 leaves unquantized is bf16, as the offline merge writes it
     wanted = parse_dtype(dtype)
     if expert_layout not in ("hub", "packed"):
         raise BadInput(f"save_pretrained: expert_layout={expert_layout!r} is not 'hub' or 'packed'")
@@ -97,10 +102,13 @@ def save_pretrained(
     config_dict = _with_architecture(config_dict, model)
     planned = []
     # what decides the folder's layout on every rank (rank 0's overwrite alone is used: it must agree too)
-    asked = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, expert_layout=expert_layout)
+    asked = dict(
+        dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, expert_layout=expert_layout, fp8=fp8, skip=skip
+    )
 
     def plan_here():
-        planned.extend(_plan(model, dtype, config_dict, expert_layout))
+        plan, live = _plan(model, dtype, config_dict, expert_layout)
+        planned.extend(plan_fp8(plan, live, skip, expert_layout == "packed") if fp8 else (plan, live))
         return holding(*planned), compared_options(asked)
 
     holdings = processes.gather(plan_here)  # a rank that cannot plan stops all; rank 0 gets every rank's holding
@@ -111,6 +119,8 @@ def save_pretrained(
     )
     target = output.target if processes.rank == 0 else None
     ways = ways or WriteWays()
+    if fp8:  # a collective, after every rank has planned the same folder
+        tensors = exchange(tensors, processes.rank, processes.group if processes.size > 1 else None, ways.redistribute)
 
     def publish(pieces):  # pieces: every rank's, on rank 0 (None elsewhere)
         return processes.lead(

@@ -33,7 +33,8 @@ from ..execute.kernel_rows import native_pair
 from ..execute.parts import Piece
 from ..io.target import TargetFile
 from ..plan.layout import OutputFile
-from .plan import LiveTensor, LocalPiece, dtype_name, hub_piece, local_piece
+from .fp8 import quantized_piece
+from .plan import LiveTensor, LocalPiece, dtype_name, extent_runs, hub_piece, local_piece
 
 IN_FLIGHT = 2  # pieces in flight: one being written while the next is prepared
 CHUNK_BYTES = 1 << 20  # the kernel's unit of work per thread
@@ -112,7 +113,13 @@ def write_runs(
 
 def _live_pieces(tensors: list[LiveTensor], rank: int, ways: WriteWays):
     for tensor in tensors:
-        yield tensor, hub_piece(tensor, local_piece(tensor.value, rank, tensor.key, ways.redistribute))
+        if tensor.fp8_scale_of is not None:  # a scale_inv: computed, rank 0 writes it
+            yield tensor, local_piece(tensor.value, rank)
+            continue
+        piece = hub_piece(tensor, local_piece(tensor.value, rank, tensor.key, ways.redistribute))
+        if tensor.fp8 is not None and piece is not None and piece.data.numel():
+            piece = quantized_piece(tensor, piece)
+        yield tensor, piece
 
 
 def snapshot(
@@ -248,7 +255,7 @@ def _write(
     if ready is not None:
         ready.synchronize()
     size = itemsize(target)
-    runs = _runs(extents)  # (source element, count, tensor element) per run
+    runs = extent_runs(extents)  # (source element, count, tensor element) per run
     if _kernel_writes(out):
         crcs = _kernel_write(out.local_descriptor(), data, runs, target, placed.offset, threads)
     else:  # through the Target (no checksums without the native module: the manifest records none)
@@ -262,17 +269,6 @@ def _write(
     if len(starts) <= MAX_PIECES:
         return [Piece(file, placed.tensor.name, *run) for run in zip(starts.tolist(), lengths.tolist(), crcs)]
     return [Spread(file, placed.tensor.name, int(lengths.sum()), _image_crc(starts, lengths, crcs, placed.nbytes))]
-
-
-def _runs(extents):
-    """(source element, count, tensor element) of every run, as an int64 tensor of 3 columns."""
-    import torch
-
-    blocks = []
-    for src, count, dst, repeats, src_stride, dst_stride in extents:
-        i = torch.arange(repeats, dtype=torch.int64)
-        blocks.append(torch.stack([src + i * src_stride, torch.full_like(i, count), dst + i * dst_stride], 1))
-    return torch.cat(blocks) if blocks else torch.zeros((0, 3), dtype=torch.int64)
 
 
 def _kernel_write(fd: int, data, runs, target: str, offset: int, threads: int) -> list[int]:

@@ -92,11 +92,17 @@ def test_two_keys_that_become_one_name_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8-block"])
-def test_fp8_is_refused_pointing_at_the_merge(tmp_path, dtype):
-    model = torch.nn.Linear(4, 4)
-    with pytest.raises(BadInput) as refused:
-        fsdpfast.save_pretrained(model, tmp_path / "out", dtype=dtype)
-    assert "fsdpfast merge CKPT --out OUT --dtype fp8" in one_line_refusal(refused.value)
+def test_fp8_with_no_linear_weight_is_refused(tmp_path, dtype):
+    with pytest.raises(BadInput) as refused:  # its one 2-D tensor is `weight`, not a layer's `x.weight`
+        fsdpfast.save_pretrained(torch.nn.Linear(4, 4), tmp_path / "out", dtype=dtype)
+    assert "no linear weight to quantize" in one_line_refusal(refused.value)
+    assert nothing_published(tmp_path, "out")
+
+
+def test_fp8_skip_without_fp8_is_refused(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(BadInput, match="fp8_skip applies to dtype='fp8' only"):
+        fsdpfast.save_pretrained(model, tmp_path / "out", dtype="bf16", fp8_skip="*")
     assert nothing_published(tmp_path, "out")
 
 

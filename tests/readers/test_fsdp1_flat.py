@@ -67,6 +67,23 @@ def test_merge_to_bf16_and_fp32(fsdp1, tmp_path, name):
         assert_bit_exact(read_merged(tmp_path / dtype), reference, torch_dtype, tied=tied)
 
 
+@pytest.mark.parametrize("name", ["w3-orig", "w3-tied"])
+def test_merge_to_fp8_is_the_anchors_quantization(fsdp1, tmp_path, name):
+    """--dtype fp8 from FSDP1 flat shards (3 ranks: parameters cut unevenly): transformers' Fp8Quantize
+    of the unsharded model's bf16 weights (tests/support/fp8_anchor.py); verify checks it."""
+    from fp8_anchor import assert_fp8_is_the_anchors
+
+    from fsdpfast import _ops
+
+    if not _ops.torch_ops():
+        pytest.skip(f"fsdpfast torch ops not built: {_ops.torch_ops_error()}")
+    _, folder = fsdp1.get(name)
+    reference, tied = fsdp1.reference(name)
+    fsdpfast.merge(folder, tmp_path / "fp8", dtype="fp8")
+    assert_fp8_is_the_anchors(read_merged(tmp_path / "fp8"), reference, tied)
+    assert fsdpfast.verify(tmp_path / "fp8", against=folder).ok
+
+
 @pytest.mark.parametrize("name", ["w3-mlp-units", "w2-root-only"])
 def test_verify_against_the_checkpoint_uses_the_recorded_wrap(fsdp1, tmp_path, name):
     spec, folder = fsdp1.get(name)

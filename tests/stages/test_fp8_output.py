@@ -15,12 +15,11 @@ import json
 import pytest
 import torch
 from corpus import specs_read_by
-from fp8_anchor import anchor
+from fp8_anchor import assert_fp8_is_the_anchors
 from helpers import load_reference, read_merged, transformers_logits
 
 import fsdpfast
 from fsdpfast import _ops
-from fsdpfast.fp8.select import quantized
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,30 +35,13 @@ NAMES = sorted({specs_read_by(reader)[0] for reader in ("fsdp-ranks", "guide-ran
 ]
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_fp8_merge_is_the_anchors_quantization(checkpoints, tmp_path, name):
     spec, folder = checkpoints.get(name)
     reference, tied = load_reference(spec.reference_path(checkpoints.root))
     out = tmp_path / "fp8"
     fsdpfast.merge(folder, out, dtype="fp8")
-    merged = read_merged(out)
-    quantized_names = [n for n, t in reference.items() if n not in tied and quantized(n, tuple(t.shape), "float32")]
-    assert quantized_names, "the corpus model has linear weights"
-    for n, want in reference.items():
-        if n in tied:
-            continue
-        bf16 = want.to(torch.bfloat16) if want.is_floating_point() else want
-        if n in quantized_names:
-            q, s = anchor(bf16)
-            assert same_bits(merged[n], q), n
-            assert same_bits(merged[f"{n}_scale_inv"], s), n
-        else:
-            assert same_bits(merged[n], bf16), n
-    assert set(merged) == {n for n in reference if n not in tied} | {f"{n}_scale_inv" for n in quantized_names}
+    assert_fp8_is_the_anchors(read_merged(out), reference, tied)
     config = json.loads((out / "config.json").read_text())
     q = config["quantization_config"]
     assert (q["quant_method"], q["fmt"], q["activation_scheme"], q["weight_block_size"]) == (

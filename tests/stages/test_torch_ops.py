@@ -363,6 +363,16 @@ class TestFp8BlockQuantize(OpTests):
         return [t.cpu() for t in self.op(*args)]
 
 
+class TestFp8BlockQuantizeScalar(TestFp8BlockQuantize, OpTests):  # OpTests: listed as its own op
+    """The scalar CPU kernel the vectorised one replaced, kept to measure beside it (CPU only)."""
+
+    op = torch.ops.fsdpfast.fp8_block_quantize_scalar.default
+
+    @pytest.fixture(params=[CPU])
+    def device(self, request) -> str:
+        return request.param
+
+
 # --- the library as a whole ---
 
 # Each op's arguments it writes into, as its schema must declare them (Tensor(a!)).
@@ -375,6 +385,7 @@ WRITTEN = {
     "transposed": set(),
     "transpose_copy": {"destination"},
     "fp8_block_quantize": set(),
+    "fp8_block_quantize_scalar": set(),
 }
 
 
