@@ -9,7 +9,8 @@ The batching, read-ahead and memory release are io.pread_sources'; what differs 
   round trip. An object of at most GET_BYTES is thus read in one GET as soon as a batch needs it.
 - Memory: batches of BATCH_BYTES (32 MB, so a batch's range of one object is one GET, not four)
   with AHEAD_BYTES (64 MB) announced ahead: at most about 96 MB of source bytes held, and THREADS
-  (8) GETs in flight. A GET's bytes are copied into the buffers' memory and dropped at once.
+  (8) GETs in flight. A GET's response is copied into the buffers' memory as it arrives (CHUNK_BYTES,
+  1 MB, at a time), never held whole.
 - Each GET is conditioned on the ETag the object had when first read, so an object replaced during
   the merge fails it (SourceChanged), as a file that changed on local disk does. Nothing is staged on
   local disk.
@@ -28,6 +29,7 @@ GAP_BYTES = 1 << 20  # ranges of one object closer than this share a GET
 BATCH_BYTES = 32 << 20
 AHEAD_BYTES = 64 << 20
 THREADS = 8
+CHUNK_BYTES = 1 << 20  # a GET's response copied into the buffers as it arrives, about this much at a time
 
 
 class RangeSources(PreadSources):
@@ -74,22 +76,28 @@ class RangeSources(PreadSources):
         from obstore.exceptions import NotFoundError, PreconditionError
 
         store, key = store_for(url)
+        at = first  # the object's next byte to arrive
         try:
             got = obstore.get(store, key, options={"range": (first, last), "if_match": self.etag(url)})
-            data = memoryview(got.bytes())
+            for chunk in got.stream(min_chunk_size=CHUNK_BYTES):  # copied as it arrives: a chunk held, not the GET
+                chunk = memoryview(chunk)
+                end = min(last, at + chunk.nbytes)
+                for index, start, lo, hi in members:
+                    a, b = max(lo, at), min(hi, end)
+                    if a < b:
+                        with memoryview(self._memory[index]) as memory:  # released at once: it may be closed after
+                            memory[start + a - lo : start + b - lo] = chunk[a - at : b - at]
+                at += chunk.nbytes
         except (PreconditionError, NotFoundError, FileNotFoundError):  # obstore raises either for a 404
             raise SourceChanged(
                 f"{url}: the object was replaced or deleted during the merge; nothing was published; "
                 "merge again once the checkpoint is complete"
             ) from None
-        if data.nbytes != last - first:
+        if at != last:
             raise SourceChanged(
-                f"{url}: {data.nbytes} bytes at {first} where the merge planned {last - first}: it changed "
+                f"{url}: {at - first} bytes at {first} where the merge planned {last - first}: it changed "
                 "during the merge; nothing was published; merge again once the checkpoint is complete"
             )
-        for index, start, lo, hi in members:
-            with memoryview(self._memory[index]) as memory:  # released at once: the mapping may be closed after
-                memory[start : start + hi - lo] = data[lo - first : hi - first]
 
     def etag(self, url: str) -> str:
         """The object's ETag when the merge first read it: every later GET must find the same."""
