@@ -6,7 +6,8 @@ PUTs), side by side against one moto S3 server on 127.0.0.1 (started here, behin
 Each way runs as its own process (`python -m fsdpfast ...` / this file's --download-merge-upload); measured
 from outside while it runs: wall time, peak RSS of its whole process tree, peak local disk used (blocks
 allocated under its TMPDIR and work folder, sampled every 50 ms), and the most requests in flight at once
-(counted at the proxy: a request from its first byte until its response's). Prints one table.
+(counted at the proxy: a request from its first byte until its response's). Then the one pass's two halves
+apart (s3:// -> local, local -> s3://), to tell the reading's cost from the writing's. Prints one table.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _measure(name: str, command: list[str], proxy: TcpProxy, env: dict, scratch:
     tmp = tempfile.mkdtemp(dir=scratch)
     proxy.peak = 0
     start = time.perf_counter()
-    process = subprocess.Popen(command + ([tmp] if name != "one pass" else []), env={**env, "TMPDIR": tmp})
+    command = [c.replace("{tmp}", tmp) for c in command]
+    process = subprocess.Popen(command, env={**env, "TMPDIR": tmp})
     sampler = _Sampler(process.pid, [tmp])
     code = process.wait()
     sampler.stop()
@@ -166,7 +168,22 @@ def main() -> None:
             ),
             _measure(
                 "download, merge, upload",
-                [sys.executable, __file__, "--download-merge-upload", "run", "three"],
+                [sys.executable, __file__, "--download-merge-upload", "run", "three", "{tmp}"],
+                proxy,
+                env,
+                scratch,
+            ),
+            # the two halves of the one pass, apart: what reading costs, what writing costs
+            _measure(
+                "(s3:// -> local)",
+                [sys.executable, "-m", "fsdpfast", "merge", f"s3://{BUCKET}/run", "--out", "{tmp}/merged"],
+                proxy,
+                env,
+                scratch,
+            ),
+            _measure(
+                "(local -> s3://)",
+                [sys.executable, "-m", "fsdpfast", "merge", args.checkpoint, "--out", f"s3://{BUCKET}/half"],
                 proxy,
                 env,
                 scratch,

@@ -1,9 +1,19 @@
 """A Target (io.target) whose files are objects under an s3:// (gs://, az://) prefix.
 
-Each weights file is one multipart upload, its parts (PART_BYTES) uploaded UPLOADS at a time by the
-client while the merge goes on. The engines write byte ranges roughly in file order (header first,
-then the tensors); ranges written ahead of the next byte owed are held until the gap before them is
-filled, then streamed. Nothing is staged on local disk.
+Each weights file is one multipart upload, streamed while the merge goes on. Nothing is staged on local
+disk, and what the upload holds in memory is capped for the whole target, not per file:
+- UPLOAD_BYTES (64 MB) in the client: one file streams at a time (the others wait for it: the merge writes
+  its files one after another), its writer sending UPLOADS (3) parts of PART_BYTES (16 MB) at once while
+  it fills the next one. Measured (benchmarks/object_store_merge.py, docs/performance.md): a 337 MB
+  checkpoint merged local -> s3:// at 442 MB peak RSS (1159 MB before this cap), s3:// -> s3:// at 456 MB
+  against 260 MB for download, local merge and upload.
+- The engines' window (torch, cuda) holds the tensors of the batch being filled (execute.runner: at most
+  64 MB, or one larger tensor where the sources are local files, which the runner does not cut), each in
+  its own buffer, streamed and dropped as soon as its view is released (filled) and every byte before it
+  is streamed; never a whole file.
+- Bytes written in order are handed to the client without a copy; a range written ahead of the next byte
+  owed (not done by the merge's writers, which write in file order) is copied and held until the gap
+  before it is filled.
 
 A store has no rename, so the folder is made loadable last: the weights and the small files first,
 config.json after them and the manifest (which lists every object written) last. Until `publish`
@@ -27,8 +37,9 @@ from ..errors import BadInput, FsdpfastError
 from ..manifest import MANIFEST_NAME, WRITTEN
 from .stores import store_for
 
-PART_BYTES = 16 << 20  # one part of a multipart upload (S3's minimum is 5 MB)
-UPLOADS = 8  # parts of one file in flight at once: memory held is about PART_BYTES * UPLOADS per file
+PART_BYTES = 16 << 20  # one part of a multipart upload (S3's minimum 5 MB; at most 10,000 parts: 160 GB a file)
+UPLOADS = 3  # parts sent at once by the file streaming; with the one it fills, UPLOAD_BYTES held in the client
+UPLOAD_BYTES = PART_BYTES * (UPLOADS + 1)  # the whole target's upload bytes in memory at once
 CONFIG = "config.json"
 log = logging.getLogger("fsdpfast")
 
@@ -48,6 +59,7 @@ class ObjectTarget:
         self._small: dict[str, bytes] = {}  # config, index, manifest: put at publish, in that order
         self._open: list[ObjectFile] = []
         self._lock = threading.Lock()
+        self.streaming = threading.Lock()  # held by the one file whose upload is under way (UPLOAD_BYTES)
         self._clear_earlier(overwrite)
 
     @property
@@ -171,30 +183,46 @@ class ObjectFile:
     """One output object, written by byte ranges and streamed in order into a multipart upload."""
 
     def __init__(self, target: ObjectTarget, name: str, size: int):
-        import obstore
-
         self.target, self.name, self.size = target, name, size
-        self._writer = obstore.open_writer(
-            target.store, target.key(name), buffer_size=PART_BYTES, max_concurrency=UPLOADS
-        )
+        self._writer = None  # opened with the first bytes streamed, once the target's upload budget is free
         self._next = 0  # the first byte not yet streamed
         self._ahead: dict[int, bytes] = {}  # offset -> bytes written beyond a gap
         self._lock = threading.Lock()
         self._done = False
         self._aborted: bool | None = None  # None: not tried; else whether the store took the abort
         self._failed: str | None = None  # the one line of the first failure, said again to any later write
+        self._released = False  # whether this file's upload gave back the target's budget
 
     def write_at(self, data, offset: int) -> None:
-        data = bytes(data)
-        if not data:
+        data = memoryview(data).cast("B")
+        if not data.nbytes:
             return
         with self._lock:
             self._check_failed()
-            self._ahead[offset] = data
+            if offset != self._next:
+                self._ahead[offset] = bytes(data)  # the caller may reuse its buffer: held as a copy
+                return
+            self._stream(data)
             while self._next in self._ahead:
-                chunk = self._ahead.pop(self._next)
-                self._upload(self._writer.write, chunk)
-                self._next += len(chunk)
+                self._stream(memoryview(self._ahead.pop(self._next)))
+
+    def _stream(self, data: memoryview) -> None:
+        """Bytes at the next offset owed, into the upload a part at a time (the client copies each into its
+        part buffer; no larger copy is made)."""
+        if self._writer is None:
+            import obstore
+
+            self.target.streaming.acquire()  # one file streams at a time: the target's UPLOAD_BYTES
+            try:
+                self._writer = obstore.open_writer(
+                    self.target.store, self.target.key(self.name), buffer_size=PART_BYTES, max_concurrency=UPLOADS
+                )
+            except BaseException:
+                self.target.streaming.release()
+                raise
+        for at in range(0, data.nbytes, PART_BYTES):
+            self._upload(self._writer.write, data[at : at + PART_BYTES])
+        self._next += data.nbytes
 
     def window(self, start: int, end: int):
         return _Window(self, start, end)
@@ -208,7 +236,12 @@ class ObjectFile:
             self._check_failed()
             if self._done or self._next < self.size or self._ahead:
                 return
-            self._upload(self._writer.close)  # the last part and the completion (on failure the client aborts)
+            if self._writer is None:  # an empty file: nothing was streamed
+                self._stream(memoryview(b""))
+            try:
+                self._upload(self._writer.close)  # the last part and the completion (on failure the client aborts)
+            finally:
+                self._end_streaming()
             self._done = True
         self.target.put_done(self.name, self.size)
 
@@ -222,11 +255,20 @@ class ObjectFile:
             return True
         if self._aborted is None:
             try:  # the client's own abort, with its retries: once only (a failed abort cannot be tried again)
-                self._writer.__exit__(RuntimeError, RuntimeError("discarded"), None)
+                if self._writer is not None:
+                    self._writer.__exit__(RuntimeError, RuntimeError("discarded"), None)
                 self._aborted = True
             except Exception:
                 self._aborted = False
+            finally:
+                self._end_streaming()
         return self._aborted
+
+    def _end_streaming(self) -> None:
+        """The upload completed or aborted: its budget goes to the next file."""
+        if self._writer is not None and not self._released:
+            self._released = True
+            self.target.streaming.release()
 
     def _upload(self, step, *args) -> None:
         """A call into the upload; on failure the merge fails in one line naming the object, and the writer is
@@ -259,15 +301,47 @@ class ObjectFile:
 
 
 class _Window:
-    """Bytes [start, end) of an object filled in memory, written in when closed."""
+    """Bytes [start, end) of an object, filled in memory by the engine a piece at a time (`at`): each piece has
+    its own buffer, streamed into the file and dropped once its view is released (the engine filled it:
+    io.target.Window) and every byte before it is streamed. Bytes no piece covered are zeros."""
 
     def __init__(self, file: ObjectFile, start: int, end: int):
-        self.file, self.start = file, start
-        self.buffer = bytearray(end - start)
+        self.file, self.next, self.end = file, start, end
+        self.pieces: dict[int, tuple[bytearray, memoryview]] = {}  # offset -> (its bytes, the view handed out)
 
     def at(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.buffer)[offset - self.start : offset - self.start + nbytes]
+        self._stream_filled()  # an earlier batch's pieces, released by now
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        self.pieces[offset] = (buffer, view)
+        return view
 
     def close(self) -> None:
-        self.file.write_at(self.buffer, self.start)
-        self.buffer = bytearray()
+        for offset in sorted(self.pieces):
+            self._zeros_until(offset)
+            buffer, _ = self.pieces.pop(offset)
+            self.file.write_at(buffer, offset)
+            self.next = offset + len(buffer)
+        self._zeros_until(self.end)
+
+    def _stream_filled(self) -> None:
+        for offset in sorted(self.pieces):
+            buffer, view = self.pieces[offset]
+            if offset != self.next or not _released(view):
+                return
+            del self.pieces[offset]
+            self.file.write_at(buffer, offset)
+            self.next = offset + len(buffer)
+
+    def _zeros_until(self, offset: int) -> None:
+        while self.next < offset:
+            gap = min(offset - self.next, PART_BYTES)
+            self.file.write_at(bytes(gap), self.next)
+            self.next += gap
+
+
+def _released(view: memoryview) -> bool:
+    try:
+        return view.nbytes < 0  # any attribute of a released view raises
+    except ValueError:  # "operation forbidden on released memoryview object"
+        return True

@@ -75,17 +75,17 @@ def test_a_source_deleted_mid_merge_fails_it(checkpoints, s3_server, bucket, cap
     client = s3_server.client()
     upload_folder(client, folder, bucket, "run")
     monkeypatch.setattr(metadata_mirror, "WHOLE_BYTES", 0)
-    original = RangeSources._read
+    original = RangeSources._read_span
     deleted = []
 
-    def deleting(self, index, memory, start, end):
+    def deleting(self, url, first, last, members):
         if not deleted:
-            key = self.buffers[index].path.split(f"s3://{bucket}/", 1)[1]
+            key = url.split(f"s3://{bucket}/", 1)[1]
             client.delete_object(Bucket=bucket, Key=key)
             deleted.append(key)
-        return original(self, index, memory, start, end)
+        return original(self, url, first, last, members)
 
-    monkeypatch.setattr(RangeSources, "_read", deleting)
+    monkeypatch.setattr(RangeSources, "_read_span", deleting)
     assert main(["merge", f"s3://{bucket}/run", "--out", f"s3://{bucket}/out"]) != 0
     line = _error_line(capsys)
     assert any(key in line for key in deleted) and "during the merge" in line  # (reads race: perhaps two deleted)
