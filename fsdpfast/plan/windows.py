@@ -75,7 +75,14 @@ class Windows:
             raise BadInput(
                 f"{name}: a transposed window needs two dimensions, {window.tensor}'s has {len(window.sizes)}"
             )
-        inner = self.whole(name, window.sizes, [replace(window, at=(0,) * len(window.sizes))])
+        return self.transposed_of(name, window.sizes, [replace(window, at=(0,) * len(window.sizes))])
+
+    def transposed_of(self, name: str, shape: Sequence[int], windows: Sequence[Window]) -> TensorPlan:
+        """Tensor `name`: the tensor of `shape` (two dimensions at least) the windows fill whole (as `whole`),
+        written with its last two dimensions swapped (plan.model.Transposed)."""
+        if len(shape) < 2:
+            raise BadInput(f"{name}: a transposed tensor needs two dimensions, not {list(shape)}")
+        inner = self.whole(name, shape, windows)
         rows, cols = inner.shape[-2:]
         used = frozenset(e.source for e in inner.extents)
         return replace(inner, shape=(*inner.shape[:-2], cols, rows), compute=Transposed(rows, cols, used))

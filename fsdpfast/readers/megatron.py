@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / DeepSeek-V3 models.
+Qwen3-MoE / Mixtral / DeepSeek-V3 / gpt-oss models.
 
 The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
 shapes: TP, PP, virtual pipeline stages, expert parallelism (EP) and expert tensor parallelism (ETP)
@@ -36,10 +36,14 @@ from .megatron_names import (
     EMBED,
     EXPERT_BIAS,
     EXPERT_FC1,
+    EXPERT_FC1_BIAS,
     EXPERT_FC2,
+    EXPERT_FC2_BIAS,
     FC1,
     FC2,
     FINAL_NORM,
+    GPT_OSS_KEYS,
+    GPT_OSS_MOE_KEYS,
     LAYER,
     MLA,
     MLA_MARKS,
@@ -53,6 +57,7 @@ from .megatron_names import (
     QK_NORMS,
     QKV,
     ROUTER,
+    ROUTER_BIAS,
     SHARED_FC1,
     SHARED_KEYS,
     MegatronToHuggingFace,
@@ -73,10 +78,11 @@ _MODEL_TYPES = (
     "qwen3_moe",
     "deepseek_v3",
     "mixtral",
+    "gpt_oss",
 )  # whose Hugging Face names and layout this writes
 _QK_NORM = ("qwen3", "qwen3_moe")  # families with an RMSNorm over each head of q and k
-_MOE = ("qwen3_moe", "deepseek_v3", "mixtral")  # the MoE families this layout writes
-_MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS)  # tensors of the layers with experts only
+_MOE = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss")  # the MoE families this layout writes
+_MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS, *GPT_OSS_MOE_KEYS)  # tensors of the layers with experts only
 _HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
 # What unknown names reveal, for the refusal: (a piece of the name, what it means)
@@ -110,6 +116,11 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         megatron_checks.check_against_tensors(folder, args, found)
     config, config_note = _config_dir(folder, config, args is not None, args_note)
     built, positions_note = None, None
+    if config is None and found.gpt_oss:  # the args cannot build a gpt_oss config (sinks, windows, clamped GLU)
+        raise BadInput(
+            f"{folder}: a Megatron gpt-oss checkpoint (attention sinks, biases) with no Hugging Face config; pass "
+            f"{option('config', meta='DIR')} (a folder with the model's gpt_oss config.json)"
+        )
     if config is None:  # no config.json anywhere: the run's own args say what the model is
         built, config_note = megatron_config.build(
             folder,
@@ -233,7 +244,7 @@ def _sizes(values: dict, path: str) -> Sizes:
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise BadInput(f"{path}: mlp_only_layers is {dense!r}, not a list of layer numbers")
         moe_layers = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    elif model_type == "mixtral":  # every layer has experts; intermediate_size is each expert's
+    elif model_type in ("mixtral", "gpt_oss"):  # every layer has experts; intermediate_size is each expert's
         experts, expert_ffn, moe_layers = (
             number("num_local_experts"),
             number("intermediate_size"),
@@ -253,7 +264,10 @@ def _sizes(values: dict, path: str) -> Sizes:
         experts=experts,
         expert_ffn=expert_ffn,
         moe_layers=moe_layers,
-        expert_keys=("num_local_experts", "intermediate_size") if model_type == "mixtral" else Sizes.expert_keys,
+        expert_keys=("num_local_experts", "intermediate_size")
+        if model_type in ("mixtral", "gpt_oss")
+        else Sizes.expert_keys,
+        gpt_oss=model_type == "gpt_oss",
     )
 
 
@@ -323,6 +337,7 @@ def _tensor_sizes(model: dict, layers: dict) -> megatron_checks.TensorSizes:
         mla=mla,
         shared=SHARED_FC1 in layers,
         expert_bias=EXPERT_BIAS in layers,
+        gpt_oss=any(key in layers for key in (*GPT_OSS_KEYS, *GPT_OSS_MOE_KEYS)),
     )
 
 
@@ -336,6 +351,26 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
     - Routed experts are Qwen3-MoE's, Mixtral's or DeepSeek-V3's; those have experts."""
     model_type = values["model_type"]
     how = f"pass {option('config', meta='DIR')} with"
+    gpt_oss = model_type == "gpt_oss"
+    if found.gpt_oss != gpt_oss:
+        holds = (
+            "holds gpt-oss's attention sinks and biases (core_attention.softmax_offset, linear_proj.bias, "
+            "router.bias, expert biases)"
+            if found.gpt_oss
+            else "holds no attention sinks (core_attention.softmax_offset) nor output and MoE biases"
+        )
+        fits = "a gpt_oss config" if found.gpt_oss else "a config of another family (not gpt_oss)"
+        raise BadInput(
+            f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
+            f"checkpoint's model; {how} {fits}"
+        )
+    if gpt_oss:  # gpt-oss has all of them, on q, k, v and o alike (attention_bias, true in its configs)
+        if values.get("attention_bias", True) is not True or not found.qkv_bias:
+            raise BadInput(
+                f"{folder}: {path} is a gpt_oss config with attention_bias {values.get('attention_bias')!r} and the "
+                f"checkpoint {'holds' if found.qkv_bias else 'holds no'} linear_qkv.bias: the config is not this "
+                f"checkpoint's model; {how} its own"
+            )
     mla = model_type == "deepseek_v3"
     if found.mla != mla:
         holds = (
@@ -364,7 +399,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
                 )
     has_flag = model_type in ("llama", *_QK_NORM)  # attention_bias: a bias on q, k, v and o
     wants = model_type == "qwen2" or (has_flag and values.get("attention_bias") is True)
-    if (model_type != "qwen2") if found.qkv_bias else wants:
+    if not gpt_oss and ((model_type != "qwen2") if found.qkv_bias else wants):
         holds = "holds linear_qkv.bias (a bias on q, k and v only)" if found.qkv_bias else "holds no linear_qkv.bias"
         given = (
             f"model_type {model_type!r}"
@@ -403,7 +438,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             else "holds no MoE layers (no decoder.layers.mlp.router.weight)"
         )
         fits = (
-            "a qwen3_moe, mixtral or deepseek_v3 config (the MoE families the megatron layout writes)"
+            "a qwen3_moe, mixtral, deepseek_v3 or gpt_oss config (the MoE families the megatron layout writes)"
             if found.experts
             else "a dense one"
         )
@@ -426,7 +461,11 @@ def _layer_tensors(folder: str, model: dict) -> dict[str, dict[int | None, dcp.C
 
 def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
     known_layer = (
-        set(NORMS) | set(QKV) | set(QK_NORMS) | set(MLA) | {PROJ, *DENSE_KEYS, *MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS}
+        set(NORMS)
+        | set(QKV)
+        | set(QK_NORMS)
+        | set(MLA)
+        | {PROJ, *DENSE_KEYS, *MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS, *GPT_OSS_KEYS, *GPT_OSS_MOE_KEYS}
     )
 
     def known(name: str) -> bool:
@@ -450,8 +489,8 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral and DeepSeek-V3 (with its MTP "
-            "layers) only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral, DeepSeek-V3 (with its MTP "
+            "layers) and gpt-oss only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
@@ -469,7 +508,8 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
                 f"{folder}: no decoder.layers.{names[0]} in the checkpoint; not a Megatron GPT model "
                 "with SwiGLU and RMSNorm"
             )
-    for kind in (DENSE_KEYS, MOE_KEYS, SHARED_KEYS):  # a dense MLP's or an MoE layer's tensors: all of them or none
+    gpt_oss = (*GPT_OSS_KEYS, *GPT_OSS_MOE_KEYS)
+    for kind in (DENSE_KEYS, MOE_KEYS, SHARED_KEYS, gpt_oss):  # a dense MLP's or an MoE layer's tensors: all or none
         present = [key for key in kind if key in layers]
         if present and len(present) < len(kind):
             missing = next(key for key in kind if key not in layers)
@@ -507,6 +547,11 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         EXPERT_FC1: (s.experts, 2 * s.expert_ffn, s.hidden),
         EXPERT_FC2: (s.experts, s.hidden, s.expert_ffn),
         EXPERT_BIAS: (s.experts,),
+        GPT_OSS_KEYS[0]: (s.hidden,),
+        GPT_OSS_KEYS[1]: (s.heads,),
+        ROUTER_BIAS: (s.experts,),
+        EXPERT_FC1_BIAS: (s.experts, 2 * s.expert_ffn),
+        EXPERT_FC2_BIAS: (s.experts, s.hidden),
         SHARED_KEYS[0]: (2 * s.shared_ffn, s.hidden),
         SHARED_KEYS[1]: (s.hidden, s.shared_ffn),
         **(mla_shapes(s) if s.mla else {}),  # MLA's q_layernorm is over the q LoRA rank, not a head
@@ -521,6 +566,10 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         ROUTER: f"{experts_key} {s.experts}, hidden_size {s.hidden}",
         EXPERT_FC1: f"{experts_key} {s.experts}, 2 x {ffn_key} {s.expert_ffn}, hidden_size {s.hidden}",
         EXPERT_FC2: f"{experts_key} {s.experts}, hidden_size {s.hidden}, {ffn_key} {s.expert_ffn}",
+        GPT_OSS_KEYS[1]: f"num_attention_heads {s.heads}",
+        ROUTER_BIAS: f"{experts_key} {s.experts}",
+        EXPERT_FC1_BIAS: f"{experts_key} {s.experts}, 2 x {ffn_key} {s.expert_ffn}",
+        EXPERT_FC2_BIAS: f"{experts_key} {s.experts}, hidden_size {s.hidden}",
         SHARED_KEYS[0]: f"2 x shared experts' size {s.shared_ffn}, hidden_size {s.hidden}",
         SHARED_KEYS[1]: f"hidden_size {s.hidden}, shared experts' size {s.shared_ffn}",
         **{

@@ -52,6 +52,7 @@ class TensorSizes:
     mla: bool = False  # multi-latent attention (no linear_qkv: qkv_rows is 0)
     shared: bool = False  # shared experts
     expert_bias: bool = False  # the router's expert_bias
+    gpt_oss: bool = False  # gpt-oss's tensors: attention sinks (core_attention.softmax_offset) and biases
 
 
 def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:

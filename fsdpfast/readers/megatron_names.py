@@ -17,6 +17,11 @@ placement, no arithmetic:
   expert's rows [gate; up] as the dense fc1; linear_fc2 (L, E, H, F)), so layer i is transformers'
   packed mlp.experts.gate_up_proj (E, 2F, H) and down_proj (E, H, F); families.hub_experts then
   writes them one tensor per expert, as save_pretrained does (or keeps them packed).
+- gpt-oss (megatron-bridge's map): the Hub keeps its experts packed and transposed, gate and up
+  interleaved: gate_up_proj[e] (H, 2F) is the (2F, H) matrix whose row 2j is fc1[e]'s gate row j and row
+  2j+1 its up row j (a window per row), written transposed (plan.model.Transposed); its bias interleaved
+  alike; down_proj[e] (F, H) is fc2[e] transposed; self_attn.sinks is core_attention.softmax_offset; the
+  attention, router and expert biases beside their weights.
 - DeepSeek-V3: multi-latent attention, the shared experts (fc1 [gate; up] as the dense one) and the
   router's expert_bias (e_score_correction_bias) are one-to-one renames (megatron-bridge's map).
 Embedding rows past config.json's vocab_size are Megatron's vocabulary padding and are left out.
@@ -59,6 +64,12 @@ ROUTER = "mlp.router.weight"
 EXPERT_FC1, EXPERT_FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
 MOE_KEYS = (ROUTER, EXPERT_FC1, EXPERT_FC2)
 EXPERT_BIAS = "mlp.router.expert_bias"  # DeepSeek-V3's e_score_correction_bias (float32 by design)
+# gpt-oss: biases on o_proj, the router and the experts; the attention sinks (a learnable softmax offset per head)
+PROJ_BIAS, SINKS = "self_attention.linear_proj.bias", "self_attention.core_attention.softmax_offset"
+ROUTER_BIAS = "mlp.router.bias"
+EXPERT_FC1_BIAS, EXPERT_FC2_BIAS = "mlp.experts.experts.linear_fc1.bias", "mlp.experts.experts.linear_fc2.bias"
+GPT_OSS_KEYS = (PROJ_BIAS, SINKS)
+GPT_OSS_MOE_KEYS = (ROUTER_BIAS, EXPERT_FC1_BIAS, EXPERT_FC2_BIAS)
 SHARED_FC1, SHARED_FC2 = "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"
 SHARED_KEYS = (SHARED_FC1, SHARED_FC2)
 # Multi-latent attention (DeepSeek-V3), one to one: Megatron key -> Hugging Face name in the layer. The local
@@ -104,6 +115,7 @@ class Sizes:
     nope: int = 0  # qk_nope_head_dim
     rope: int = 0  # qk_rope_head_dim
     mtp: int = 0  # multi-token prediction layers (num_nextn_predict_layers), written as layers L..L+mtp-1
+    gpt_oss: bool = False  # gpt-oss: biases, attention sinks, experts packed transposed with gate/up interleaved
     expert_keys: tuple[str, str] = ("num_experts", "moe_intermediate_size")  # config.json's, for the messages
 
 
@@ -160,7 +172,9 @@ class MegatronToHuggingFace(NamesOnly):
         ]
         return plan.but(tensors=made)
 
-    def _made(self, windows: Windows, name: str, shape: tuple[int, ...], parts: list[Window]) -> TensorPlan:
+    def _made(self, windows: Windows, name: str, shape: tuple[int, ...], parts) -> TensorPlan:
+        if isinstance(parts, Swapped):
+            return windows.transposed_of(name, parts.shape, parts.windows)
         tensor = windows.tensor(name, shape, parts)
         covered = sum(e.numel for e in tensor.extents)
         if covered != prod(shape):
@@ -169,6 +183,14 @@ class MegatronToHuggingFace(NamesOnly):
                 f"{prod(shape)} elements of {name}; the checkpoint is incomplete"
             )
         return tensor
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """An output written transposed: the tensor of `shape` the windows fill, its last two dimensions swapped."""
+
+    shape: tuple[int, ...]
+    windows: list[Window]
 
 
 def _outputs(model: dict, layers: dict, s: Sizes):
@@ -211,9 +233,15 @@ def _layer(layers: dict, i: int, s: Sizes, moe: bool):
                 yield prefix + hf, shape, _layer_window(layers[key], i, tuple((0, n) for n in shape))
     h, inner, d = s.hidden, s.heads * s.head_dim, s.head_dim
     yield prefix + "self_attn.o_proj.weight", (h, inner), _layer_window(layers[PROJ], i, ((0, h), (0, inner)))
+    if s.gpt_oss:
+        yield prefix + "self_attn.o_proj.bias", (h,), _layer_window(layers[PROJ_BIAS], i, ((0, h),))
+        yield prefix + "self_attn.sinks", (s.heads,), _layer_window(layers[SINKS], i, ((0, s.heads),))
     for key, hf in QK_NORMS.items():
         if key in layers and not s.mla:
             yield prefix + hf, (d,), _layer_window(layers[key], i, ((0, d),))
+    if moe and s.gpt_oss:
+        yield from _gpt_oss_moe(layers, i, s, prefix)
+        return
     if moe:
         e, f = s.experts, s.expert_ffn
         yield prefix + "mlp.gate.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
@@ -235,15 +263,35 @@ def _layer(layers: dict, i: int, s: Sizes, moe: bool):
     yield prefix + "mlp.down_proj.weight", (h, s.ffn), _layer_window(layers[FC2], i, ((0, h), (0, s.ffn)))
 
 
+def _gpt_oss_moe(layers: dict, i: int, s: Sizes, prefix: str):
+    """Layer i's router and packed experts as gpt-oss's Hub holds them (megatron-bridge's map): fc1's gate row j
+    at row 2j and up row j at 2j+1 of (E, 2F, H), written transposed as (E, H, 2F); its bias (E, 2F) interleaved
+    alike; down_proj fc2 (E, H, F) written transposed as (E, F, H)."""
+    e, f, h = s.experts, s.expert_ffn, s.hidden
+    yield prefix + "mlp.router.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
+    yield prefix + "mlp.router.bias", (e,), _layer_window(layers[ROUTER_BIAS], i, ((0, e),))
+    fc1, fc1_bias = layers[EXPERT_FC1], layers[EXPERT_FC1_BIAS]
+    rows = [(j, 2 * j) for j in range(f)] + [(f + j, 2 * j + 1) for j in range(f)]  # (fc1 row, interleaved row)
+    weight = [w for row, at in rows for w in _layer_window(fc1, i, ((0, e), (row, 1), (0, h)), at=(0, at, 0))]
+    yield prefix + "mlp.experts.gate_up_proj", (e, h, 2 * f), Swapped((e, 2 * f, h), weight)
+    bias = [w for row, at in rows for w in _layer_window(fc1_bias, i, ((0, e), (row, 1)), at=(0, at))]
+    yield prefix + "mlp.experts.gate_up_proj_bias", (e, 2 * f), bias
+    down = _layer_window(layers[EXPERT_FC2], i, ((0, e), (0, h), (0, f)))
+    yield prefix + "mlp.experts.down_proj", (e, f, h), Swapped((e, h, f), down)
+    box = ((0, e), (0, h))
+    yield prefix + "mlp.experts.down_proj_bias", (e, h), _layer_window(layers[EXPERT_FC2_BIAS], i, box)
+
+
 def _held(found: dict) -> set[int]:
     """The layers a stacked or per-layer tensor holds."""
     return set(range(found[None].shape[0])) if None in found else set(found)
 
 
-def _layer_window(found: dict, i: int, box, at_row: int = 0) -> list[Window]:
-    """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`."""
+def _layer_window(found: dict, i: int, box, at_row: int = 0, at: tuple[int, ...] | None = None) -> list[Window]:
+    """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`
+    (or at `at`)."""
     offsets, sizes = tuple(start for start, _ in box), tuple(size for _, size in box)
-    at = (at_row,) + (0,) * (len(box) - 1)
+    at = at if at is not None else (at_row,) + (0,) * (len(box) - 1)
     if None in found:
         return [Window(found[None].name, (i, *offsets), (1, *sizes), at)]
     return [Window(found[i].name, offsets, sizes, at)]

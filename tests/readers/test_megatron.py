@@ -35,6 +35,8 @@ DATA = Path(__file__).parents[1] / "data" / "megatron"
 MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "tp2_ep2_deepseek_v3", "tp2_ep2_mixtral"]
 # Qwen3-MoE over 2 pipeline stages (EP2 in each), and in bfloat16 (norms and nothing else float32)
 MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
+# gpt-oss-like (megatron-bridge's gpt-oss settings): biases, attention sinks, experts packed transposed and interleaved
+MOE += ["tp1_pp1_gpt_oss"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
@@ -48,7 +50,6 @@ ITERATION = "iter_0000007"
 REFUSED = [
     "tp1_pp1_moe",
     "tp1_pp1_moe_shared_expert",
-    "tp1_pp1_gpt_oss",
 ]  # MoE checkpoints without a reference, only refused
 MTP = ["tp1_pp1_deepseek_v3_mtp"]  # DeepSeek-V3-like, one MoE layer and one MTP layer (model.layers.1 on the Hub)
 
@@ -112,7 +113,7 @@ def _packed(reference: dict) -> dict:
     out, experts = {}, {}
     for key, tensor in _mixtral_as_held(reference).items():
         prefix, sep, rest = key.partition(".mlp.experts.")
-        if not sep:
+        if not sep or not rest.split(".")[0].isdigit():  # gpt-oss's Hub tensors are packed already
             out[key] = tensor
             continue
         expert, projection = rest.split(".")[:2]
@@ -637,11 +638,60 @@ def test_without_config_an_moe_checkpoint_is_refused_naming_the_option(tmp_path)
     cli_refuses(DATA / "tp2_ep2_mixtral" / "run", tmp_path / "out2", mentions=("MoE layers (4 experts)", "--config"))
 
 
-def test_gpt_oss_is_refused_naming_its_biases(tmp_path):
+# --- gpt-oss: biases, attention sinks, experts packed transposed with gate/up interleaved ----------------------
+
+
+def test_gpt_oss_experts_are_packed_transposed_and_interleaved(tmp_path):
     # written by megatron-core 0.16.1 with megatron-bridge's gpt-oss settings (expert, router and attention biases,
-    # learnable softmax_offset, clamped quick-GELU GLU, sliding windows): not yet mapped to GptOss's packed tensors
-    config = _config(tmp_path, "tp2_ep2_mixtral")
-    cli_refuses(DATA / "tp1_pp1_gpt_oss" / "run", tmp_path / "out", "--config", config, mentions=("bias",))
+    # learnable softmax_offset, clamped GLU, sliding windows); the reference is the live weights mapped by
+    # megatron-bridge's gpt-oss rule in the fixture script (torch ops): checked here against the checkpoint itself
+    name = "tp1_pp1_gpt_oss"
+    fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    own = _as_saved(DATA / name / "run" / ITERATION, tmp_path / "saved.pt")  # Megatron's own tensors
+    fc1 = own["decoder.layers.mlp.experts.experts.linear_fc1.weight"][1]  # layer 1: (E, 2F, H), [gate; up]
+    gate_up = merged["model.layers.1.mlp.experts.gate_up_proj"]  # (E, H, 2F): gate column 2j, up 2j+1
+    assert gate_up.shape == (4, 64, 64) and fc1.shape == (4, 64, 64)
+    assert torch.equal(gate_up[:, :, 0::2], fc1[:, :32].transpose(1, 2))
+    assert torch.equal(gate_up[:, :, 1::2], fc1[:, 32:].transpose(1, 2))
+    bias = own["decoder.layers.mlp.experts.experts.linear_fc1.bias"][1]
+    assert torch.equal(merged["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 1::2], bias[:, 32:])
+    fc2 = own["decoder.layers.mlp.experts.experts.linear_fc2.weight"][0]  # (E, H, F)
+    assert torch.equal(merged["model.layers.0.mlp.experts.down_proj"], fc2.transpose(1, 2))
+    sinks = own["decoder.layers.self_attention.core_attention.softmax_offset"][0]
+    assert torch.equal(merged["model.layers.0.self_attn.sinks"], sinks)
+
+
+def _as_saved(folder: Path, file: Path) -> dict:
+    """A torch_dist folder's tensors as torch's own DCP reader loads them (not ours)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(folder), str(file))
+    return torch.load(str(file), weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(num_local_experts=8), ("router.weight", "num_local_experts 8")),
+        (dict(intermediate_size=16), ("experts.linear_fc1.weight", "intermediate_size 16")),
+        (dict(attention_bias=False), ("attention_bias False",)),
+        (dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), ("attention sinks", "gpt_oss")),
+    ],
+)
+def test_a_gpt_oss_config_that_disagrees_with_the_tensors_is_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, "tp1_pp1_gpt_oss", **changes)
+    run = DATA / "tp1_pp1_gpt_oss" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=(*mentions, "not this checkpoint's model"))
+
+
+def test_gpt_oss_config_on_a_mixtral_checkpoint_and_no_config_are_refused(tmp_path):
+    config = _config(tmp_path, "tp1_pp1_gpt_oss", num_hidden_layers=2)
+    run = DATA / "tp2_ep2_mixtral" / "run"
+    cli_refuses(run, tmp_path / "out", "--config", config, mentions=("no attention sinks", "not gpt_oss"))
+    cli_refuses(
+        DATA / "tp1_pp1_gpt_oss" / "run", tmp_path / "out2", mentions=("--config",)
+    )  # no args either: refused first
 
 
 # --- Mixtral ------------------------------------------------------------------------------------------
