@@ -1,4 +1,5 @@
-"""Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE folders.
+"""Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE /
+Mixtral / DeepSeek-V3 / gpt-oss folders.
 
 The fixtures in tests/data/megatron/ were written by real megatron-core (versions.json) with
 tests/fixtures/make_megatron_checkpoints.py, run by hand: CI never installs Megatron. Each holds
