@@ -61,12 +61,19 @@ class PreadSources:
     def read_ahead(self, ranges: dict[int, list[tuple[int, int]]]) -> None:
         """Start reading byte ranges [start, end) of these buffers (a batch's): they are needed next."""
         for index, wanted in ranges.items():
-            batch = _Batch(_merged(wanted, self.buffers[index].nbytes))
-            self._announced.setdefault(index, []).append(batch)
+            batch = self.announce(index, wanted)
             memory = self._memory_of(index)
             for start, end in batch.ranges:
                 for at in range(start, end, self.read_bytes):
                     batch.reads.append(self._pool.submit(self._read, index, memory, at, min(end, at + self.read_bytes)))
+
+    def announce(self, index: int, wanted: list[tuple[int, int]]) -> _Batch:
+        """A batch's ranges of this buffer, merged and queued behind the earlier ones, its memory mapped;
+        the caller starts the reads and adds them to `batch.reads` (read_ahead here, RangeSources' GETs)."""
+        batch = _Batch(_merged(wanted, self.buffers[index].nbytes))
+        self._announced.setdefault(index, []).append(batch)
+        self._memory_of(index)
+        return batch
 
     def view(self, index: int) -> memoryview:
         """The buffer, its oldest announced batch's ranges read (the whole buffer when none was announced)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from ..io.pread_sources import PreadSources, _Batch, _merged
+from ..io.pread_sources import PreadSources
 from ..manifest import SourceChanged
 from .stores import store_for
 
@@ -48,9 +48,7 @@ class RangeSources(PreadSources):
         wanted = []  # (object URL, first byte in it, last byte, buffer index, start in the buffer)
         for index, asked in ranges.items():
             buffer = self.buffers[index]
-            batch = _Batch(_merged(asked, buffer.nbytes))
-            self._announced.setdefault(index, []).append(batch)
-            self._memory_of(index)
+            batch = self.announce(index, asked)
             for start, end in batch.ranges:
                 for at in range(start, end, GET_BYTES):
                     first = buffer.byte_offset + at
