@@ -236,36 +236,25 @@ def _sizes(values: dict, path: str) -> Sizes:
     layers = number("num_hidden_layers")
     if model_type == "deepseek_v3":
         return _deepseek_sizes(values, path, number, hidden, heads, tied)
+    moe = {}
     if model_type == "glm4_moe":  # grouped attention as Qwen2 / Qwen3 (q/k norms with use_qk_norm), DeepSeek-V3's MoE
-        return Sizes(
-            hidden,
-            heads,
-            groups,
-            head_dim,
-            number("intermediate_size"),
-            layers,
-            number("vocab_size"),
-            tied is True,
-            isinstance(tied, bool),
-            qk_norm=values.get("use_qk_norm") is True,
-            **_deepseek_moe(values, path, number, layers),
-        )
-    experts, expert_ffn, moe_layers = 0, 0, frozenset()
-    if model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
-        experts, expert_ffn, step = (
-            number("num_experts"),
-            number("moe_intermediate_size"),
-            number("decoder_sparse_step", 1),
-        )
+        moe = _deepseek_moe(values, path, number, layers)
+    elif model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
+        step = number("decoder_sparse_step", 1)
         dense = values.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise BadInput(f"{path}: mlp_only_layers is {dense!r}, not a list of layer numbers")
-        moe_layers = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        moe = dict(
+            experts=number("num_experts"),
+            expert_ffn=number("moe_intermediate_size"),
+            moe_layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        )
     elif model_type in ("mixtral", "gpt_oss"):  # every layer has experts; intermediate_size is each expert's
-        experts, expert_ffn, moe_layers = (
-            number("num_local_experts"),
-            number("intermediate_size"),
-            frozenset(range(layers)),
+        moe = dict(
+            experts=number("num_local_experts"),
+            expert_ffn=number("intermediate_size"),
+            moe_layers=frozenset(range(layers)),
+            expert_keys=("num_local_experts", "intermediate_size"),
         )
     return Sizes(
         hidden,
@@ -277,14 +266,9 @@ def _sizes(values: dict, path: str) -> Sizes:
         number("vocab_size"),
         tied is True,  # absent (or not a bool): untied, the default of Llama, Mistral and Qwen2
         isinstance(tied, bool),
-        qk_norm=model_type in _QK_NORM,
-        experts=experts,
-        expert_ffn=expert_ffn,
-        moe_layers=moe_layers,
-        expert_keys=("num_local_experts", "intermediate_size")
-        if model_type in ("mixtral", "gpt_oss")
-        else Sizes.expert_keys,
+        qk_norm=model_type in _QK_NORM or (model_type == "glm4_moe" and values.get("use_qk_norm") is True),
         gpt_oss=model_type == "gpt_oss",
+        **moe,
     )
 
 
