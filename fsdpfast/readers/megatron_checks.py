@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from ..errors import BadInput, option
 from .megatron_args import COMMON, TrainingArgs
 
-# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says
+# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says (RoPE on part of
+# each head, rotary_percent, is GLM-4.5's: checked against config.json, _rotary_contradiction)
 NOT_HF = (
     ("rotary_interleaved", lambda v: v is True, "interleaved rotary embeddings"),
     ("apply_layernorm_1p", lambda v: v is True, "zero-centred norm weights (apply_layernorm_1p)"),
-    ("rotary_percent", lambda v: v is not None and v != 1.0, "rotary embeddings on part of each head"),
     ("normalization", lambda v: v is not None and v != "RMSNorm", "a norm other than RMSNorm"),
     ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
     ("swiglu", lambda v: v is False, "an MLP other than SwiGLU"),
@@ -170,6 +170,7 @@ def check_against_config(
         ),
         (r.get("swiglu") is True and act not in _SILU) and ("swiglu True (SiLU)", f"hidden_act {act!r}"),
         *_rope_contradictions(r, rope),
+        _rotary_contradiction(r, values, rope),
         _window_contradiction(r, values),
         _vocab_contradiction(r, sizes.vocab, found.rows),
     )
@@ -226,6 +227,24 @@ def _rope_contradictions(r: dict, rope: dict):
         yield (kind == _LINEAR) and _differ("rotary_seq_len_interpolation_factor", linear, "factor", factor)
     elif "rotary_seq_len_interpolation_factor" in r and kind == _LINEAR:
         yield "rotary_seq_len_interpolation_factor None", f"rope_type {_LINEAR!r}"
+
+
+def _rotary_contradiction(r: dict, values: dict, rope: dict):
+    """Megatron's rotary_percent, the part of each head RoPE turns, against GLM-4.5's partial_rotary_factor
+    (transformers reads the RoPE dict's before config.json's top-level one, and takes 0.5 when neither says); the
+    other families the megatron layout writes turn the whole head."""
+    percent = _number(r.get("rotary_percent"))
+    if percent is None:
+        return None
+    if values.get("model_type") == "glm4_moe":
+        factor = rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 0.5))
+        return _differ("rotary_percent", percent, "partial_rotary_factor", _number(factor))
+    if percent != 1.0:
+        return (
+            f"rotary_percent {percent} (RoPE on part of each head)",
+            f"model_type {values.get('model_type')!r}, which turns the whole of each head (glm4_moe turns part)",
+        )
+    return None
 
 
 def _window_contradiction(r: dict, values: dict):

@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE /
-Mixtral / DeepSeek-V3 / gpt-oss folders.
+Mixtral / DeepSeek-V3 / GLM-4.5 / gpt-oss folders.
 
 The fixtures in tests/data/megatron/ were written by real megatron-core (versions.json) with
 tests/fixtures/make_megatron_checkpoints.py, run by hand: CI never installs Megatron. Each holds
@@ -38,6 +38,10 @@ MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "t
 MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 # gpt-oss-like (megatron-bridge's gpt-oss settings): biases, attention sinks, experts packed transposed and interleaved
 MOE += ["tp1_pp1_gpt_oss"]
+# GLM-4.5-like (megatron-bridge's GLM settings): QKV bias, q/k layernorms, RoPE on half of each head, layer 0 dense,
+# layer 1 with 4 routed experts over EP2 (sigmoid routing, expert_bias, scaling 2.5) and a shared one, one MTP layer
+GLM = "tp2_ep2_glm4_moe"
+MOE += [GLM]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
@@ -89,13 +93,9 @@ def test_tp2_pp2_equals_megatron_bridges_export(tmp_path):
 
 @pytest.mark.parametrize("name", MERGED)
 def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, name):
-    import transformers
 
     fsdpfast.merge(DATA / name / "run" / ITERATION, tmp_path / "out", config=DATA / name / "hf")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out"), dtype="auto", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model = _loaded_every_weight(tmp_path / "out")
     reference = _packed(load_file(str(DATA / name / "reference.safetensors")))
     for key, value in model.state_dict().items():  # tied lm_head included: it is the embedding
         wanted = reference.get(key, reference["model.embed_tokens.weight"] if key == "lm_head.weight" else None)
@@ -106,6 +106,21 @@ def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, 
         with torch.no_grad():
             logits = model(probe["input_ids"]).logits
         torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _loaded_every_weight(folder: Path):
+    """The merged model as transformers loads it: no weight missing, mismatched or unexpected, but the MTP layers
+    (model.layers.{L + k}: transformers builds none, and ignores them by name at the Hub's sizes only)."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
+    config = json.loads((folder / "config.json").read_text())
+    mtp = tuple(
+        f"model.layers.{config['num_hidden_layers'] + k}." for k in range(config.get("num_nextn_predict_layers") or 0)
+    )
+    unexpected = [key for key in info["unexpected_keys"] if not key.startswith(mtp)] if mtp else info["unexpected_keys"]
+    assert not info["missing_keys"] and not unexpected and not info["mismatched_keys"], info
+    return model
 
 
 def _packed(reference: dict) -> dict:
@@ -566,15 +581,11 @@ def test_qwen3_norms_are_q_norm_and_k_norm_and_the_experts_one_tensor_each(tmp_p
 
 @pytest.mark.parametrize("name", MOE)
 def test_qwen3_moe_packed_experts_are_the_reference_stacked(tmp_path, name):
-    import transformers
 
     fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf", expert_layout="packed")
     merged = read_merged(str(tmp_path / "out"))
     assert_bit_exact(merged, _packed(load_file(str(DATA / name / "reference.safetensors"))))
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out"), dtype="auto", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model = _loaded_every_weight(tmp_path / "out")
     megatron = DATA / name / "megatron_logits.safetensors"
     if megatron.exists():  # not for MLA: the fixture's patched core attention cannot run it
         probe = load_file(str(megatron))
@@ -818,3 +829,86 @@ def test_mtp_layers_the_config_does_not_count_are_refused(tmp_path, layers):
 
 def test_mtp_layers_without_a_config_are_refused(tmp_path):
     cli_refuses(DATA / "tp1_pp1_deepseek_v3_mtp" / "run", tmp_path / "out", mentions=("--config",))
+
+
+# --- GLM-4.5: grouped attention with a QKV bias and q/k norms, DeepSeek-V3's MoE and MTP layers -----------
+
+
+def test_glm4_moe_equals_megatron_bridges_export_and_its_experts_the_live_weights(tmp_path):
+    # megatron-bridge 0.3.1 loaded the checkpoint at TP1/EP1 and exported every tensor but the routed experts (its GLM
+    # map names only the grouped-GEMM experts, not SequentialMLP's); the MTP layer included, as model.layers.2
+    report = fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=DATA / GLM / "hf")
+    assert any("1 MTP layer" in note for note in report.notes), report.notes
+    merged, bridge = read_merged(str(tmp_path / "out")), load_file(str(DATA / GLM / "bridge_export.safetensors"))
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.self_attn.q_proj.bias"} <= set(bridge)
+    assert_bit_exact({key: merged[key] for key in bridge}, bridge)
+    routed = sorted(set(merged) - set(bridge))
+    assert routed == sorted(
+        f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+        for layer in (1, 2)
+        for e in range(4)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    live = load_file(str(DATA / GLM / "reference.safetensors"))  # the experts as megatron-core held them
+    assert_bit_exact({key: merged[key] for key in routed}, {key: live[key] for key in routed})
+
+
+def test_glm4_moe_names_and_shapes(tmp_path):
+    fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=DATA / GLM / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    shapes = {
+        "self_attn.q_proj.bias": (4 * 16,),  # a bias on q, k and v (attention_bias), none on o
+        "self_attn.k_proj.bias": (2 * 16,),
+        "self_attn.q_norm.weight": (16,),  # use_qk_norm: over each head
+        "mlp.gate.weight": (4, 64),
+        "mlp.gate.e_score_correction_bias": (4,),
+        "mlp.shared_experts.up_proj.weight": (32, 64),
+        "mlp.experts.3.down_proj.weight": (64, 32),
+    }
+    for layer in ("model.layers.1.", "model.layers.2."):  # the MoE layer, and the MTP layer's
+        assert {key: tuple(merged[layer + key].shape) for key in shapes} == shapes
+    assert "model.layers.0.mlp.gate_proj.weight" in merged and "model.layers.0.self_attn.o_proj.bias" not in merged
+    assert merged["model.layers.2.eh_proj.weight"].shape == (64, 128)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(attention_bias=False), ("holds linear_qkv.bias", "attention_bias False")),
+        (dict(use_qk_norm=False), ("q_layernorm", "use_qk_norm False")),
+        (dict(n_shared_experts=0), ("holds shared experts", "has none")),
+        (dict(first_k_dense_replace=0), ("linear_fc1.weight holds layers [0]", "first_k_dense_replace")),
+        (dict(n_routed_experts=8), ("router.weight", "n_routed_experts 8")),
+        (dict(num_nextn_predict_layers=0), ("MTP layers [0]", "num_nextn_predict_layers 0")),
+        (dict(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[0]), ("holds linear_qkv.bias", "glm4_moe")),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+            ("rotary_percent 0.5", "partial_rotary_factor 1.0"),
+        ),
+    ],
+)
+def test_a_glm4_moe_config_that_disagrees_with_the_checkpoint_is_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, GLM, **changes)
+    cli_refuses(DATA / GLM / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "this checkpoint's"))
+
+
+@pytest.mark.parametrize("top", [{"partial_rotary_factor": 0.5}, {}], ids=["top-level", "absent"])
+def test_a_glm4_moe_partial_rotary_factor_at_the_top_or_absent_merges(tmp_path, top):
+    # the Hub's GLM-4.5 config.json gives it at the top (transformers moves it into rope_parameters); absent: 0.5
+    values = json.loads((DATA / GLM / "hf" / "config.json").read_text())
+    del values["rope_parameters"]["partial_rotary_factor"]
+    values.pop("partial_rotary_factor", None)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps({**values, **top}))
+    fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=tmp_path / "config")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / GLM / "reference.safetensors")))
+
+
+def test_without_config_a_glm4_moe_checkpoint_is_refused_naming_the_option(tmp_path):
+    cli_refuses(DATA / GLM / "run", tmp_path / "out", mentions=("MoE layers", "--config"))
+
+
+def test_rope_on_part_of_each_head_is_refused_for_the_other_families(tmp_path):
+    run = _with_args(tmp_path, rotary_percent=0.5)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=("rotary_percent 0.5", "llama"))
+    cli_refuses(run, tmp_path / "built", mentions=("rotary_percent 0.5", "--config"))
