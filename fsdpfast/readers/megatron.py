@@ -112,7 +112,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     args, args_note = read_training_args(folder)
     found = _tensor_sizes(model, layers)
     if args is not None:  # the args against the tensors first: with a config.json or without, the same checks
-        megatron_checks.refuse_what_hf_does_not_compute(folder, args)
+        megatron_checks.refuse_what_hf_does_not_compute(folder, args, gpt_oss=found.gpt_oss)
         megatron_checks.check_against_tensors(folder, args, found)
     config, config_note = _config_dir(folder, config, args is not None, args_note)
     built, positions_note = None, None

@@ -28,6 +28,12 @@ NOT_HF = (
     ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
     ("swiglu", lambda v: v is False, "an MLP other than SwiGLU"),
 )
+# gpt-oss's MLP (told by its tensors: attention sinks and biases) is not SwiGLU but Megatron-LM's quick_geglu,
+# with 1 added to the linear half (glu_linear_offset) and both halves clamped (activation_func_clamp_value)
+GPT_OSS_NOT_HF = (
+    ("quick_geglu", lambda v: v is False, "an MLP other than gpt-oss's quick GeGLU"),
+    ("glu_linear_offset", lambda v: v is not None and v != 1.0, "a GLU offset other than gpt-oss's 1"),
+)
 _SILU = ("silu", "swish")  # transformers' two names for the activation Megatron's swiglu gates with
 # Megatron-LM's own RoPE scalings and the rope_type each is in config.json: llama3 (use_rope_scaling,
 # factor rope_scaling_factor) and linear (rotary_seq_len_interpolation_factor)
@@ -55,13 +61,16 @@ class TensorSizes:
     gpt_oss: bool = False  # gpt-oss's tensors: attention sinks (core_attention.softmax_offset) and biases
 
 
-def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
-    """Args that say the run computed something no Llama / Mistral / Qwen2 does: one line."""
-    for arg, is_on, what in NOT_HF:
+def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs, gpt_oss: bool = False) -> None:
+    """Args that say the run computed something no Llama / Mistral / Qwen2 does (with gpt-oss's tensors:
+    that gpt-oss does not): one line."""
+    checks = [c for c in NOT_HF if c[0] != "swiglu"] + list(GPT_OSS_NOT_HF) if gpt_oss else NOT_HF
+    family = "gpt_oss" if gpt_oss else "Llama / Mistral / Qwen2"
+    for arg, is_on, what in checks:
         if arg in args.recorded and is_on(args.recorded[arg]):
             raise BadInput(
                 f"{folder}: the training args in {COMMON} have {arg} {args.recorded[arg]!r}: the model uses {what}, "
-                "which Hugging Face Llama / Mistral / Qwen2 do not compute; the megatron layout cannot write it"
+                f"which Hugging Face {family} does not compute; the megatron layout cannot write it"
             )
 
 
@@ -102,7 +111,7 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
             if not found.tied
             else "the checkpoint holds no output_layer.weight (tied embeddings)",
         ),
-        _qkv_bias(r, found.qkv_bias),
+        _biases(r, found),
         (isinstance(r.get("qk_layernorm"), bool) and r["qk_layernorm"] != found.qk_norm)
         and (
             f"qk_layernorm {r['qk_layernorm']}",
@@ -127,11 +136,16 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
             )
 
 
-def _qkv_bias(r: dict, present: bool):
-    """Megatron puts a bias on linear_qkv with add_qkv_bias, and on every linear layer with add_bias_linear."""
-    if r.get("add_bias_linear") is True:  # the other linear biases would be tensors readers.megatron refuses
+def _biases(r: dict, found: TensorSizes):
+    """Megatron puts a bias on linear_qkv with add_qkv_bias, and on every linear layer with add_bias_linear
+    (gpt-oss's; readers.megatron refuses those biases in any other family's tensors)."""
+    every = r.get("add_bias_linear")
+    if every is True and not found.gpt_oss:
         return "add_bias_linear True", "the checkpoint has no bias on linear_proj, linear_fc1 or linear_fc2"
-    if isinstance(r.get("add_qkv_bias"), bool) and r["add_qkv_bias"] != present:
+    if every is False and found.gpt_oss:
+        return "add_bias_linear False", "the checkpoint has gpt-oss's biases on linear_proj, linear_fc1 and linear_fc2"
+    present = found.qkv_bias
+    if isinstance(r.get("add_qkv_bias"), bool) and (r["add_qkv_bias"] or every is True) != present:
         return f"add_qkv_bias {r['add_qkv_bias']}", f"{'a' if present else 'no'} linear_qkv.bias is in the checkpoint"
     return None
 
@@ -171,6 +185,7 @@ def check_against_config(
         (r.get("swiglu") is True and act not in _SILU) and ("swiglu True (SiLU)", f"hidden_act {act!r}"),
         *_rope_contradictions(r, rope),
         _window_contradiction(r, values),
+        *(_gpt_oss_contradictions(r, values) if found.gpt_oss else ()),
         _vocab_contradiction(r, sizes.vocab, found.rows),
     )
     for contradiction in contradictions:
@@ -229,14 +244,69 @@ def _rope_contradictions(r: dict, rope: dict):
 
 
 def _window_contradiction(r: dict, values: dict):
-    """A run with sliding-window attention needs a config that has one (full attention computes other
-    outputs past the window); a window in the config that the run did not train with only limits
-    what the model sees of longer inputs, a serving choice, and passes."""
+    """A run with sliding-window attention needs a config with the same window on the same layers (full
+    attention, or another window, computes other outputs past it); a window in the config that the run did
+    not train with only limits what the model sees of longer inputs, a serving choice, and passes.
+
+    Megatron's window_size (left, right) lets query i attend to keys i - left ... i + right (left + 1 of them
+    in a causal model, as flash-attn counts); transformers' sliding_window counts the query itself
+    (keys j > i - sliding_window): window_size (W, 0) is sliding_window W + 1."""
     window = r.get("window_size")
     has = values.get("sliding_window") is not None and values.get("use_sliding_window", True) is not False
-    if window is None or has:
+    if window is None:
         return None
-    return f"window_size {window!r} (sliding-window attention)", "no sliding window (full attention)"
+    if not has:
+        return f"window_size {window!r} (sliding-window attention)", "no sliding window (full attention)"
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_whole(w) or w == 0 for w in window)):
+        return f"window_size {window!r}", "a sliding window (the args' window is not (left, 0))"
+    left, right = window
+    if right:
+        return f"window_size {window!r} (each token attends to {right} after it)", "a causal sliding window"
+    if values["sliding_window"] != left + 1:
+        return (
+            f"window_size {window!r} (each token attends to itself and the {left} before it)",
+            f"sliding_window {values['sliding_window']!r} (transformers counts the token itself: the run's window "
+            f"is sliding_window {left + 1})",
+        )
+    return _window_layers_contradiction(r, values)
+
+
+def _window_layers_contradiction(r: dict, values: dict):
+    """Which layers have the window: Megatron's window_attn_skip_freq (none: every layer; N: all but every
+    N-th, counted from 1; a list: 1 for a windowed layer) against config.json's layer_types, where it has them."""
+    layer_types = values.get("layer_types")
+    if not isinstance(layer_types, list):
+        return None
+    skip = r.get("window_attn_skip_freq")
+    layers = range(len(layer_types))
+    if skip is None:
+        trained = [True for _ in layers]
+    elif _whole(skip):
+        trained = [(i + 1) % skip != 0 for i in layers]
+    elif isinstance(skip, (list, tuple)) and len(skip) == len(layer_types):
+        trained = [bool(s) for s in skip]
+    else:
+        return f"window_attn_skip_freq {skip!r}", f"layer_types of {len(layer_types)} layers"
+    given = [t == "sliding_attention" for t in layer_types]
+    if trained == given:
+        return None
+    windowed = [i for i, on in enumerate(trained) if on]
+    return (
+        f"window_size {r['window_size']!r} and window_attn_skip_freq {skip!r} (the window on layers {windowed})",
+        f"layer_types with sliding_attention on layers {[i for i, on in enumerate(given) if on]}",
+    )
+
+
+def _gpt_oss_contradictions(r: dict, values: dict):
+    """gpt-oss's clamp: Megatron-LM's activation_func_clamp_value is transformers' swiglu_limit (gate halves
+    clamped above, linear halves on both sides, in both)."""
+    if "activation_func_clamp_value" in r:
+        clamp, limit = (
+            _number(r["activation_func_clamp_value"]),
+            _number(values.get("swiglu_limit", 7.0)),
+        )  # GptOssConfig's default
+        if clamp != limit:
+            yield f"activation_func_clamp_value {r['activation_func_clamp_value']!r}", f"swiglu_limit {limit!r}"
 
 
 def _vocab_contradiction(r: dict, vocab: int, rows: int):

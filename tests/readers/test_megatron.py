@@ -38,6 +38,8 @@ MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "t
 MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 # gpt-oss-like (megatron-bridge's gpt-oss settings): biases, attention sinks, experts packed transposed and interleaved
 MOE += ["tp1_pp1_gpt_oss"]
+# and over TP2 (heads and sinks split) with its experts over EP2, Megatron-LM's gpt-oss args in common.pt
+MOE += ["tp2_ep2_gpt_oss"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
@@ -106,6 +108,32 @@ def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, 
         with torch.no_grad():
             logits = model(probe["input_ids"]).logits
         torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_megatrons_logits_are_stored_for_every_fixture_megatron_ran_forward():
+    # the logits checks above and below skip a fixture without the file: every float32 fixture in one pipeline
+    # stage has it (Megatron's forward on CPU ran for each; MLA and gpt-oss included)
+    fixtures = json.loads((DATA / "versions.json").read_text())["fixtures"]
+    ran = [f["name"] for f in fixtures if f["name"] in MERGED and f["pp"] == 1 and f["dtype"] == "float32"]
+    assert {"tp2_ep2_deepseek_v3", "tp1_pp1_gpt_oss"} <= set(ran)
+    assert [name for name in ran if not (DATA / name / "megatron_logits.safetensors").is_file()] == []
+
+
+def test_a_gpt_oss_window_one_token_short_computes_other_logits_than_megatron(tmp_path):
+    # Megatron's window_size (4, 0) is the token and the 4 before it; transformers' sliding_window counts the token
+    # itself: 5 is the same window (the fixture's config, which meets Megatron's logits above), 4 one key fewer
+    import transformers
+
+    name = "tp1_pp1_gpt_oss"
+    assert json.loads((DATA / name / "hf" / "config.json").read_text())["sliding_window"] == 5
+    fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=_config(tmp_path, name, sliding_window=4))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype="auto")
+    probe = load_file(str(DATA / name / "megatron_logits.safetensors"))
+    with torch.no_grad():
+        logits = model(probe["input_ids"]).logits
+    gap = (logits - probe["logits"]).abs()
+    assert gap[:, :4].max() < 1e-5  # tokens 0-3: both windows reach back to token 0
+    assert gap[:, 4:].max() > 1e-3  # token 4 on: transformers leaves out the key 4 before
 
 
 def _packed(reference: dict) -> dict:
@@ -377,6 +405,26 @@ def test_args_that_contradict_the_config_are_refused(tmp_path, changes, mentions
     cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=mentions)
 
 
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(quick_geglu=False), ("quick_geglu False", "quick GeGLU", "gpt_oss")),
+        (dict(glu_linear_offset=0.0), ("glu_linear_offset 0.0", "gpt_oss")),
+        (dict(rotary_interleaved=True), ("rotary_interleaved True", "gpt_oss")),
+    ],
+)
+def test_gpt_oss_args_that_gpt_oss_does_not_compute_are_refused(tmp_path, changes, mentions):
+    # its MLP is quick GeGLU (swiglu False), clamped, with 1 added to the linear half: what transformers' gpt_oss computes
+    run = _with_args(tmp_path, name="tp2_ep2_gpt_oss", **changes)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_ep2_gpt_oss" / "hf", mentions=mentions)
+
+
+def test_gpt_oss_args_that_agree_with_the_config_merge_bit_exact(tmp_path):
+    name = "tp2_ep2_gpt_oss"
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert any("agree with the training args" in note for note in report.notes), report.notes
+
+
 # --- the args against the tensors: refused whether a config.json is given or built from them -------
 
 # (fixture, the args changed, what the line names): each contradicts what the fixture's tensors show
@@ -401,6 +449,7 @@ AGAINST_THE_TENSORS = [
         ("untie_embeddings_and_output_weights True", "no output_layer.weight"),
     ),
     ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(add_qkv_bias=False), ("add_qkv_bias False", "a linear_qkv.bias")),
+    ("tp2_ep2_gpt_oss", dict(add_bias_linear=False), ("add_bias_linear False", "gpt-oss's biases on linear_proj")),
 ]
 
 
@@ -441,6 +490,10 @@ def _config_beside(tmp_path: Path, run: Path, name: str = "tp2_pp2", **changes) 
     return hf
 
 
+def _mistral_window(sliding_window: int) -> dict:
+    return dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=sliding_window)
+
+
 # (fixture, the args changed, config.json changed, what the line names)
 AGAINST_THE_CONFIG = [
     ("tp2_pp2", {}, dict(rms_norm_eps=1e-6), ("norm_epsilon 1e-05", "rms_norm_eps 1e-06")),
@@ -466,6 +519,35 @@ AGAINST_THE_CONFIG = [
         ("rotary_seq_len_interpolation_factor 2.0", "'linear'"),
     ),
     ("tp2_pp2", dict(window_size=(31, 0)), {}, ("window_size (31, 0)", "no sliding window")),
+    # Megatron's (31, 0) is the token and the 31 before it: transformers' sliding_window 32 (the token counted)
+    (
+        "tp2_pp2",
+        dict(window_size=(31, 0)),
+        _mistral_window(31),
+        ("window_size (31, 0)", "the 31 before it", "sliding_window 31", "sliding_window 32"),
+    ),
+    ("tp2_pp2", dict(window_size=(31, 2)), _mistral_window(32), ("window_size (31, 2)", "2 after it", "causal")),
+    (
+        "tp2_pp2",
+        dict(window_size=(31, 0), window_attn_skip_freq=2),
+        dict(_mistral_window(32), layer_types=["sliding_attention"] * 4),
+        ("window_attn_skip_freq 2", "on layers [0, 2]", "sliding_attention on layers [0, 1, 2, 3]"),
+    ),
+    # gpt-oss's args (common.pt as Megatron-LM writes it): its window, the layers it is on, the clamp
+    ("tp2_ep2_gpt_oss", {}, dict(sliding_window=4), ("window_size (4, 0)", "sliding_window 4", "sliding_window 5")),
+    (
+        "tp2_ep2_gpt_oss",
+        {},
+        dict(layer_types=["full_attention", "sliding_attention"]),
+        ("window_attn_skip_freq 2", "on layers [0]", "sliding_attention on layers [1]"),
+    ),
+    ("tp2_ep2_gpt_oss", {}, dict(swiglu_limit=10.0), ("activation_func_clamp_value 7.0", "swiglu_limit 10.0")),
+    (
+        "tp2_ep2_gpt_oss",
+        dict(activation_func_clamp_value=None),
+        {},
+        ("activation_func_clamp_value None", "swiglu_limit 7.0"),
+    ),
     # Megatron-LM pads to a multiple of 3 x TP 2 = 6: 102 rows hold a vocabulary of 97..102, not 96
     ("tp2_pp2", dict(make_vocab_size_divisible_by=3), dict(vocab_size=96), ("vocab_size 96", "fewer than 6 rows")),
     ("tp2_pp2", dict(num_attention_heads=8, num_query_groups=4, kv_channels=8), {}, ("num_attention_heads 8",)),
@@ -491,9 +573,10 @@ def test_args_that_contradict_the_config_json_are_refused(tmp_path, name, args, 
         (dict(make_vocab_size_divisible_by=3), dict(vocab_size=100)),
         (dict(use_rope_scaling=True, rope_scaling_factor=8.0), _LLAMA3_CONFIG),
         (dict(rotary_seq_len_interpolation_factor=2.0), dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
-        (
-            dict(window_size=(31, 0)),
-            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32),
+        (dict(window_size=(31, 0)), _mistral_window(32)),
+        (  # the window on layers 0 and 2 (every 2nd layer, counted from 1, without it)
+            dict(window_size=(31, 0), window_attn_skip_freq=2),
+            dict(_mistral_window(32), layer_types=["sliding_attention", "full_attention"] * 2),
         ),
         ({}, dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
         ({}, dict(hidden_act="swish")),
