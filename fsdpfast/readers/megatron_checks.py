@@ -2,11 +2,13 @@
 
 Every check of the args is here, so a merge with a config.json (--config, or huggingface/ found beside
 the folder) and one whose config.json is built from the args see the same ones, in this order:
-1. what the args say no Hugging Face Llama / Mistral / Qwen2 computes (rotary_interleaved, ...);
+1. what the args say no Hugging Face Llama / Mistral / Qwen2 computes (rotary_interleaved, ...), or with
+   gpt-oss's tensors (sinks, biases) no gpt_oss;
 2. the args against the tensors (layers, hidden size, heads x head dim, ffn size, padded vocabulary,
-   tied embeddings, QKV bias, experts): a contradiction means common.pt is not these tensors' run;
+   tied embeddings, biases, experts): a contradiction means common.pt is not these tensors' run;
 3. the args against config.json, for what the tensors cannot tell (4 heads of 16 or 8 heads of 8,
-   norm epsilon, RoPE base and scaling, activation, how much of the vocabulary is padding).
+   norm epsilon, RoPE base and scaling, activation, sliding window, gpt-oss's clamp, how much of the
+   vocabulary is padding).
 config.json against the tensors is readers.megatron's shape check; it runs between 2 and 3, so the
 args against config.json only ever meet a config whose shapes fit. Each refusal is one line naming
 both values and which side to fix. An arg that is not recorded is not checked.

@@ -659,7 +659,7 @@ def test_qwen3_moe_packed_experts_are_the_reference_stacked(tmp_path, name):
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     megatron = DATA / name / "megatron_logits.safetensors"
-    if megatron.exists():  # not for MLA: the fixture's patched core attention cannot run it
+    if megatron.exists():  # every float32 fixture in one stage (test_megatrons_logits_are_stored_for_...)
         probe = load_file(str(megatron))
         with torch.no_grad():
             torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5)
@@ -872,6 +872,17 @@ def test_a_deepseek_v3_config_that_disagrees_with_the_tensors_is_refused(tmp_pat
     cli_refuses(
         DATA / name / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "this checkpoint's model")
     )
+
+
+def test_an_mla_norm_epsilon_other_than_transformers_latent_norms_one_is_noted(tmp_path):
+    # transformers' DeepseekV3 hard-codes eps 1e-6 in q_a_layernorm / kv_a_layernorm (the fixture's 1e-6 meets Megatron's
+    # logits to 1e-5; with 1e-5 in Megatron and the config they were 3.2e-5 apart, 7.5e-7 with those two norms at 1e-5)
+    name = "tp2_ep2_deepseek_v3"
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert not any("q_a_layernorm" in note for note in report.notes), report.notes
+    config = _config(tmp_path, name, rms_norm_eps=1e-5)
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out2", config=config)
+    assert any("rms_norm_eps 1e-05" in note and "kv_a_layernorm" in note for note in report.notes), report.notes
 
 
 def test_without_config_an_mla_checkpoint_is_refused_naming_the_option(tmp_path):
