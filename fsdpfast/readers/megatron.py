@@ -115,10 +115,10 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     args, args_note = read_training_args(folder)
     found = _tensor_sizes(model, layers)
     if args is not None:  # the args against the tensors first: with a config.json or without, the same checks
-        megatron_checks.refuse_what_hf_does_not_compute(folder, args)
+        megatron_checks.refuse_what_hf_does_not_compute(folder, args, gpt_oss=found.gpt_oss)
         megatron_checks.check_against_tensors(folder, args, found)
     config, config_note = _config_dir(folder, config, args is not None, args_note)
-    built, positions_note = None, None
+    built, positions_note, eps_note = None, None, None
     if config is None and found.gpt_oss:  # the args cannot build a gpt_oss config (sinks, windows, clamped GLU)
         raise BadInput(
             f"{folder}: a Megatron gpt-oss checkpoint (attention sinks, biases) with no Hugging Face config; pass "
@@ -147,6 +147,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         _check_shapes(folder, source, model, layers, sizes)
         if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
             positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
+        eps_note = _latent_norms_note(values) if sizes.mla else None
     tensors = [_tensor(tensor) for tensor in model.values()]
     conversion = MegatronToHuggingFace(folder, sizes)
     plan = MergePlan(
@@ -180,6 +181,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         args_note,
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
         positions_note,
+        eps_note,
     )
     if model[EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
@@ -192,6 +194,19 @@ def read(folder: str, config: str | None = None) -> MergePlan:
             f"not merged: {len(others)} other entries ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
         )
     return plan
+
+
+def _latent_norms_note(values: dict) -> str | None:
+    """transformers' DeepseekV3 normalises the q and kv latents (q_a_layernorm, kv_a_layernorm) with eps 1e-6
+    whatever rms_norm_eps says; megatron-core's MLA with the run's epsilon. Another epsilon changes no weight,
+    but transformers' logits then differ a little from Megatron's (3e-5 on the test fixture with 1e-5)."""
+    eps = values.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or eps == 1e-6:
+        return None
+    return (
+        f"rms_norm_eps {eps} kept: transformers' DeepseekV3 computes q_a_layernorm and kv_a_layernorm with eps 1e-6 "
+        "whatever config.json says (Megatron with the run's epsilon), so its logits differ slightly from Megatron's"
+    )
 
 
 def _config_dir(folder: str, given: str | None, has_args: bool, args_note: str | None) -> tuple[str | None, str | None]:
