@@ -224,6 +224,26 @@ def test_a_verl_step_is_complete_only_once_the_tracker_names_it(verl_run_uploade
     assert status == 0 and _of(events, "skipped") == names, events
 
 
+def test_a_published_step_whose_object_is_replaced_is_merged_again(verl_run_uploaded, s3_server):
+    """The output's manifest pins each source object's ETag: a rank file replaced since (same size, other
+    bytes) makes the step unpublished, and a watcher with --overwrite merges it again, from the new bytes."""
+    from fsdpfast.watch.published import manifest_of, published
+
+    root, bucket, run, out, names, _, _ = verl_run_uploaded
+    step, dtype = names[0], manifest_of(f"{out}/{names[0]}")["dtype"]
+    assert published(f"{out}/{step}", f"{run}/{step}", dtype)
+    rank0 = f"{step}/actor/model_world_size_2_rank_0.pt"
+    with open(root / "run" / names[1] / "actor" / "model_world_size_2_rank_0.pt", "rb") as f:
+        later = f.read()  # the next step's rank file: the same size, other weights
+    assert len(later) == (root / "run" / rank0).stat().st_size
+    s3_server.client().put_object(Bucket=bucket, Key=f"run/{rank0}", Body=later)
+    assert not published(f"{out}/{step}", f"{run}/{step}", dtype)
+    status, events = _watch_once(run, out, "--overwrite")
+    assert status == 0 and _of(events, "published") == [step] and _of(events, "skipped") == names[1:], events
+    merged = objects(s3_server.client(), bucket, f"models/{step}/")
+    assert json.loads(merged[MANIFEST_NAME])["checkpoint"] == f"{run}/{step}"
+
+
 def test_a_tracker_uploaded_before_the_step_it_names_is_refused_then_published(verl_run, s3_server, tmp_path):
     """A sync tool's order: the tracker and rank 0's file of global_step_1 are there, rank 1's is not.
     The merge refuses the incomplete step (exit 2, nothing published); once the file arrives, it is published."""
