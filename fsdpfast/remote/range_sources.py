@@ -11,9 +11,9 @@ The batching, read-ahead and memory release are io.pread_sources'; what differs 
   with AHEAD_BYTES (64 MB) announced ahead: at most about 96 MB of source bytes held, and THREADS
   (8) GETs in flight. A GET's response is copied into the buffers' memory as it arrives (CHUNK_BYTES,
   1 MB, at a time), never held whole.
-- Each GET is conditioned on the ETag the object had when first read, so an object replaced during
-  the merge fails it (SourceChanged), as a file that changed on local disk does. Nothing is staged on
-  local disk.
+- Each GET is conditioned on the ETag the object had when first read (If-Match, and the response's
+  ETag compared: stores.get_pinned), so an object replaced during the merge fails it (SourceChanged),
+  as a file that changed on local disk does. Nothing is staged on local disk.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 
 from ..io.pread_sources import PreadSources
 from ..manifest import SourceChanged
-from .stores import store_for
+from .stores import get_pinned, store_for
 
 GET_BYTES = 32 << 20  # the most one ranged GET asks for
 GAP_BYTES = 1 << 20  # ranges of one object closer than this share a GET
@@ -38,8 +38,8 @@ class RangeSources(PreadSources):
     batch_bytes = BATCH_BYTES
     ahead_bytes = AHEAD_BYTES
 
-    def __init__(self, buffers, etags: dict[str, str] | None = None, threads: int = THREADS, **kwargs):
-        super().__init__(buffers, threads=threads, read_bytes=GET_BYTES, **kwargs)
+    def __init__(self, buffers, etags: dict[str, str] | None = None, threads: int | None = None, **kwargs):
+        super().__init__(buffers, threads=threads or THREADS, read_bytes=GET_BYTES, **kwargs)
         self._etags: dict[str, str] = dict(etags or {})  # URL -> ETag the plan was read from
         self._lock = threading.Lock()
 
@@ -70,13 +70,12 @@ class RangeSources(PreadSources):
     def _read_span(self, url: str, first: int, last: int, members: list[tuple[int, int, int, int]]) -> None:
         """Bytes [first, last) of the object at `url` by one GET, copied to the members (buffer index, start in
         the buffer, first and last byte of the object)."""
-        import obstore
         from obstore.exceptions import NotFoundError, PreconditionError
 
         store, key = store_for(url)
         at = first  # the object's next byte to arrive
         try:
-            got = obstore.get(store, key, options={"range": (first, last), "if_match": self.etag(url)})
+            got = get_pinned(store, key, first, last, self.etag(url))
             for chunk in got.stream(min_chunk_size=CHUNK_BYTES):  # copied as it arrives: a chunk held, not the GET
                 chunk = memoryview(chunk)
                 end = min(last, at + chunk.nbytes)
