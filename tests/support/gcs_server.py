@@ -66,7 +66,13 @@ class GcsServer:
     def storage_options(self) -> list[str]:
         """fsdpfast's --storage-option pairs for this server: obstore's GCS client reads its endpoint from the
         service-account key (gcs_base_url), and no OAuth token is asked for."""
-        key = {"gcs_base_url": self.url, "disable_oauth": True, "client_email": "", "private_key": "", "private_key_id": ""}
+        key = {
+            "gcs_base_url": self.url,
+            "disable_oauth": True,
+            "client_email": "",
+            "private_key": "",
+            "private_key_id": "",
+        }
         return [f"service_account_key={json.dumps(key)}", "client.allow_http=true"]
 
     def _call(self, method: str, path: str, data: bytes | None = None, content_type: str = "application/json"):
