@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
+from local_server import LocalServer  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from tcp_proxy import TcpProxy  # noqa: E402
 
@@ -221,40 +222,23 @@ def _measure(name: str, command: list[str], proxy: TcpProxy, env: dict, scratch:
     }
 
 
-class S3rver:
+class S3rver(LocalServer):
     """s3rver (npm `s3rver`, a Node S3 server over files) on a free 127.0.0.1 port: it serves a ranged GET by
     reading that range of its file, where moto reads the whole object for each (the comparison's point)."""
 
+    name = "s3rver"
     credentials = ("S3RVER", "S3RVER")  # the only keys it accepts
 
     def __init__(self, program: str):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        super().__init__()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.program, self.process, self.folder = program, None, tempfile.mkdtemp(prefix="fsdpfast-s3rver-")
+        self.program, self.folder = program, tempfile.mkdtemp(prefix="fsdpfast-s3rver-")
 
-    def start(self) -> None:
-        import socket
-
-        self.process = subprocess.Popen(
-            [self.program, "-d", self.folder, "-a", "127.0.0.1", "-p", str(self.port), "--silent"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("s3rver did not start")
+    def command(self) -> list[str]:
+        return [self.program, "-d", self.folder, "-a", "127.0.0.1", "-p", str(self.port), "--silent"]
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
+        super().stop()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def create_bucket(self) -> None:

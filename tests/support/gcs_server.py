@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
-import subprocess
-import time
 import urllib.parse
 import urllib.request
+
+from local_server import LocalServer
 
 
 def server_program() -> str | None:
@@ -33,35 +32,22 @@ def server_program() -> str | None:
     return path if os.path.exists(path) else None
 
 
-class GcsServer:
+class GcsServer(LocalServer):
+    name = "fake-gcs-server"
+
     def __init__(self):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        super().__init__()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = None
 
-    def start(self) -> GcsServer:
-        host = f"127.0.0.1:{self.port}"  # the XML API answers requests to this host (its "public host")
-        self.process = subprocess.Popen(
-            [server_program(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port)]
-            + ["-public-host", host, "-external-url", self.url, "-log-level", "error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(f"{self.url}/_internal/healthcheck", timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("fake-gcs-server did not start")
+    def command(self) -> list[str]:
+        where = ["-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url]
+        # the XML API answers requests to its "public host": this one
+        where += ["-public-host", f"127.0.0.1:{self.port}"]
+        return [server_program(), "-scheme", "http", "-backend", "memory", *where, "-log-level", "error"]
 
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
+    def ready(self) -> bool:
+        urllib.request.urlopen(f"{self.url}/_internal/healthcheck", timeout=1).close()
+        return True
 
     def storage_options(self) -> list[str]:
         """fsdpfast's --storage-option pairs for this server: obstore's GCS client reads its endpoint from the
