@@ -3,8 +3,10 @@
 A Transposed tensor's extents fill [..., rows, cols]; its bytes are each matrix transposed. Every
 engine writes it here: matrix b's elements (extents clipped to it, execute.parts.slice_tensor) are
 transposed and cast by csrc/transpose.cpp straight from the source mapping when they are one run
-in one source buffer (the common case: a rank holds whole experts), through the torch engine's
-gather into a one-matrix buffer otherwise; on the cuda engine's GPU by the op's CUDA kernel. Memory
+in one source buffer (the common case: a rank holds whole experts); when its rows are a few blocks' rows
+dealt out in turn (gpt-oss's gate_up_proj from Megatron's fc1: gate row j at 2j, up row j at 2j + 1), by a
+transposed copy per block into a buffer and one across the blocks (interleaved_block); through the torch
+engine's gather into a one-matrix buffer otherwise; on the cuda engine's GPU by the op's CUDA kernel. Memory
 holds a matrix or two, never the tensor (the native engine writes each matrix at its offset).
 """
 
@@ -70,6 +72,10 @@ def _matrix_into(tensor: TensorPlan, b: int, out: memoryview, sources: Source, d
         finally:
             view.release()
         return
+    blocks = interleaved_block(piece, rows, cols) if native else None
+    if blocks:  # gpt-oss's gate/up: native transposes, no gather of a row at a time
+        _transpose_interleaved(piece, out, rows, cols, codes, sources, blocks)
+        return
     # Gathered first (cast on the way, as the torch engine casts), then transposed without a cast.
     gathered = bytearray(len(out))
     torch_copy([(piece, memoryview(gathered))], sources)
@@ -91,4 +97,52 @@ def _transpose_native(source, out, rows: int, cols: int, piece: TensorPlan, code
     size_in = itemsize(piece.source_dtype if cast else piece.target_dtype)
     _ops.native().transpose_convert(
         source, out, 1, rows, cols, codes[0], codes[1], size_in, itemsize(piece.target_dtype), _ops.cpu_threads()
+    )
+
+
+def interleaved_block(piece: TensorPlan, rows: int, cols: int) -> list[tuple[int, int]] | None:
+    """(source, first element) of each of `groups` blocks of rows / groups rows, when the matrix's rows are
+    the blocks' dealt out in turn: row j * groups + k is block k's row j (gpt-oss's gate_up_proj from
+    Megatron's fc1: groups 2, gate row j at 2j, up row j at 2j + 1; megatron-core saves gate and up as
+    chunks of their own). None otherwise."""
+    starts: list[tuple[int, int] | None] = [None] * rows
+    for e in piece.extents:
+        if e.count % cols or e.dst_offset % cols:
+            return None
+        for run in range(e.runs):
+            dst = e.dst_offset + run * ((e.dst_stride or e.count) if e.runs > 1 else e.count)
+            src = e.src_offset + run * ((e.src_stride or e.count) if e.runs > 1 else e.count)
+            for r in range(e.count // cols):
+                row = dst // cols + r
+                if row >= rows or starts[row] is not None:
+                    return None
+                starts[row] = (e.source, src + r * cols)
+    if rows < 4 or None in starts:
+        return None
+    second = (starts[0][0], starts[0][1] + cols)  # block 0's second row: row `groups`
+    groups = next((i for i in range(1, rows // 2 + 1) if starts[i] == second), 0)
+    if not groups or rows % groups:
+        return None
+    blocks = starts[:groups]
+    if any(starts[i] != (blocks[i % groups][0], blocks[i % groups][1] + (i // groups) * cols) for i in range(rows)):
+        return None
+    return blocks
+
+
+def _transpose_interleaved(piece, out, rows: int, cols: int, codes, sources: Source, blocks: list[tuple[int, int]]):
+    """Each block transposed and cast into its place in a buffer of (groups, cols, per) elements (per = rows /
+    groups), then that buffer, as (groups, cols * per), transposed: element (c, j, k) is block k's (j, c)."""
+    size_in, size_out = itemsize(piece.source_dtype), itemsize(piece.target_dtype)
+    per = rows // len(blocks)
+    staged = memoryview(bytearray(len(out)))
+    for k, (source, base) in enumerate(blocks):
+        view = sources.view(source)[base * size_in : (base + per * cols) * size_in]
+        try:
+            _transpose_native(
+                view, staged[k * per * cols * size_out : (k + 1) * per * cols * size_out], per, cols, piece, codes
+            )
+        finally:
+            view.release()
+    _ops.native().transpose_convert(
+        staged, out, 1, len(blocks), cols * per, 0, 0, size_out, size_out, _ops.cpu_threads()
     )
