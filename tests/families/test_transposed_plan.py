@@ -11,7 +11,8 @@ import torch
 
 from fsdpfast import _ops
 from fsdpfast.errors import BadInput
-from fsdpfast.execute.transposed import fill_transposed, write_transposed
+from fsdpfast.execute.parts import slice_tensor
+from fsdpfast.execute.transposed import fill_transposed, interleaved_block, write_transposed
 from fsdpfast.io.local_file import LocalFile
 from fsdpfast.io.sources import SourceFiles
 from fsdpfast.plan.layout import PlacedTensor
@@ -93,3 +94,42 @@ def test_what_cannot_be_transposed_is_refused(tmp_path):
     holed = TensorPlan("holed", SHAPE, "float32", "float32", tensor.extents[:1])
     with pytest.raises(BadInput, match="incomplete"):
         Windows([holed]).transposed("x", Window("holed", (0, 0, 0), SHAPE, (0, 0, 0)))
+
+
+@pytest.mark.skipif(not _ops.native_cpu(), reason="the native module is not built")
+@pytest.mark.parametrize("source,target", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize(
+    "groups,files",
+    [(2, 2), (2, 1), (3, 1), (0, 2)],
+    ids=["gate-up-two-chunks", "gate-up-one-chunk", "three-groups", "rows-reversed"],
+)
+def test_rows_dealt_from_blocks_written_transposed(tmp_path, source, target, groups, files):
+    """gpt-oss's gate_up_proj from Megatron's fc1: the rows of each expert's blocks (gate, up: chunks of their
+    own in megatron-core's files, here files=2) dealt out in turn (gate row j at 2j, up row j at 2j + 1), then
+    transposed: the native way (a transpose per block, then one across them) equals torch's, and rows in
+    another order (reversed: gathered first) too."""
+    experts, rows, cols = 3, 12, 7
+    value = torch.randn((experts, rows, cols), generator=torch.Generator().manual_seed(9)).to(source)
+    name, half = str(source).removeprefix("torch."), rows // files * cols
+    buffers, extents = [], []
+    for f in range(files):  # file f: every expert's rows [f * rows / files, (f + 1) * rows / files)
+        path = tmp_path / f"fc1_{f}.bin"
+        path.write_bytes(
+            value[:, f * rows // files : (f + 1) * rows // files].contiguous().view(torch.uint8).numpy().tobytes()
+        )
+        buffers.append(SourceBuffer(str(path), 0, path.stat().st_size, name))
+        extents += [Extent(f, e * half, half, e * rows * cols + f * half) for e in range(experts)]
+    fc1 = TensorPlan("fc1", value.shape, name, name, extents)
+    order = [(i % groups) * (rows // groups) + i // groups for i in range(rows)] if groups else list(range(rows))[::-1]
+    windows = [Window("fc1", (0, r, 0), (experts, 1, cols), (0, i, 0)) for i, r in enumerate(order)]
+    made = as_written(Windows([fc1]).transposed_of("gate_up", (experts, rows, cols), windows), target)
+    second = slice_tensor(made, rows * cols, 2 * rows * cols)
+    assert (interleaved_block(second, rows, cols) is not None) == bool(groups)
+    want = value[:, order].transpose(-2, -1).contiguous().to(target).view(-1).view(torch.uint8).numpy().tobytes()
+    with SourceFiles(buffers) as sources:
+        memory = bytearray(len(want))
+        fill_transposed(made, memoryview(memory), sources)
+        assert bytes(memory) == want
+        with LocalFile.create(str(tmp_path / "out.bin"), len(want)) as file:
+            crc = write_transposed(file, PlacedTensor(made, 0, len(want)), sources)
+    assert (tmp_path / "out.bin").read_bytes() == want and crc == _ops.crc32c(want)
