@@ -7,7 +7,13 @@ Each way runs as its own process (`python -m fsdpfast ...` / this file's --downl
 from outside while it runs: wall time, peak RSS of its whole process tree, peak local disk used (blocks
 allocated under its TMPDIR and work folder, sampled every 50 ms), and the most requests in flight at once
 (counted at the proxy: a request from its first byte until its response's). Then the one pass's two halves
-apart (s3:// -> local, local -> s3://), to tell the reading's cost from the writing's. Prints one table.
+apart (s3:// -> local, local -> s3://), to tell the reading's cost from the writing's, and the local merge
+(local -> local) beside them: what the store's target holds above it. Prints one table.
+
+    python benchmarks/object_store_merge.py CKPT_DIR --halves         # the halves and the local merge only
+    python benchmarks/object_store_merge.py CKPT_DIR --halves --before OLD_TREE
+        # local -> s3:// also with the fsdpfast package of OLD_TREE (a tree holding fsdpfast/, e.g.
+        # `git archive REV fsdpfast | tar -x -C OLD_TREE` plus the built extension's .so files)
 """
 
 from __future__ import annotations
@@ -139,6 +145,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint", nargs="?")
     parser.add_argument("--download-merge-upload", nargs=3, metavar=("SRC", "DST", "WORK"))
+    parser.add_argument("--halves", action="store_true", help="only the halves apart and the local merge")
+    parser.add_argument("--before", help="a tree whose fsdpfast/ runs local -> s3:// once more, beside")
     args = parser.parse_args()
     if args.download_merge_upload:
         return download_merge_upload(*args.download_merge_upload)
@@ -158,37 +166,24 @@ def main() -> None:
         server.client().create_bucket(Bucket=BUCKET)
         upload(args.checkpoint, "run")
         size = sum(os.path.getsize(os.path.join(args.checkpoint, f)) for f in _files(args.checkpoint))
-        rows = [
-            _measure(
-                "one pass",
-                [sys.executable, "-m", "fsdpfast", "merge", f"s3://{BUCKET}/run", "--out", f"s3://{BUCKET}/one"],
-                proxy,
-                env,
-                scratch,
-            ),
-            _measure(
-                "download, merge, upload",
-                [sys.executable, __file__, "--download-merge-upload", "run", "three", "{tmp}"],
-                proxy,
-                env,
-                scratch,
-            ),
+        merge = [sys.executable, "-m", "fsdpfast", "merge"]
+        rows = []
+        if not args.halves:
+            rows += _both_ways(proxy, env, scratch)
+        rows += [
             # the two halves of the one pass, apart: what reading costs, what writing costs
+            _measure("(s3:// -> local)", [*merge, f"s3://{BUCKET}/run", "--out", "{tmp}/merged"], proxy, env, scratch),
             _measure(
-                "(s3:// -> local)",
-                [sys.executable, "-m", "fsdpfast", "merge", f"s3://{BUCKET}/run", "--out", "{tmp}/merged"],
-                proxy,
-                env,
-                scratch,
+                "(local -> s3://)", [*merge, args.checkpoint, "--out", f"s3://{BUCKET}/half"], proxy, env, scratch
             ),
-            _measure(
-                "(local -> s3://)",
-                [sys.executable, "-m", "fsdpfast", "merge", args.checkpoint, "--out", f"s3://{BUCKET}/half"],
-                proxy,
-                env,
-                scratch,
-            ),
+            _measure("(local -> local)", [*merge, args.checkpoint, "--out", "{tmp}/merged"], proxy, env, scratch),
         ]
+        if args.before:
+            before = {**env, "PYTHONPATH": os.path.abspath(args.before), "PYTHONSAFEPATH": "1"}  # not the cwd's
+            out = f"s3://{BUCKET}/before"
+            rows.append(
+                _measure("(local -> s3://, --before)", [*merge, args.checkpoint, "--out", out], proxy, before, scratch)
+            )
     finally:
         proxy.stop()
         server.stop()
@@ -198,7 +193,16 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['way']} | {r['s']:.1f} | {r['rss'] / 1e6:.0f} | {r['disk'] / 1e6:.0f} | {r['in_flight']} |")
-    print(f"\none pass / download-merge-upload wall time: {rows[0]['s'] / rows[1]['s']:.2f}")
+
+
+def _both_ways(proxy: TcpProxy, env: dict, scratch: str) -> list[dict]:
+    """The one pass s3:// -> s3:// and download, merge, upload."""
+    one = [sys.executable, "-m", "fsdpfast", "merge", f"s3://{BUCKET}/run", "--out", f"s3://{BUCKET}/one"]
+    three = [sys.executable, __file__, "--download-merge-upload", "run", "three", "{tmp}"]
+    return [
+        _measure("one pass", one, proxy, env, scratch),
+        _measure("download, merge, upload", three, proxy, env, scratch),
+    ]
 
 
 if __name__ == "__main__":

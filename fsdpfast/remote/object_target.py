@@ -8,7 +8,7 @@ disk, and what the upload holds in memory is capped for the whole target, not pe
   checkpoint merged local -> s3:// at 442 MB peak RSS (1159 MB before this cap), s3:// -> s3:// at 456 MB
   against 260 MB for download, local merge and upload.
 - The engines' window (torch, cuda) holds the tensors of the batch being filled (execute.runner: at most
-  64 MB, or one larger tensor where the sources are local files, which the runner does not cut), each in
+  64 MB; a larger tensor is cut into slices for a file not on local disk, whatever the sources), each in
   its own buffer, streamed and dropped as soon as its view is released (filled) and every byte before it
   is streamed; never a whole file.
 - Bytes written in order are handed to the client without a copy; a range written ahead of the next byte
