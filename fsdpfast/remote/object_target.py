@@ -369,8 +369,12 @@ class ObjectFile:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, *exc):
+        if kind is None:
+            self.close()
+        else:  # failed or interrupted (Ctrl-C) while written: never completed, whatever was streamed
+            self.abort()
+            self._check_failed()  # this upload's own failure, said as it is (not as a local disk's)
 
 
 class _Window:

@@ -114,6 +114,22 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+# Ctrl-C on rank 1 once parts of its first upload are sent (8 KB parts: the tiny files are multipart uploads)
+INTERRUPTED_MID_UPLOAD = r"""
+import signal, sys
+from fsdpfast.remote import object_target
+object_target.PART_BYTES = 8192
+original = object_target.ObjectFile.write_at
+def write_then_interrupt(self, data, offset):
+    original(self, data, offset)
+    if self._next > 3 * 8192:
+        signal.raise_signal(signal.SIGINT)
+object_target.ObjectFile.write_at = write_then_interrupt
+from fsdpfast.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.fixture
 def proxy(s3_server):
     proxy = TcpProxy(s3_server.port).start()
@@ -137,6 +153,7 @@ def test_a_rank_whose_parts_fail_leaves_nothing(checkpoints, s3_server, bucket, 
     (told,) = _error_lines(results[0][2])
     assert "the upload failed after the client's retries" in own and own.endswith("nothing was published")
     assert told.startswith("fsdpfast: error: rank 1 failed: ") and "the upload failed" in told
+    assert told.count("nothing was published") == 1
     assert objects(client, bucket) == {}  # rank 0's completed uploads deleted too
     assert pending_uploads(client, bucket) == []
 
@@ -156,6 +173,24 @@ def test_a_rank_killed_after_an_upload_leaves_nothing(checkpoints, s3_server, bu
     (line,) = _error_lines(stderr)
     assert "lost touch" in line and "nothing was published" in line
     assert objects(client, bucket) == {}  # rank 1's completed object deleted by rank 0
+    assert pending_uploads(client, bucket) == []
+
+
+def test_ctrl_c_on_a_rank_mid_upload_leaves_nothing(checkpoints, s3_server, bucket):
+    _, folder = checkpoints.get(NAME)
+    client = s3_server.client()
+    out = f"s3://{bucket}/out"
+    results = Ranks(
+        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 60],
+        2,
+        scripts={1: INTERRUPTED_MID_UPLOAD},
+    ).wait()
+    assert results[1][0] == 130, results[1]
+    assert "fsdpfast: interrupted; nothing was published" in results[1][2] and not _error_lines(results[1][2])
+    assert results[0][0] == 1
+    (line,) = _error_lines(results[0][2])
+    assert "nothing was published" in line
+    assert objects(client, bucket) == {}
     assert pending_uploads(client, bucket) == []
 
 
