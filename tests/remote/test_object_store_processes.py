@@ -137,16 +137,17 @@ def proxy(s3_server):
     proxy.stop()
 
 
-def test_a_rank_whose_parts_fail_leaves_nothing(checkpoints, s3_server, bucket, proxy):
+def _two_ranks(checkpoints, s3_server, bucket, script: str):
+    """(the server's client, each rank's results) of a merge into the bucket by two processes, rank 1 running `script`."""
     _, folder = checkpoints.get(NAME)
-    client = s3_server.client()
-    proxy.drop(b"partNumber=", 10_000)
     out = f"s3://{bucket}/out"
-    results = Ranks(
-        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 120],
-        2,
-        scripts={1: PARTS_FAIL.format(proxy=proxy.url)},
-    ).wait()
+    argv = [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 60]
+    return s3_server.client(), Ranks(lambda rank: argv, 2, scripts={1: script}).wait()
+
+
+def test_a_rank_whose_parts_fail_leaves_nothing(checkpoints, s3_server, bucket, proxy):
+    proxy.drop(b"partNumber=", 10_000)
+    client, results = _two_ranks(checkpoints, s3_server, bucket, PARTS_FAIL.format(proxy=proxy.url))
     assert [status for status, *_ in results] == [1, 1], results
     assert proxy.dropped > 0  # parts were sent, and failed
     (own,) = _error_lines(results[1][2])
@@ -159,14 +160,7 @@ def test_a_rank_whose_parts_fail_leaves_nothing(checkpoints, s3_server, bucket, 
 
 
 def test_a_rank_killed_after_an_upload_leaves_nothing(checkpoints, s3_server, bucket):
-    _, folder = checkpoints.get(NAME)
-    client = s3_server.client()
-    out = f"s3://{bucket}/out"
-    results = Ranks(
-        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 60],
-        2,
-        scripts={1: DIES_AFTER_AN_UPLOAD},
-    ).wait()
+    client, results = _two_ranks(checkpoints, s3_server, bucket, DIES_AFTER_AN_UPLOAD)
     assert results[1][0] < 0  # killed
     status, _, stderr, _ = results[0]
     assert status == 1
@@ -177,14 +171,7 @@ def test_a_rank_killed_after_an_upload_leaves_nothing(checkpoints, s3_server, bu
 
 
 def test_ctrl_c_on_a_rank_mid_upload_leaves_nothing(checkpoints, s3_server, bucket):
-    _, folder = checkpoints.get(NAME)
-    client = s3_server.client()
-    out = f"s3://{bucket}/out"
-    results = Ranks(
-        lambda rank: [folder, "--out", out, "--max-shard-size", SHARD, "--timeout", 60],
-        2,
-        scripts={1: INTERRUPTED_MID_UPLOAD},
-    ).wait()
+    client, results = _two_ranks(checkpoints, s3_server, bucket, INTERRUPTED_MID_UPLOAD)
     assert results[1][0] == 130, results[1]
     assert "fsdpfast: interrupted; nothing was published" in results[1][2] and not _error_lines(results[1][2])
     assert results[0][0] == 1
