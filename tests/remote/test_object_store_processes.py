@@ -119,12 +119,12 @@ INTERRUPTED_MID_UPLOAD = r"""
 import signal, sys
 from fsdpfast.remote import object_target
 object_target.PART_BYTES = 8192
-original = object_target.ObjectFile.write_at
+original = object_target.ObjectFile.write_owned  # what the engines' window streams through
 def write_then_interrupt(self, data, offset):
     original(self, data, offset)
     if self._next > 3 * 8192:
         signal.raise_signal(signal.SIGINT)
-object_target.ObjectFile.write_at = write_then_interrupt
+object_target.ObjectFile.write_owned = write_then_interrupt
 from fsdpfast.cli import main
 sys.exit(main(sys.argv[1:]))
 """
