@@ -63,7 +63,7 @@ def wide(tmp_path_factory) -> CheckpointsByWorld:
 DIES_MID_WRITE = r"""
 import os, signal, sys
 import fsdpfast.execute.writer as writer
-def first_piece_then_die(pieces, sources, sink, progress=None):
+def first_piece_then_die(pieces, sources, sink, progress=None, held=False):
     sink.write(pieces[:1], sources)
     os.kill(os.getpid(), signal.SIGKILL)
 writer.run = first_piece_then_die
