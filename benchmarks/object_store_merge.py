@@ -9,14 +9,17 @@ allocated under its TMPDIR and work folder, sampled every 50 ms), and the most r
 (counted at the proxy: a request from its first byte until its response's), the CPU seconds of its process
 tree and of the moto server meanwhile, and its GETs (count, bytes asked for; each process records its own
 GETs into a file named by FSDPFAST_BENCH_TRACE). Then the one pass's two halves apart (s3:// -> local,
-local -> s3://), to tell the reading's cost from the writing's, and download + local merge beside the
-first. Prints one table.
+local -> s3://), to tell the reading's cost from the writing's, download + local merge beside the
+first, and the local merge (local -> local): what a store's target holds above it. Prints one table.
 
     --get-mb N --threads N      the one pass's ranged GETs of at most N MB, N in flight (default: fsdpfast's)
     --gap-mb N                  the one pass's ranges of an object less than N MB apart joined into one GET
     --ways 3,5                  only these rows (numbered as printed)
     --s3rver PROGRAM            against s3rver (`npm install s3rver`; node_modules/.bin/s3rver) instead of
                                 moto: a server that reads only the range a GET asks for
+    --before OLD_TREE           one more row: local -> s3:// with the fsdpfast package of OLD_TREE (a tree
+                                holding fsdpfast/: `git archive REV fsdpfast | tar -x -C OLD_TREE` and the
+                                built extension's .so files), beside this tree's
 """
 
 from __future__ import annotations
@@ -257,8 +260,9 @@ def main() -> None:
     parser.add_argument("--get-mb", type=float, help="the one pass's largest ranged GET, MB")
     parser.add_argument("--threads", type=int, help="the one pass's GETs in flight")
     parser.add_argument("--gap-mb", type=float, help="the one pass joins ranges of an object less than this apart")
-    parser.add_argument("--ways", help="the rows to run, by number (1-5, comma-separated; default all)")
+    parser.add_argument("--ways", help="the rows to run, by number (1-6, comma-separated; default all)")
     parser.add_argument("--s3rver", metavar="PROGRAM", help="the server: s3rver (npm) at PROGRAM instead of moto")
+    parser.add_argument("--before", metavar="OLD_TREE", help="local -> s3:// once more with OLD_TREE's fsdpfast")
     if sys.argv[1:2] == ["--traced"]:  # a merge measured by the table's run
         raise SystemExit(traced_merge(sys.argv[2:]))
     args = parser.parse_args()
@@ -291,14 +295,21 @@ def main() -> None:
         ("(s3:// -> local)", [*traced, f"s3://{BUCKET}/run", "--out", "{tmp}/merged"]),
         ("(local -> s3://)", [*traced, args.checkpoint, "--out", f"s3://{BUCKET}/half"]),
         ("(download, merge to local)", [sys.executable, __file__, "--download-merge-upload", "run", "-", "{tmp}"]),
+        ("(local -> local)", [*traced, args.checkpoint, "--out", "{tmp}/merged"]),
     ]
     if args.ways:
         ways = [ways[int(n) - 1] for n in args.ways.split(",")]
+    if args.before:  # the older code first on the path, and not this tree's from the working directory
+        old = {"PYTHONPATH": os.path.abspath(args.before), "PYTHONSAFEPATH": "1"}
+        ways.append(("(local -> s3://, --before)", [*traced, args.checkpoint, "--out", f"s3://{BUCKET}/old"], old))
     try:
         server.create_bucket() if args.s3rver else server.client().create_bucket(Bucket=BUCKET)
         upload(args.checkpoint, "run")
         size = sum(os.path.getsize(os.path.join(args.checkpoint, f)) for f in _files(args.checkpoint))
-        rows = [_measure(name, command, proxy, env, scratch, server) for name, command in ways]
+        rows = [
+            _measure(name, command, proxy, {**env, **(more[0] if more else {})}, scratch, server)
+            for name, command, *more in ways
+        ]
     finally:
         proxy.stop()
         server.stop()

@@ -140,8 +140,9 @@ def merge(
     progress: a progress bar on stderr when it is a terminal.
     options: the layout options of `plan_merge` (prefix, tag, exclude_frozen, wrap, use_orig_params).
     group: a torch.distributed process group (gloo) of processes that all call `merge` with the same
-        arguments, `src` and `dst` being the same folders of a filesystem they share: rank 0 plans and
-        publishes, every rank writes its share of the bytes (pipeline.processes). The group's timeout is
+        arguments, `src` and `dst` being the same folders of a filesystem they share (or the same store
+        URLs): rank 0 plans and publishes, every rank writes its share of the bytes (pipeline.processes;
+        into a store, whole files of its own: remote.object_target). The group's timeout is
         how long a rank waits for the others. None, or a group of one: this process alone.
 
     `dst` (and its missing parents) appears complete or not at all: everything is written to a

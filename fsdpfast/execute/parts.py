@@ -5,6 +5,8 @@ A FilePart is bytes [start, end) of a planned file: the header bytes and tensor 
 balanced by bytes, with the fewest cuts (a file is split only where a cut falls inside it).
 Cuts fall on ALIGN boundaries of the file, so no two processes write one page (or one stripe
 of a parallel filesystem), and never inside a tensor computed by --merge-lora (computed whole).
+`share_whole_files` gives each process whole files instead, balanced by bytes: for a target
+where one file is one writer's (an object store's multipart upload).
 
 A tensor cut in two is written as two slices (`slice_tensor`: its elements [lo, hi), the
 extents clipped); each slice's CRC-32C is recorded with where it starts (a Piece), and
@@ -71,6 +73,17 @@ def share_out(files: list[OutputFile], count: int, align: int = ALIGN) -> list[l
                 share.append(FilePart(f, start - ends[i], end - ends[i]))
         shares.append(share)
     return shares
+
+
+def share_whole_files(files: list[OutputFile], count: int) -> list[list[FilePart]]:
+    """Whole files for each of `count` processes, balanced by bytes: the largest file first, each to the
+    process with the fewest bytes so far (ties to the lowest rank); each process's files in plan order."""
+    owner, loads = {}, [0] * count
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
+        rank = min(range(count), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += files[i].size
+    return [[whole(f) for i, f in enumerate(files) if owner[i] == rank] for rank in range(count)]
 
 
 def _cut(files: list[OutputFile], ends: list[int], at: int, align: int) -> int:

@@ -6,7 +6,8 @@ A batch's source byte ranges are announced to a Source that reads (io.pread_sour
 earlier batches are written, as many batches ahead as its `ahead_bytes` allows, so many reads stay
 in flight while the engine converts; for such
 a Source a tensor larger than a batch is cut into slices (execute.parts), so what is read at once
-stays about a batch.
+stays about a batch. So is it for a sink that holds what it fills in memory until it is written (`held`:
+an object store's file, remote.object_target), so that what is held stays about a batch too.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from .parts import slice_tensor
 BATCH_BYTES = 64 << 20  # output bytes handed to the engine at once; their input pages are dropped after
 
 
-def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None) -> list[int | None]:
-    """Hand the pieces to `sink` a batch at a time; their CRC-32Cs, in order."""
+def run(pieces: list[PlacedTensor], sources: Source, sink, progress=None, held: bool = False) -> list[int | None]:
+    """Hand the pieces to `sink` a batch at a time; their CRC-32Cs, in order. `held`: the sink holds each
+    piece's bytes in memory until they are written (a tensor larger than a batch is then cut, too)."""
     reads = getattr(sources, "reads_announced_ranges", False)  # else (mapped files) nothing to announce
     largest = min(BATCH_BYTES, getattr(sources, "batch_bytes", BATCH_BYTES))
-    sliced = [_slices(p, largest) for p in pieces] if reads else None
+    sliced = [_slices(p, largest) for p in pieces] if reads or held else None
     found = batches([s for group in sliced for s in group] if sliced is not None else pieces, largest)
     ahead = _ReadAhead(sources, found, getattr(sources, "ahead_bytes", 0)) if reads else None
     crcs: list[int | None] = []

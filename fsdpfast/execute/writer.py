@@ -106,6 +106,6 @@ def _write(file: TargetFile, part: FilePart, engine, sources: Source, progress) 
     if found:
         placed = [p for p, _ in found]
         with engine.output(file, max(p.offset + p.nbytes for p in placed), min(p.offset for p in placed)) as sink:
-            crcs = run(placed, sources, sink, progress)
+            crcs = run(placed, sources, sink, progress, held=file.local_descriptor() is None)  # not local: in memory
     file.sync()
     return [Piece(part.file.name, p.tensor.name, start, p.nbytes, crc) for (p, start), crc in zip(found, crcs)]

@@ -46,6 +46,8 @@ class LocalTarget:
     user made, is replaced in one rename and its mode kept.
     """
 
+    whole_files = False  # processes share a file by byte ranges (io.target)
+
     def __init__(self, out_dir: str, overwrite: bool):
         self.out_dir = os.path.abspath(out_dir)
         self.overwrite = overwrite
@@ -205,6 +207,7 @@ class JoinedTarget:
     Its maker locks, publishes and discards it."""
 
     published = False
+    whole_files = False
     warnings: tuple[str, ...] = ()
 
     def __init__(self, out_dir: str, token: str):

@@ -8,7 +8,7 @@ OUT_DIR, renamed into place by `publish`.
 Who calls what, in this order (rank 0 alone in a one-process merge):
   0) (rank 0) makes the target (`LocalTarget(out_dir, overwrite)`): the output place is checked
      and held, nothing is visible at OUT_DIR yet.
-  1) (other ranks) `LocalTarget.join(out_dir, token)`, with rank 0's `token`.
+  1) (other ranks) `LocalTarget.join(out_dir, token)` (`ObjectTarget.join`), with rank 0's `token`.
   2) (every rank) `open(name, size)` for each file it has bytes of, then `write_at` or `window`
      over its own byte ranges (ranks write disjoint ones, headers included), `sync()` once they
      are written, `close()` always.
@@ -65,6 +65,7 @@ class TargetFile(Protocol):
 
 class Target(Protocol):
     published: bool
+    whole_files: bool  # each file written by one process (an object store's upload); else shared by byte ranges
     warnings: list[str] | tuple[str, ...]  # what was kept of an earlier OUT_DIR because fsdpfast did not write it
 
     @property

@@ -11,9 +11,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..errors import BadInput
 from ..execute.engines import select_engine
 from ..execute.measurements import job_kind
-from ..execute.parts import share_out, tensor_bytes
+from ..execute.parts import share_out, share_whole_files, tensor_bytes
 from ..execute.writer import execute
 from ..hf.eos import eos_disagreements
 from ..io.filesystems import nearest_existing, remote_filesystem
@@ -70,17 +71,22 @@ class MergeJob:
 
     def join(self, src: str, dst: str, rank: int, given: dict) -> None:
         """On another rank: its own view of the sources and the target (the same folders, perhaps
-        mounted elsewhere), checked to be rank 0's, as its options are."""
+        mounted elsewhere), checked to be rank 0's, as its options are. A checkpoint in a store is
+        read as rank 0 listed it: every ranged GET pinned to the ETags of its listing (`remote`)."""
         check_same_options(compared_options(given), self.options, rank)
-        self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
-        self.src = src
-        check_same_sources(src, self.identity)
-        check_same_copy(src, self.content, rank)
-        self.target = LocalTarget.join(dst, self.token)
+        if self.remote is None:
+            self.plan = self.plan.but(sources=rebased(self.plan.sources, self.src, src))
+            self.src = src
+            check_same_sources(src, self.identity)
+            check_same_copy(src, self.content, rank)
+        elif src.rstrip("/") != self.remote.url:
+            raise BadInput(f"{src}: rank 0 merges {self.remote.url}; every rank must be given the same checkpoint")
+        self.target = (ObjectTarget if is_remote(dst) else LocalTarget).join(dst, self.token)
         self.engine = large_writes_on_remote_output(select_engine(self.engine, threads_share=local_processes()), dst)
 
     def check_sources(self) -> None:
-        check_unchanged(self.src, self.identity)
+        if self.remote is None:  # a store's objects: each GET is pinned to its listed ETag instead
+            check_unchanged(self.src, self.identity)
 
     def after_file(self, _part) -> None:
         """Once a file is written: the sources unchanged, and the model check if it has finished."""
@@ -132,13 +138,16 @@ def _lay_out(src: str, dst: str, options: MergeOptions, wait: bool):
     return plan, files, extras, check
 
 
-def prepare(src: str, dst: str, options: MergeOptions, several: bool) -> MergeJob:
+def prepare(src: str, dst: str, options: MergeOptions, several: bool, remote=None) -> MergeJob:
     """Plan and lay out the merge, choose the engine, and make the target (lock, staging folder).
     One process alone writes while the model check runs (pipeline.model_check); with several, rank 0
-    waits for it before the others are given the job."""
+    waits for it before the others are given the job. `remote`: the metadata_mirror.Mirrored that
+    `src` stands in for (the checkpoint in a store), which the job carries to the other ranks."""
     plan, files, extras, check = _lay_out(src, dst, options, wait=several)
     try:
-        return _job(src, dst, options, several, plan, files, extras, check)
+        job = _job(src, dst, options, several, plan, files, extras, check)
+        job.remote = remote
+        return job
     except BaseException:
         if check is not None:
             check.cancel()
@@ -178,7 +187,10 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
     """This process's share of the bytes (all of them, alone); the CRC-32C of each piece written."""
     if processes.rank != 0:
         job.join(src, dst, processes.rank, given)
-    share = share_out(job.all_files, processes.size)[processes.rank]
+    shares = (share_whole_files if job.target.whole_files else share_out)(job.all_files, processes.size)
+    if processes.rank == 0 and job.target.whole_files and processes.size > 1:
+        job.target.written_elsewhere({p.file.name: p.file.size for share in shares[1:] for p in share})
+    share = shares[processes.rank]
     bar = Progress(tensor_bytes(share), enabled=progress and processes.rank == 0)
     start = time.perf_counter()
     try:
@@ -194,6 +206,8 @@ def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progre
             )
     finally:
         bar.close()
+    if processes.rank != 0 and job.target.whole_files:
+        job.target.hand_over()  # its objects are rank 0's to publish or delete (remote.object_target)
     log.info(
         "rank %d wrote %d bytes in %.2f s",
         processes.rank,

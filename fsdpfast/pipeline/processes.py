@@ -38,7 +38,8 @@ class OtherRankFailed(FsdpfastError):
     """Another process of the merge failed (or went away): nothing is published. The exit status is the failed rank's."""
 
     def __init__(self, failure: Failure):
-        super().__init__(f"rank {failure.rank} failed: {failure.message}; nothing was published")
+        said = failure.message.removesuffix("; nothing was published")  # said once, at the end
+        super().__init__(f"rank {failure.rank} failed: {said}; nothing was published")
         self.exit_code = failure.exit_code
 
 

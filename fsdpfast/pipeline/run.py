@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import replace
 
-from ..errors import BadInput, InterruptedAfterPublishing
+from ..errors import InterruptedAfterPublishing
 from ..readers.dcp import archive_windows
 from ..remote.metadata_mirror import mirrored_metadata
 from ..remote.urls import is_remote
@@ -29,11 +29,7 @@ def run_merge(src, dst, options_of, given: dict, progress: bool, group) -> Merge
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     processes = MergeGroup(group)
-    if (is_remote(src) or is_remote(dst)) and not processes.alone:
-        raise BadInput(
-            f"{src if is_remote(src) else dst}: object stores are merged by one process; run without torchrun"
-        )
-    if not is_remote(src):
+    if not is_remote(src) or processes.rank != 0:  # the other ranks read a store as rank 0's job says
         return _merge_twice(src, dst, options_of, given, processes, progress, start, None)
     with mirrored_metadata(src, windows_of=archive_windows) as mirror:  # planned from its metadata, read from the store
         report = _merge_twice(mirror.root, dst, options_of, given, processes, progress, start, mirror)
@@ -55,10 +51,9 @@ def _merge_once(
     src: str, dst: str, options_of, given: dict, processes, progress: bool, start: float, remote=None
 ) -> MergeReport:
     job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
-        lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone),
+        lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone, remote=remote),
         abandon=lambda job: job.close(),
     )
-    job.remote = remote
     log.info("planned in %.2f s", time.perf_counter() - start)
     try:
         pieces = processes.write(lambda: merge_job.write_share(job, processes, src, dst, progress, given))

@@ -8,7 +8,7 @@ disk, and what the upload holds in memory is capped for the whole target, not pe
   checkpoint merged local -> s3:// at 442 MB peak RSS (1159 MB before this cap), s3:// -> s3:// at 456 MB
   against 260 MB for download, local merge and upload.
 - The engines' window (torch, cuda) holds the tensors of the batch being filled (execute.runner: at most
-  64 MB, or one larger tensor where the sources are local files, which the runner does not cut), each in
+  64 MB; a larger tensor is cut into slices for a file not on local disk, whatever the sources), each in
   its own buffer, streamed and dropped as soon as its view is released (filled) and every byte before it
   is streamed; never a whole file.
 - Bytes written in order are handed to the client without a copy; a range written ahead of the next byte
@@ -21,6 +21,18 @@ returns, `discard` aborts the pending uploads and deletes every object written. 
 refused without --overwrite; --overwrite is refused where the prefix holds an object the earlier
 manifest does not list (fsdpfast did not write it), and otherwise deletes the earlier output first:
 a failed --overwrite leaves the prefix empty, never a mix of two merges.
+
+Several processes (torchrun): obstore has no call for one part of a multipart upload (0.12), so no two
+processes write one object: each uploads whole files (execute.parts.share_whole_files, balanced by bytes)
+and completes its own uploads, through a target joined to rank 0's (`join`: no listing, no clearing).
+A process whose share is uploaded hands its objects over to rank 0 (`hand_over`): from then on only rank
+0 deletes them, so no process deletes an object rank 0 may be publishing. Rank 0, told by the merge's
+exchange that every process succeeded, finds each of the others' objects in the store's listing with its
+size before it writes the manifest, then publishes as above. On a failure anywhere, a process whose share
+failed aborts its pending uploads and deletes what it completed, and rank 0 deletes its own and every
+object of the others' it lists (also those of a process killed outright). What a killed process leaves:
+the upload it had under way stays pending (no client call aborts an upload another process started), and
+if rank 0 is the one killed, the objects it and the others completed stay; never loadable.
 """
 
 from __future__ import annotations
@@ -50,21 +62,42 @@ class UploadFailed(FsdpfastError):
 
 class ObjectTarget:
     published = False
+    whole_files = True  # one process writes each file (its multipart upload): io.target
 
-    def __init__(self, url: str, overwrite: bool):
+    def __init__(self, url: str, overwrite: bool, joined: bool = False):
         self.url = url.rstrip("/")
         self.store, self.prefix = store_for(self.url)
         self.warnings: list[str] = []
-        self._written: dict[str, int] = {}  # object name (relative) -> size, every object this merge put
+        self._written: dict[str, int] = {}  # object name (relative) -> size, every object this process put
+        self._elsewhere: dict[str, int] = {}  # rank 0: objects the merge's other processes upload -> size
         self._small: dict[str, bytes] = {}  # config, index, manifest: put at publish, in that order
         self._open: list[ObjectFile] = []
         self._lock = threading.Lock()
         self.streaming = threading.Lock()  # held by the one file whose upload is under way (UPLOAD_BYTES)
-        self._clear_earlier(overwrite)
+        self._handed_over = False  # another process's target whose share is complete: rank 0 owns its objects
+        if not joined:
+            self._clear_earlier(overwrite)
+
+    @classmethod
+    def join(cls, url: str, token: str) -> ObjectTarget:
+        """Rank 0's target, on another process of the merge: it uploads its own files into it, nothing else."""
+        if url.rstrip("/") != token:
+            raise BadInput(f"{url}: rank 0 writes to {token}; every rank's --out must be the same prefix")
+        return cls(url, overwrite=False, joined=True)
 
     @property
     def token(self) -> str:
         return self.url
+
+    def hand_over(self) -> None:
+        """On another process, its share uploaded: its objects are rank 0's from now on, to publish or delete
+        (`discard` here deletes none of them: rank 0 may be publishing them)."""
+        self._handed_over = True
+
+    def written_elsewhere(self, sizes: dict[str, int]) -> None:
+        """On rank 0: the objects (name -> size) the merge's other processes upload, found in the store before
+        the manifest lists them, and deleted by `discard` if they are there."""
+        self._elsewhere = dict(sizes)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -97,6 +130,7 @@ class ObjectTarget:
             shutil.rmtree(folder, ignore_errors=True)
 
     def write_manifest(self, manifest: dict) -> None:
+        self._confirm_elsewhere()
         written = {**self._written, **{n: len(d) for n, d in self._small.items()}}
         entries = {name: {"size": size, "mtime_ns": 0} for name, size in sorted(written.items())}
         self.write_json(MANIFEST_NAME, {**manifest, WRITTEN: entries})
@@ -119,13 +153,13 @@ class ObjectTarget:
         if self.published:
             return
         pending = [file.name for file in list(self._open) if not file.abort()]
-        written = list(self._written)
+        written = [] if self._handed_over else list(self._written)
         try:
             self.delete(written)
-        except Exception:  # the store is gone: what is left is said below
-            pass
-        else:
             written = []
+            written = self._delete_elsewhere()
+        except Exception:  # the store is gone: what is left is said below
+            written += [n for n in self._elsewhere if n not in written]
         if pending or written:
             log.warning(
                 "%s: the store did not answer the clean-up: %d objects (%s) and %d pending multipart uploads (%s) "
@@ -149,13 +183,52 @@ class ObjectTarget:
         with self._lock:
             self._written[name] = size
 
-    def _clear_earlier(self, overwrite: bool) -> None:
+    def _confirm_elsewhere(self) -> None:
+        """Every object the other processes said they uploaded is in the store, whole: listed as written."""
+        if not self._elsewhere:
+            return
+        found = self._listed()
+        missing = sorted(n for n, size in self._elsewhere.items() if found.get(n) != size)
+        if missing:
+            raise FsdpfastError(
+                f"{self.url}/{missing[0]}: another process of the merge finished its upload, but the store lists "
+                f"{'no such object' if missing[0] not in found else f'{found[missing[0]]} bytes'}; nothing was published"
+            )
+        with self._lock:
+            self._written.update(self._elsewhere)
+
+    def _delete_elsewhere(self) -> list[str]:
+        """The other processes' objects still listed, deleted one by one (one deleted by its own process
+        meanwhile is no error); the names the store did not delete."""
+        if not self._elsewhere:
+            return []
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        left = []
+        for name in [n for n in self._listed() if n in self._elsewhere and n not in self._written]:
+            try:
+                obstore.delete(self.store, self.key(name))
+            except NotFoundError:
+                pass
+            except Exception:
+                left.append(name)
+        return left
+
+    def _listed(self) -> dict[str, int]:
+        """Every object under the prefix: name (relative) -> size."""
         import obstore
 
         found = {}
         for batch in obstore.list(self.store, prefix=f"{self.prefix}/" if self.prefix else None):
             for meta in batch:
                 found[meta["path"][len(self.prefix) + 1 if self.prefix else 0 :]] = meta["size"]
+        return found
+
+    def _clear_earlier(self, overwrite: bool) -> None:
+        import obstore
+
+        found = self._listed()
         if not found:
             return
         if not overwrite:
@@ -302,8 +375,12 @@ class ObjectFile:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, *exc):
+        if kind is None:
+            self.close()
+        else:  # failed or interrupted (Ctrl-C) while written: never completed, whatever was streamed
+            self.abort()
+            self._check_failed()  # this upload's own failure, said as it is (not as a local disk's)
 
 
 class _Window:

@@ -46,6 +46,8 @@ def merge_words(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
             words.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(action, argparse._StoreTrueAction):
             words.append(flag)
+        elif isinstance(action, argparse._AppendAction):  # --storage-option K=V, once per value
+            words += [word for item in value for word in (flag, str(item))]
         else:
             words += [flag, str(value)]
     return words

@@ -32,7 +32,7 @@ from fsdpfast import _ops
 from fsdpfast._testing.fsdp2_writer import CheckpointSpec, _free_port, write_checkpoints
 from fsdpfast.errors import EXIT_BAD_INPUT
 from fsdpfast.execute.engines import select_engine
-from fsdpfast.execute.parts import clip_extent, share_out, tensor_checksums
+from fsdpfast.execute.parts import clip_extent, share_out, share_whole_files, tensor_checksums
 from fsdpfast.execute.writer import execute
 from fsdpfast.io.local_target import LocalTarget
 from fsdpfast.io.sources import open_sources
@@ -63,7 +63,7 @@ def wide(tmp_path_factory) -> CheckpointsByWorld:
 DIES_MID_WRITE = r"""
 import os, signal, sys
 import fsdpfast.execute.writer as writer
-def first_piece_then_die(pieces, sources, sink, progress=None):
+def first_piece_then_die(pieces, sources, sink, progress=None, held=False):
     sink.write(pieces[:1], sources)
     os.kill(os.getpid(), signal.SIGKILL)
 writer.run = first_piece_then_die
@@ -419,6 +419,30 @@ def test_shares_never_cut_a_computed_tensor():
         for share in share_out([planned], count, align=4096):
             for part in share:
                 assert not (computed.offset < part.start < computed.offset + computed.nbytes)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_whole_file_shares_balance_the_bytes(seed):
+    """An object store's merge by several processes: each file whole to one process, every file once, each
+    process's in plan order, and the largest share within 4/3 of the best split (found by trying them all)."""
+    import itertools
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(seed)
+    files = [SimpleNamespace(name=f"f{i}", size=rng.choice([1, 5, 40, 100]) * rng.randint(1, 9)) for i in range(6)]
+    for count in (1, 2, 3, 4):
+        shares = share_whole_files(files, count)
+        owned = [part.file for share in shares for part in share]
+        assert sorted(f.name for f in owned) == sorted(f.name for f in files)
+        assert all(part.start == 0 and part.end == part.file.size for share in shares for part in share)
+        for share in shares:
+            assert [files.index(part.file) for part in share] == sorted(files.index(part.file) for part in share)
+        best = min(
+            max(sum(f.size for f, r in zip(files, owners) if r == rank) for rank in range(count))
+            for owners in itertools.product(range(count), repeat=len(files))
+        )
+        assert max(sum(part.nbytes for part in share) for share in shares) <= best * 4 / 3
 
 
 @pytest.mark.parametrize("seed", range(300))

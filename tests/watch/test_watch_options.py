@@ -67,6 +67,10 @@ def test_the_merge_options_reach_several_processes_as_the_words_that_gave_them()
         "--overwrite",
         "--expert-layout",
         "packed",
+        "--storage-option",
+        "region=eu-west-1",
+        "--storage-option",
+        "client.timeout=30s",
     ]
     args = parser.parse_args(given)
     words = merge_words(parser, args)
