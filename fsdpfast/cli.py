@@ -636,11 +636,6 @@ def _watch(args) -> int:
         raise BadInput(f"--nnodes {args.nnodes}: give the number of nodes, 1 or more")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise BadInput(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes' merges meet")
-    if is_remote(args.run_dir) and (args.nproc_per_merge > 1 or args.nnodes > 1):
-        raise BadInput(
-            f"{args.run_dir}: a run in an object store is merged by the watcher's own process; "
-            "leave out --nproc-per-merge and --nnodes"
-        )
     merge_only = argparse.ArgumentParser(add_help=False)
     _add_merge_options(merge_only)
     settings = WatchSettings(

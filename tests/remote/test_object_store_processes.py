@@ -205,3 +205,22 @@ def test_watch_publishes_to_the_store_with_two_processes_per_merge(s3_server, bu
     again = run_cli_here("watch", run, "--out", out, "--once", "--json", "--nproc-per-merge", "2", *shard)
     skipped = [e["checkpoint"] for e in map(json.loads, again.stdout.splitlines()) if e["event"] == "skipped"]
     assert skipped == ["global_step_1", "global_step_2"]
+
+
+def test_watch_of_a_run_in_the_store_merges_with_two_processes_per_merge(s3_server, bucket, tmp_path_factory, tmp_path):
+    from fsdpfast._testing.watch_job import RunSpec, write_run
+
+    root = tmp_path_factory.mktemp("verl-run")
+    write_run(str(root), RunSpec("verl", steps=2), 2)
+    upload_folder(s3_server.client(), str(root / "run"), bucket, "run")
+    shard = ("--max-shard-size", SHARD)
+    watched = (f"s3://{bucket}/run", "--out", tmp_path / "models", "--once", "--json", "--nproc-per-merge", "2")
+    result = run_cli_here("watch", *watched, *shard)
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    published = [e for e in events if e["event"] == "published"]
+    assert [e["checkpoint"] for e in published] == ["global_step_1", "global_step_2"], events
+    for name in ("global_step_1", "global_step_2"):
+        local = tmp_path / name
+        assert run_cli_here("merge", root / "run" / name / "actor", "--out", local, *shard).returncode == 0
+        _assert_same_output(_local_files(tmp_path / "models" / name), _local_files(local))
