@@ -50,6 +50,23 @@ def store_for(url: str):
     return store, key
 
 
+def store_failure(exc: BaseException) -> str | None:
+    """One line for the object store client's own error that no caller turned into fsdpfast's (the store unreachable
+    after the retries, credentials refused, a bucket missing); None for any other exception. The client's first
+    line names the request; the rest of its text is a debug dump."""
+    try:
+        from obstore.exceptions import BaseError
+    except ImportError:
+        return None
+    if not isinstance(exc, BaseError):
+        return None
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return (
+        f"the object store failed: {first}; check the endpoint (AWS_ENDPOINT_URL, --storage-option endpoint=URL), "
+        "the credentials and the bucket, then run again"
+    )
+
+
 def get_pinned(store, key: str, start: int, end: int, etag: str | None):
     """obstore's GetResult of bytes [start, end) of `key`, pinned to `etag` (None: unpinned). If-Match asks the
     store to refuse any other version; the response's own ETag is compared as well, since not every server

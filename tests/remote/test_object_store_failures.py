@@ -205,3 +205,24 @@ def test_the_server_never_back_leaves_nothing_loadable_and_says_what_is_left(che
     left = objects(client, bucket, "out")  # the server's state, seen past the stopped proxy
     assert "config.json" not in left and MANIFEST_NAME not in left
     assert [u["Key"] for u in pending_uploads(client, bucket)] == ["out/model.safetensors"]
+
+
+@pytest.mark.parametrize("verb", ["merge", "watch"])
+def test_an_unreachable_store_is_one_line_not_a_traceback(verb, tmp_path, monkeypatch, capsys):
+    """A store the client cannot reach after its retries (a wrong endpoint): the client's error in one line, exit 1
+    (a watcher's listing, a merge's), not the client's exception with its multi-line debug dump."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    url = f"s3://t-{uuid.uuid4().hex[:12]}/run"  # a bucket of its own: no store cached for another endpoint
+    extra = ["--once"] if verb == "watch" else []
+    assert main([verb, url, "--out", str(tmp_path / "out"), *extra]) == 1
+    line = _error_line(capsys)
+    assert str(port) in line and "endpoint" in line, line
+    assert not (tmp_path / "out").exists()
