@@ -207,22 +207,58 @@ def test_the_server_never_back_leaves_nothing_loadable_and_says_what_is_left(che
     assert [u["Key"] for u in pending_uploads(client, bucket)] == ["out/model.safetensors"]
 
 
-@pytest.mark.parametrize("verb", ["merge", "watch"])
-def test_an_unreachable_store_is_one_line_not_a_traceback(verb, tmp_path, monkeypatch, capsys):
-    """A store the client cannot reach after its retries (a wrong endpoint): the client's error in one line, exit 1
-    (a watcher's listing, a merge's), not the client's exception with its multi-line debug dump."""
+def _unreachable_store(monkeypatch) -> tuple[str, int]:
+    """A bucket URL whose endpoint is a port nothing listens on (a wrong AWS_ENDPOINT_URL), and the port."""
     import socket
 
-    with socket.socket() as s:  # a port nothing listens on
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(key, "test")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
-    url = f"s3://t-{uuid.uuid4().hex[:12]}/run"  # a bucket of its own: no store cached for another endpoint
-    extra = ["--once"] if verb == "watch" else []
-    assert main([verb, url, "--out", str(tmp_path / "out"), *extra]) == 1
+    return f"s3://t-{uuid.uuid4().hex[:12]}/run", port  # a bucket of its own: no store cached for another endpoint
+
+
+def test_an_unreachable_store_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A store the client cannot reach after its retries: the client's error in one line naming what to check,
+    exit 1, not its exception with a multi-line debug dump."""
+    url, port = _unreachable_store(monkeypatch)
+    assert main(["merge", url, "--out", str(tmp_path / "out")]) == 1
     line = _error_line(capsys)
     assert str(port) in line and "endpoint" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_watcher_of_an_unreachable_store_says_failed_and_looks_again(tmp_path, monkeypatch, capsys):
+    """--once: a `failed` event (no checkpoint) with the one line, exit 1. Without it the watcher goes on polling: an
+    outage longer than the client's retries does not end a watcher that runs beside a training job."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    url, port = _unreachable_store(monkeypatch)
+    assert main(["watch", url, "--out", str(tmp_path / "out"), "--once", "--json"]) == 1
+    out, err = capsys.readouterr()
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["event"] for e in events] == ["watching", "failed"] and "Traceback" not in err, (events, err)
+    assert events[1]["checkpoint"] is None and str(port) in events[1]["reason"], events[1]
+    log = tmp_path / "events.jsonl"
+    command = [sys.executable, "-m", "fsdpfast", "watch", url, "--out", str(tmp_path / "out"), "--json"]
+    with open(log, "w") as stdout:
+        watcher = subprocess.Popen(
+            [*command, "--interval", "0.05"], stdout=stdout, stderr=subprocess.PIPE, env=os.environ
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while log.read_text().count('"failed"') < 2:  # two passes failed, the watcher still running
+            assert watcher.poll() is None, watcher.communicate()[1]
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        _, err = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0 and b"Traceback" not in err, err
