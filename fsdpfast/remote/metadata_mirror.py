@@ -61,7 +61,7 @@ def mirrored_metadata(url: str, windows_of=None):
     store, prefix = store_for(url)  # refused in one line without the client
     import obstore
 
-    listed = [m for batch in obstore.list(store, prefix=f"{prefix}/" if prefix else None) for m in batch]
+    listed = _files(m for batch in obstore.list(store, prefix=f"{prefix}/" if prefix else None) for m in batch)
     if not listed:
         raise BadInput(f"{url}: no objects under this prefix; check the URL (and the credentials' access to it)")
     root = tempfile.mkdtemp(prefix="fsdpfast-remote-")
@@ -94,6 +94,14 @@ def mirrored_metadata(url: str, windows_of=None):
             raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _files(listed) -> list[dict]:
+    """The listed objects less folder markers: the zero-byte keys ending in "/" that a console's "create folder" and
+    some sync tools put, which the client lists without the "/": the prefix itself, or a key others continue."""
+    listed = list(listed)
+    folders = {path[:i] for path in (m["path"] for m in listed) for i, c in enumerate(path) if c == "/"}
+    return [m for m in listed if m["path"] not in folders]
 
 
 def _fill(store, meta: dict, root: str, prefix: str, url: str) -> None:
