@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInput, FsdpfastError
 from ..manifest import SourceChanged
-from .stores import get_pinned, store_for
+from .stores import get_pinned, store_for, without_folder_markers
 
 WHOLE_BYTES = 4 << 20  # objects up to this size are fetched whole (configs, .metadata, common.pt, small shards)
 WHOLE_SUFFIXES = (".json", ".metadata", ".txt", ".yaml", ".yml", ".model", ".py", ".pkl", ".md")
@@ -61,7 +61,8 @@ def mirrored_metadata(url: str, windows_of=None):
     store, prefix = store_for(url)  # refused in one line without the client
     import obstore
 
-    listed = _files(m for batch in obstore.list(store, prefix=f"{prefix}/" if prefix else None) for m in batch)
+    listed = obstore.list(store, prefix=f"{prefix}/" if prefix else None)
+    listed = without_folder_markers((m for batch in listed for m in batch), prefix)
     if not listed:
         raise BadInput(f"{url}: no objects under this prefix; check the URL (and the credentials' access to it)")
     root = tempfile.mkdtemp(prefix="fsdpfast-remote-")
@@ -94,14 +95,6 @@ def mirrored_metadata(url: str, windows_of=None):
             raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _files(listed) -> list[dict]:
-    """The listed objects less folder markers: the zero-byte keys ending in "/" that a console's "create folder" and
-    some sync tools put, which the client lists without the "/": the prefix itself, or a key others continue."""
-    listed = list(listed)
-    folders = {path[:i] for path in (m["path"] for m in listed) for i, c in enumerate(path) if c == "/"}
-    return [m for m in listed if m["path"] not in folders]
 
 
 def _fill(store, meta: dict, root: str, prefix: str, url: str) -> None:

@@ -67,6 +67,15 @@ def store_failure(exc: BaseException) -> str | None:
     )
 
 
+def without_folder_markers(listed, prefix: str) -> list[dict]:
+    """Objects listed under `prefix` less folder markers: the zero-byte keys ending in "/" that a console's "create
+    folder" and some sync tools put, which obstore lists without the "/": `prefix` itself, or a key others continue."""
+    listed = list(listed)
+    folders = {path[:i] for path in (m["path"] for m in listed) for i, c in enumerate(path) if c == "/"}
+    folders.add(prefix.rstrip("/"))
+    return [m for m in listed if m["path"] not in folders]
+
+
 def get_pinned(store, key: str, start: int, end: int, etag: str | None):
     """obstore's GetResult of bytes [start, end) of `key`, pinned to `etag` (None: unpinned). If-Match asks the
     store to refuse any other version; the response's own ETag is compared as well, since not every server

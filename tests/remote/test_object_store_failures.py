@@ -4,6 +4,7 @@ command line says why in one line with a non-zero status, as locally."""
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from datetime import timedelta
@@ -262,3 +263,16 @@ def test_a_watcher_of_an_unreachable_store_says_failed_and_looks_again(tmp_path,
         watcher.send_signal(signal.SIGTERM)
         _, err = watcher.communicate(timeout=60)
     assert watcher.returncode == 0 and b"Traceback" not in err, err
+
+
+def test_an_output_prefix_holding_only_its_folder_marker_is_merged_into(checkpoints, s3_server, bucket, tmp_path):
+    """A prefix "created" in a console (a zero-byte key ending in "/") holds nothing: the merge is not refused as an
+    existing output, nor --overwrite as one fsdpfast did not write."""
+    _, folder = checkpoints.get(NAME)
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="out/", Body=b"")
+    fsdpfast.merge(folder, tmp_path / "local")
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) == 0
+    written = objects(client, bucket, "out")
+    assert sorted(written) == sorted(["", *os.listdir(tmp_path / "local")])
+    assert written["model.safetensors"] == (tmp_path / "local" / "model.safetensors").read_bytes()
