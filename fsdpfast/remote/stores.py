@@ -5,6 +5,7 @@ credentials stay in the client."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from datetime import timedelta
 
@@ -61,6 +62,7 @@ def store_failure(exc: BaseException) -> str | None:
     if not isinstance(exc, BaseError):
         return None
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = re.sub(r"(https?://[^\s?]+)\?\S*", r"\1", first)  # a request's query may hold a SAS token: never printed
     return (
         f"the object store failed: {first}; check the endpoint (AWS_ENDPOINT_URL, --storage-option endpoint=URL), "
         "the credentials and the bucket, then run again"

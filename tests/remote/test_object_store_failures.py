@@ -275,3 +275,16 @@ def test_an_output_prefix_holding_only_its_folder_marker_is_merged_into(checkpoi
     written = objects(client, bucket, "out")
     assert sorted(written) == sorted(["", *os.listdir(tmp_path / "local")])
     assert written["model.safetensors"] == (tmp_path / "local" / "model.safetensors").read_bytes()
+
+
+def test_a_store_failure_line_leaves_out_request_queries():
+    """A request's query string may carry a SAS token (az://): the line keeps the URL's host and path only."""
+    from obstore.exceptions import GenericError
+
+    failure = GenericError(
+        "Generic MicrosoftAzure error: Error performing GET https://acct.blob.core.windows.net/c/run?restype=container"
+        "&sig=SECRET in 1s\n  debug: sig=SECRET"
+    )
+    line = stores.store_failure(failure)
+    assert "https://acct.blob.core.windows.net/c/run in 1s" in line and "SECRET" not in line, line
+    assert stores.store_failure(ValueError("not the store's")) is None
