@@ -23,6 +23,7 @@ from .errors import (
     command_line_messages,
     out_of_files,
 )
+from .remote.stores import store_failure
 from .remote.urls import is_remote
 
 
@@ -447,6 +448,12 @@ def _main(argv: list[str] | None) -> int:
             return 130
         except OSError as exc:
             message = out_of_files(exc, exc.filename or "") or f"{exc.filename or ''}: {exc.strerror or exc}"
+            print(f"fsdpfast: error: {message}", file=sys.stderr)
+            return EXIT_FAILURE
+        except Exception as exc:  # the object store client's own errors, in one line; any other is a bug: raised
+            message = store_failure(exc)
+            if message is None:
+                raise
             print(f"fsdpfast: error: {message}", file=sys.stderr)
             return EXIT_FAILURE
         return EXIT_BAD_INPUT

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInput, FsdpfastError
 from ..manifest import SourceChanged
-from .stores import get_pinned, store_for
+from .stores import get_pinned, store_for, without_folder_markers
 
 WHOLE_BYTES = 4 << 20  # objects up to this size are fetched whole (configs, .metadata, common.pt, small shards)
 WHOLE_SUFFIXES = (".json", ".metadata", ".txt", ".yaml", ".yml", ".model", ".py", ".pkl", ".md")
@@ -61,7 +61,8 @@ def mirrored_metadata(url: str, windows_of=None):
     store, prefix = store_for(url)  # refused in one line without the client
     import obstore
 
-    listed = [m for batch in obstore.list(store, prefix=f"{prefix}/" if prefix else None) for m in batch]
+    listed = obstore.list(store, prefix=f"{prefix}/" if prefix else None)
+    listed = without_folder_markers((m for batch in listed for m in batch), prefix)
     if not listed:
         raise BadInput(f"{url}: no objects under this prefix; check the URL (and the credentials' access to it)")
     root = tempfile.mkdtemp(prefix="fsdpfast-remote-")

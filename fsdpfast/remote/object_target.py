@@ -47,7 +47,7 @@ from contextlib import contextmanager
 
 from ..errors import BadInput, FsdpfastError
 from ..manifest import MANIFEST_NAME, WRITTEN
-from .stores import store_for
+from .stores import store_for, without_folder_markers
 
 PART_BYTES = 16 << 20  # one part of a multipart upload (S3's minimum 5 MB; at most 10,000 parts: 160 GB a file)
 UPLOADS = 3  # parts sent at once by the file streaming; with the one it fills, UPLOAD_BYTES held in the client
@@ -220,9 +220,10 @@ class ObjectTarget:
         import obstore
 
         found = {}
-        for batch in obstore.list(self.store, prefix=f"{self.prefix}/" if self.prefix else None):
-            for meta in batch:
-                found[meta["path"][len(self.prefix) + 1 if self.prefix else 0 :]] = meta["size"]
+        listed = obstore.list(self.store, prefix=f"{self.prefix}/" if self.prefix else None)
+        listed = without_folder_markers((m for batch in listed for m in batch), self.prefix)  # "created" in a console
+        for meta in listed:
+            found[meta["path"][len(self.prefix) + 1 if self.prefix else 0 :]] = meta["size"]
         return found
 
     def _clear_earlier(self, overwrite: bool) -> None:

@@ -5,6 +5,7 @@ credentials stay in the client."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from datetime import timedelta
 
@@ -48,6 +49,33 @@ def store_for(url: str):
             )
             _STORES[bucket] = store
     return store, key
+
+
+def store_failure(exc: BaseException) -> str | None:
+    """One line for the object store client's own error that no caller turned into fsdpfast's (the store unreachable
+    after the retries, credentials refused, a bucket missing); None for any other exception. The client's first
+    line names the request; the rest of its text is a debug dump."""
+    try:
+        from obstore.exceptions import BaseError
+    except ImportError:
+        return None
+    if not isinstance(exc, BaseError):
+        return None
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = re.sub(r"(https?://[^\s?]+)\?\S*", r"\1", first)  # a request's query may hold a SAS token: never printed
+    return (
+        f"the object store failed: {first}; check the endpoint (AWS_ENDPOINT_URL, --storage-option endpoint=URL), "
+        "the credentials and the bucket, then run again"
+    )
+
+
+def without_folder_markers(listed, prefix: str) -> list[dict]:
+    """Objects listed under `prefix` less folder markers: the zero-byte keys ending in "/" that a console's "create
+    folder" and some sync tools put, which obstore lists without the "/": `prefix` itself, or a key others continue."""
+    listed = list(listed)
+    folders = {path[:i] for path in (m["path"] for m in listed) for i, c in enumerate(path) if c == "/"}
+    folders.add(prefix.rstrip("/"))
+    return [m for m in listed if m["path"] not in folders]
 
 
 def get_pinned(store, key: str, start: int, end: int, etag: str | None):

@@ -2,8 +2,9 @@
 
 Events: `watching` (the start), `found` (a complete checkpoint not yet published), `skipped` (its
 output already holds it), `started`, `published` (seconds, bytes), `refused` (the one-line reason:
-bad input, fix and it is tried again once its files change), `failed` (any other error, the same),
-`then` (the command's exit status), `removed` (--keep-last), `stopped`.
+bad input, fix and it is tried again once its files change), `failed` (any other error, the same;
+the object store failing past its client's retries: tried again the next pass, the checkpoint null
+when it failed listing), `then` (the command's exit status), `removed` (--keep-last), `stopped`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _sentence(event: str, f: dict) -> str:
     if event == "published":
         return f"published {name} as {f['out']} ({f['bytes']} bytes in {f['seconds']:.2f} s)"
     if event in ("refused", "failed"):
-        return f"{event} {name}: {f['reason']}"
+        return f"{event} {name}: {f['reason']}" if name else f"{event}: {f['reason']}"
     if event == "then":
         return f"{f['command']} {f['out']}: exit status {f['status']}"
     if event == "removed":

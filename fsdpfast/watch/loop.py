@@ -6,7 +6,9 @@ changed: watch.wakeups), or stop (`once`).
 One merge at a time, in this process, with the options parsed once (options.MergeOptions), or by
 several processes torchrun starts (`nproc`: watch.processes). A
 checkpoint that is refused or fails is said (watch.events) and tried again only once its files
-change (a signature of their names, sizes and modification times), so the watcher goes on.
+change (a signature of their names, sizes and modification times), so the watcher goes on. An
+object store failing past its client's retries (an outage, refused credentials) fails the pass
+(said, the merge under way discarded) and the next pass looks again.
 SIGTERM (and Ctrl-C) stop it between two bytecodes: a merge under way is discarded by the merge
 itself (its staging folder removed, nothing published; or, after its rename, published whole),
 then the watcher says `stopped` and exits 0.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from ..api import merge_with
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, BadInput, FsdpfastError, InterruptedAfterPublishing
 from ..options import MergeOptions
+from ..remote.stores import store_failure
 from ..remote.urls import is_remote
 from .discover import Checkpoint, complete_checkpoints, publishing_order
 from .events import Events
@@ -66,7 +69,13 @@ def watch(settings: WatchSettings, events: Events) -> int:
     )
     try:
         while True:
-            watcher.one_pass()
+            try:
+                watcher.one_pass()
+            except Exception as exc:  # the store unreachable past the client's retries: said, tried next pass
+                reason = store_failure(exc)
+                if reason is None:
+                    raise
+                watcher._failed("failed", watcher.current, reason, EXIT_FAILURE)
             if settings.once:
                 return watcher.status
             wakeups.wait(settings.interval)
@@ -160,7 +169,8 @@ class _Watcher:
                 raise InterruptedAfterPublishing(str(exc)) from exc
             raise
 
-    def _failed(self, event: str, name: str, reason: str, status: int) -> None:
+    def _failed(self, event: str, name: str | None, reason: str, status: int) -> None:
+        """Said (`name` None: the pass failed before or between merges, listing the run or the outputs)."""
         self.current = None
         self.events(event, checkpoint=name, reason=reason)
         self.status = max(self.status, status)

@@ -4,6 +4,7 @@ command line says why in one line with a non-zero status, as locally."""
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from datetime import timedelta
@@ -205,3 +206,85 @@ def test_the_server_never_back_leaves_nothing_loadable_and_says_what_is_left(che
     left = objects(client, bucket, "out")  # the server's state, seen past the stopped proxy
     assert "config.json" not in left and MANIFEST_NAME not in left
     assert [u["Key"] for u in pending_uploads(client, bucket)] == ["out/model.safetensors"]
+
+
+def _unreachable_store(monkeypatch) -> tuple[str, int]:
+    """A bucket URL whose endpoint is a port nothing listens on (a wrong AWS_ENDPOINT_URL), and the port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    return f"s3://t-{uuid.uuid4().hex[:12]}/run", port  # a bucket of its own: no store cached for another endpoint
+
+
+def test_an_unreachable_store_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A store the client cannot reach after its retries: the client's error in one line naming what to check,
+    exit 1, not its exception with a multi-line debug dump."""
+    url, port = _unreachable_store(monkeypatch)
+    assert main(["merge", url, "--out", str(tmp_path / "out")]) == 1
+    line = _error_line(capsys)
+    assert str(port) in line and "endpoint" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_watcher_of_an_unreachable_store_says_failed_and_looks_again(tmp_path, monkeypatch, capsys):
+    """--once: a `failed` event (no checkpoint) with the one line, exit 1. Without it the watcher goes on polling: an
+    outage longer than the client's retries does not end a watcher that runs beside a training job."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    url, port = _unreachable_store(monkeypatch)
+    assert main(["watch", url, "--out", str(tmp_path / "out"), "--once", "--json"]) == 1
+    out, err = capsys.readouterr()
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["event"] for e in events] == ["watching", "failed"] and "Traceback" not in err, (events, err)
+    assert events[1]["checkpoint"] is None and str(port) in events[1]["reason"], events[1]
+    log = tmp_path / "events.jsonl"
+    command = [sys.executable, "-m", "fsdpfast", "watch", url, "--out", str(tmp_path / "out"), "--json"]
+    with open(log, "w") as stdout:
+        watcher = subprocess.Popen(
+            [*command, "--interval", "0.05"], stdout=stdout, stderr=subprocess.PIPE, env=os.environ
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while log.read_text().count('"failed"') < 2 and watcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.poll() is None and log.read_text().count('"failed"') >= 2, log.read_text()  # two passes
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        _, err = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0 and b"Traceback" not in err, err
+
+
+def test_an_output_prefix_holding_only_its_folder_marker_is_merged_into(checkpoints, s3_server, bucket, tmp_path):
+    """A prefix "created" in a console (a zero-byte key ending in "/") holds nothing: the merge is not refused as an
+    existing output, nor --overwrite as one fsdpfast did not write."""
+    _, folder = checkpoints.get(NAME)
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="out/", Body=b"")
+    fsdpfast.merge(folder, tmp_path / "local")
+    assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) == 0
+    written = objects(client, bucket, "out")
+    assert sorted(written) == sorted(["", *os.listdir(tmp_path / "local")])
+    assert written["model.safetensors"] == (tmp_path / "local" / "model.safetensors").read_bytes()
+
+
+def test_a_store_failure_line_leaves_out_request_queries():
+    """A request's query string may carry a SAS token (az://): the line keeps the URL's host and path only."""
+    from obstore.exceptions import GenericError
+
+    failure = GenericError(
+        "Generic MicrosoftAzure error: Error performing GET https://acct.blob.core.windows.net/c/run?restype=container"
+        "&sig=SECRET in 1s\n  debug: sig=SECRET"
+    )
+    line = stores.store_failure(failure)
+    assert "https://acct.blob.core.windows.net/c/run in 1s" in line and "SECRET" not in line, line
+    assert stores.store_failure(ValueError("not the store's")) is None

@@ -74,3 +74,16 @@ def test_inspect_of_a_store_prefix_is_the_local_inspection(checkpoints, s3_serve
     assert "fsdpfast-remote-" not in json.dumps(remote)  # the stand-in folder is never named
     remote.pop("notes"), local.pop("notes")  # the model check: built once, then read from its cache
     assert json.dumps(remote).replace(f"s3://{bucket}/run", "SRC") == json.dumps(local).replace(folder, "SRC")
+
+
+def test_folder_markers_in_the_store_are_not_files_of_the_checkpoint(checkpoints, tmp_path, s3_server, bucket):
+    """Zero-byte keys ending in "/" (a console's "create folder", some sync tools) are no objects of the checkpoint:
+    the merge is the local one (it failed naming its stand-in folder: "Is a directory")."""
+    _, folder = checkpoints.get("w2-dcp")
+    client = s3_server.client()
+    upload_folder(client, folder, bucket, "run")
+    for marker in ("run/", *(f"run/{d}/" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))):
+        client.put_object(Bucket=bucket, Key=marker, Body=b"")
+    fsdpfast.merge(folder, tmp_path / "local")
+    fsdpfast.merge(f"s3://{bucket}/run", tmp_path / "out")
+    _assert_same_output(_local_files(tmp_path / "out"), _local_files(tmp_path / "local"))
