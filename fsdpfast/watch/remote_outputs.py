@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ..manifest import MANIFEST_NAME, WRITTEN
-from ..remote.stores import store_for
+from ..remote.stores import store_for, without_folder_markers
 
 
 def remote_manifest(out_url: str) -> dict | None:
@@ -44,10 +44,10 @@ def remove_remote_output(out_url: str) -> list[str]:
     import obstore
 
     store, prefix = store_for(out_url)
-    sizes = {}
-    for batch in obstore.list(store, prefix=f"{prefix}/"):
-        for meta in batch:
-            sizes[meta["path"][len(prefix) + 1 :]] = meta["size"]
+    listed = obstore.list(store, prefix=f"{prefix}/")
+    sizes = {
+        m["path"][len(prefix) + 1 :]: m["size"] for m in without_folder_markers((m for b in listed for m in b), prefix)
+    }
     manifest = remote_manifest(out_url)
     listed = (manifest or {}).get(WRITTEN) or {}
     ours = [n for n, entry in listed.items() if n != MANIFEST_NAME and sizes.get(n) == (entry or {}).get("size")]

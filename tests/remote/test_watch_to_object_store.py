@@ -97,6 +97,7 @@ def test_a_restarted_watcher_finds_them_published_and_keep_last_removes_only_fsd
     # a pipeline's eval result inside the oldest output, and a model of the user's beside the outputs
     client.put_object(Bucket=bucket, Key=f"models/run/{names[0]}/eval.json", Body=b"{}")
     client.put_object(Bucket=bucket, Key="models/run/best/model.safetensors", Body=b"mine")
+    client.put_object(Bucket=bucket, Key=f"models/run/{names[1]}/", Body=b"")  # a console's folder: no one's file
     before = objects(client, bucket, "models/run/")
     events = _watch_once(run_dir, out, "--config", run_dir, "--keep-last", "1")
     removed = [e for e in events if e["event"] == "removed"]
@@ -109,5 +110,6 @@ def test_a_restarted_watcher_finds_them_published_and_keep_last_removes_only_fsd
     assert after == {
         **newest,
         f"{names[0]}/eval.json": b"{}",
+        f"{names[1]}/": b"",
         "best/model.safetensors": b"mine",
     }
