@@ -67,9 +67,12 @@ class LocalTarget:
                 log.warning("%s", kept)
                 self.warnings.append(kept)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
+            self.path = None
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
-        except BaseException:
+        except BaseException:  # SIGTERM or Ctrl-C included: nothing of this merge is left
+            if self.path is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
             self.lock.release()
             remove_empty(self._made_parents)
             raise

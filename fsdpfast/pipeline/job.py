@@ -144,12 +144,15 @@ def prepare(src: str, dst: str, options: MergeOptions, several: bool, remote=Non
     waits for it before the others are given the job. `remote`: the metadata_mirror.Mirrored that
     `src` stands in for (the checkpoint in a store), which the job carries to the other ranks."""
     plan, files, extras, check = _lay_out(src, dst, options, wait=several)
+    job = None
     try:
         job = _job(src, dst, options, several, plan, files, extras, check)
         job.remote = remote
         return job
     except BaseException:
-        if check is not None:
+        if job is not None:
+            job.close()  # its target discarded: interrupted between making it and handing it over
+        elif check is not None:
             check.cancel()
         raise
 
@@ -162,25 +165,31 @@ def _job(src, dst, options: MergeOptions, several: bool, plan, files, extras, ch
     compared, content = {}, {}
     if several:  # for the other ranks to compare theirs with (a few small reads per file)
         compared, content = compared_options(options.given), content_of(src, (entry["path"] for entry in identity))
-    target = ObjectTarget(dst, options.overwrite) if is_remote(dst) else LocalTarget(dst, options.overwrite)
     read_mode = chosen_read_mode(options.read_mode, plan.sources)
     log.info("sources read with %s%s", read_mode[0], f" ({read_mode[1]})" if read_mode[1] else "")
-    return MergeJob(
-        src,
-        dst,
-        options.dtype,
-        plan,
-        files,
-        extras,
-        identity,
-        runner,
-        target,
-        "",
-        compared,
-        content,
-        read_mode=read_mode,
-        check=check,
-    )
+    # the target (lock, staging folder) last: from here to the caller's `finally: job.close()` only a few
+    # bytecodes pass, where a SIGTERM or Ctrl-C could leave it behind (the next merge into it removes it)
+    target = ObjectTarget(dst, options.overwrite) if is_remote(dst) else LocalTarget(dst, options.overwrite)
+    try:
+        return MergeJob(
+            src,
+            dst,
+            options.dtype,
+            plan,
+            files,
+            extras,
+            identity,
+            runner,
+            target,
+            "",
+            compared,
+            content,
+            read_mode=read_mode,
+            check=check,
+        )
+    except BaseException:
+        target.discard()
+        raise
 
 
 def write_share(job: MergeJob, processes: MergeGroup, src: str, dst: str, progress: bool, given: dict) -> list:

@@ -50,19 +50,21 @@ def _merge_twice(src, dst, options_of, given, processes, progress, start, remote
 def _merge_once(
     src: str, dst: str, options_of, given: dict, processes, progress: bool, start: float, remote=None
 ) -> MergeReport:
-    job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
-        lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone, remote=remote),
-        abandon=lambda job: job.close(),
-    )
-    log.info("planned in %.2f s", time.perf_counter() - start)
-    try:
+    job = None
+    try:  # from the moment the job (its lock and staging folder) exists, `finally` closes it
+        job = processes.plan(  # on rank 0, which parses the options (a bad one fails every rank as rank 0's)
+            lambda: merge_job.prepare(src, dst, options_of(), several=not processes.alone, remote=remote),
+            abandon=lambda job: job.close(),
+        )
+        log.info("planned in %.2f s", time.perf_counter() - start)
         pieces = processes.write(lambda: merge_job.write_share(job, processes, src, dst, progress, given))
         return processes.finish(
             lambda: merge_job.finish(job, [p for share in pieces for p in share], start, processes.size)
         )
     except KeyboardInterrupt:
-        if job.target is not None and job.target.published:  # Ctrl-C or SIGTERM came after the rename
+        if job is not None and job.target is not None and job.target.published:  # Ctrl-C or SIGTERM after the rename
             raise InterruptedAfterPublishing(f"{dst} was published complete before the interrupt") from None
         raise
     finally:
-        job.close()  # the staging folder removed unless published, the model check stopped if still running
+        if job is not None:
+            job.close()  # the staging folder removed unless published, the model check stopped if still running

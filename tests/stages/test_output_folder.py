@@ -117,6 +117,33 @@ def test_interrupted_merge_removes_the_parents_it_made(checkpoints, tmp_path, mo
     assert not (tmp_path / "new").exists()  # output complete or absent, and nothing made for it is left
 
 
+@pytest.mark.parametrize("where", ["making the job", "after making it", "writing the staging marker"])
+def test_an_interrupt_just_after_the_staging_folder_is_made_leaves_nothing(checkpoints, tmp_path, monkeypatch, where):
+    # the moment a watcher's SIGTERM lands when it has just seen the staging folder appear
+    from fsdpfast.io import local_target
+    from fsdpfast.pipeline import job, run
+
+    _, folder = checkpoints.get("w2-llama")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "making the job":
+        monkeypatch.setattr(job, "MergeJob", interrupted)
+    elif where == "after making it":
+        real_info = run.log.info
+        monkeypatch.setattr(
+            run.log,
+            "info",
+            lambda message, *a: interrupted() if message.startswith("planned") else real_info(message, *a),
+        )
+    else:
+        monkeypatch.setattr(local_target, "write_marker", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fsdpfast.merge(folder, tmp_path / "out")
+    assert os.listdir(tmp_path) == []  # no staging folder, no lock file
+
+
 def test_files_put_in_the_empty_folder_during_the_merge_are_never_replaced(checkpoints, tmp_path, monkeypatch):
     _, folder = checkpoints.get("w2-llama")
     out = tmp_path / "merged"
