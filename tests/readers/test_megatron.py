@@ -38,6 +38,8 @@ MOE = ["tp2_ep2_qwen3_moe", "tp2_etp2_qwen3_moe", "tp2_ep2_qwen3_moe_dense0", "t
 MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 # gpt-oss-like (megatron-bridge's gpt-oss settings): biases, attention sinks, experts packed transposed and interleaved
 MOE += ["tp1_pp1_gpt_oss"]
+# the dense0 Qwen3-MoE and DeepSeek-V3 saved with megatron-core's TransformerEngine spec (test_megatron_te_spec.py)
+MOE += ["tp2_ep2_qwen3_moe_dense0_te_spec", "tp2_ep2_deepseek_v3_te_spec"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
