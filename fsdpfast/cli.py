@@ -23,6 +23,7 @@ from .errors import (
     command_line_messages,
     out_of_files,
 )
+from .remote.urls import is_remote
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -87,6 +88,7 @@ _WATCH_EXAMPLES = """examples:
   fsdpfast watch checkpoints --out hf --once                # what is complete now, then exit
   fsdpfast watch checkpoints --out hf --keep-last 3 --then ./eval.sh --json
   fsdpfast watch checkpoints --out hf --nproc-per-merge 8  # each merge by 8 processes (torchrun)
+  fsdpfast watch s3://ckpt/run --out s3://models/run       # a run in an object store, listed each look
 
 exit status (--once): 0 every complete checkpoint published, 2 one was refused, 1 one failed"""
 _DEMO_EXAMPLES = """examples:
@@ -215,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         **examples,
     )
     watch.add_argument(
-        "run_dir", help="the run's checkpoint folder (verl, Megatron, DeepSpeed, Trainer, torchtitan, DCP)"
+        "run_dir",
+        help="the run's checkpoint folder (verl, Megatron, DeepSpeed, Trainer, torchtitan, DCP), or its prefix "
+        "in an object store (s3://, gs://, az://)",
     )
     watch.add_argument("--out", required=True, metavar="OUT_ROOT", help="where each checkpoint's folder is published")
     _add_merge_options(watch)
@@ -606,6 +610,11 @@ def _inspect(args) -> int:
     return 0
 
 
+def _place(path: str) -> str:
+    """A folder or an object-store prefix, written one way (to tell two names of one place)."""
+    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+
+
 def _watch(args) -> int:
     from .options import merge_options
     from .watch.events import Events
@@ -618,7 +627,7 @@ def _watch(args) -> int:
         raise BadInput(f"--interval {args.interval:g}: give a number of seconds above 0")
     if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
         raise BadInput(f"{args.run_dir}: not a folder; give the folder the run saves its checkpoints in")
-    if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
+    if _place(args.out) == _place(args.run_dir):
         raise BadInput(f"--out {args.out} is the run folder itself; publish into another folder")
     options = merge_options(engine=args.engine, overwrite=args.overwrite, **_plan_options(args))  # parsed once
     if args.nproc_per_merge < 1:
@@ -627,6 +636,11 @@ def _watch(args) -> int:
         raise BadInput(f"--nnodes {args.nnodes}: give the number of nodes, 1 or more")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise BadInput(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes' merges meet")
+    if is_remote(args.run_dir) and (args.nproc_per_merge > 1 or args.nnodes > 1):
+        raise BadInput(
+            f"{args.run_dir}: a run in an object store is merged by the watcher's own process; "
+            "leave out --nproc-per-merge and --nnodes"
+        )
     merge_only = argparse.ArgumentParser(add_help=False)
     _add_merge_options(merge_only)
     settings = WatchSettings(

@@ -14,6 +14,12 @@ Real gloo ranks; one AdamW step before each save, so every step's weights differ
 - "torchtitan": its `CheckpointManager` (interval 1) saves `run/step-N/` (the manager's folder is
   the run folder) with the model, optimizer, scheduler and train state.
 - "deepspeed": `engine.save_checkpoint(run)` (ZeRO-3, bf16), tags `global_stepN`, `latest` after.
+- "verl": verl's own `FSDPCheckpointManager.save_checkpoint(run/global_step_N/actor)` on an FSDP2
+  model (its rank files, optimizer and extra states, `huggingface/`, fsdp_config.json), then
+  latest_checkpointed_iteration.txt written by rank 0 as verl's trainer writes it after the save
+  (verl/trainer/ppo/ray_trainer.py, RayPPOTrainer._save_checkpoint; verl skips it with
+  checkpoint.async_save). verl is not a test dependency (its requirements pin
+  transformers < 5.11 and pull in ray): see tests/watch/test_frameworks_live.py.
 Rank 0 saves each step's unsharded model to `refs/<checkpoint name>.pt` after the save returns.
 """
 
@@ -26,7 +32,7 @@ import torch
 
 from .fsdp2_writer import CheckpointSpec, _free_port, _layers, build_model, model_config, serve_rank
 
-FRAMEWORKS = ("accelerate", "trainer", "torchtitan", "deepspeed")
+FRAMEWORKS = ("accelerate", "trainer", "torchtitan", "deepspeed", "verl")
 # A little larger than the readers' examples, so that a save takes long enough to be looked at midway.
 SIZES = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, vocab_size=4096, num_attention_heads=8)
 
@@ -37,6 +43,7 @@ def checkpoint_name(framework: str, step: int) -> str:
         "trainer": f"checkpoint-{step}",
         "torchtitan": f"step-{step}",
         "deepspeed": f"global_step{step}",
+        "verl": f"global_step_{step}",
     }[framework]
 
 
@@ -67,7 +74,7 @@ def _rank_main(rank: int, world_size: int, port: int, root: str, framework: str,
     from .framework_examples import launched_environment
 
     launched_environment(rank, world_size, port)
-    job = {"torchtitan": _torchtitan, "trainer": _trainer}.get(framework, _accelerate)
+    job = {"torchtitan": _torchtitan, "trainer": _trainer, "verl": _verl}.get(framework, _accelerate)
     serve_rank(rank, world_size, port, "gloo", [partial(job, rank, root, framework, steps, seed)])
 
 
@@ -147,15 +154,11 @@ def _trainer(rank: int, root: str, framework: str, steps: int, seed: int) -> Non
     trainer.train()
 
 
-def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+def _fsdp2_model(rank: int, root: str, seed: int):
+    """The run's Llama (config.json in the run folder, rank 0), each layer and the root fully_shard-ed."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import default_adamw
-
-    from .framework_examples import TrainState
 
     if rank == 0:
         _write_config(root, seed)
@@ -164,6 +167,17 @@ def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> 
     for layer in _layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from .framework_examples import TrainState
+
+    model = _fsdp2_model(rank, root, seed)
     optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=steps + 1)
     state = TrainState(0)
@@ -189,6 +203,34 @@ def _torchtitan(rank: int, root: str, framework: str, steps: int, seed: int) -> 
             _save_reference(rank, root, checkpoint_name(framework, step), model)
     finally:
         manager.close()
+
+
+def _verl(rank: int, root: str, framework: str, steps: int, seed: int) -> None:
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    model = _fsdp2_model(rank, root, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    contents = ["model", "optimizer", "extra"]
+    manager = FSDPCheckpointManager(
+        model,
+        optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        checkpoint_config=OmegaConf.create({"save_contents": contents, "load_contents": contents}),
+    )
+    for step in range(1, steps + 1):
+        ids = _ids(SIZES["vocab_size"], seed, step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        name = checkpoint_name(framework, step)
+        manager.save_checkpoint(os.path.join(root, "run", name, "actor"), global_step=step)
+        _save_reference(rank, root, name, model)
+        dist.barrier()
+        if rank == 0:  # verl's trainer, once the actor's save returned on every rank
+            with open(os.path.join(root, "run", "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(step))
 
 
 def _deepspeed_rank(rank: int, world_size: int, port: int, root: str, steps: int, seed: int) -> None:

@@ -7,7 +7,10 @@ being written:
 - "verl": `global_step_N/actor/` rank files (verl's names) and `actor/huggingface/`, then the run
   folder's latest_checkpointed_iteration.txt naming N (rank 0, after a barrier);
 - "torchtitan": `step-N/` saved by torch.distributed.checkpoint (its `.metadata` last), the
-  config in `step-N/huggingface/`.
+  config in `step-N/huggingface/`. With `store` (a URL: the run folder in an object store) the
+  steps go there, through torch's own FsspecWriter on obstore's fsspec filesystem (s3fs is not
+  installed: it pins an older botocore than the tests' boto3; each write copied: _copying_store),
+  `huggingface/` uploaded first.
 Rank 0 saves each step's unsharded model to `refs/<checkpoint name>.pt` before the mark, for a
 bit-for-bit comparison.
 """
@@ -30,6 +33,7 @@ class RunSpec:
     pause: float = 0.0  # seconds between a step's files and its mark of completion
     sizes: dict = field(default_factory=dict)  # the Llama's config overrides (a larger one: a longer merge)
     seed: int = 40
+    store: str | None = None  # torchtitan: the run folder's URL in an object store, instead of root/run
 
     def checkpoint(self, step: int) -> str:
         return f"global_step_{step}" if self.framework == "verl" else f"step-{step}"
@@ -60,15 +64,23 @@ def _run_steps(rank: int, world_size: int, root: str, spec: RunSpec) -> None:
         _train_one_step(model, model_spec)
         name = spec.checkpoint(step)
         folder = os.path.join(run, name, "actor") if spec.framework == "verl" else os.path.join(run, name)
+        if spec.store:
+            folder = f"{spec.store.rstrip('/')}/{name}"
         full = {
             k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for k, v in model.state_dict().items()
         }
         if rank == 0:
-            _write_hf_files(os.path.join(folder, "huggingface"), model_spec)
+            if spec.store:
+                _upload_hf_files(os.path.join(root, "hf", name), f"{folder}/huggingface", model_spec)
+            else:
+                _write_hf_files(os.path.join(folder, "huggingface"), model_spec)
             torch.save({"state_dict": full, "tied": []}, os.path.join(refs, f"{name}.pt"))
         dist.barrier()
-        _save_rank(folder, rank, world_size, model_spec, model.state_dict(), model)
+        if spec.store:
+            _save_to_store(folder, model.state_dict())
+        else:
+            _save_rank(folder, rank, world_size, model_spec, model.state_dict(), model)
         dist.barrier()
         if spec.pause:
             time.sleep(spec.pause)
@@ -76,3 +88,51 @@ def _run_steps(rank: int, world_size: int, root: str, spec: RunSpec) -> None:
             with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(step))
         dist.barrier()
+
+
+def _store_options() -> dict:
+    """obstore's fsspec filesystem options: the endpoint the AWS tools read (a local S3-compatible
+    server over http in the tests)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    return {
+        "config": {"endpoint": endpoint} if endpoint else None,
+        "client_options": {"allow_http": endpoint.startswith("http:")},
+    }
+
+
+def _save_to_store(url: str, state: dict) -> None:
+    """torch.distributed.checkpoint's collective save straight into the store: FsspecWriter writes
+    each rank's `.distcp` object, then `.metadata.tmp`, renamed (a server-side copy) to `.metadata`."""
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    fsspec.register_implementation("s3", _copying_store(), clobber=True)  # fsspec's s3:// through obstore
+    dcp.save(state, storage_writer=FsspecWriter(url, sync_files=False, **_store_options()))
+
+
+def _copying_store():
+    """obstore's fsspec filesystem, each write handed a copy: obstore 0.12's writable file keeps a
+    reference to the caller's buffer until its part is uploaded, and torch.save reuses its buffers,
+    so the object would hold whatever the buffer held last (fsdpfast refuses such a .distcp)."""
+    import obstore.fsspec
+
+    class CopyingFile(obstore.fsspec.BufferedFile):
+        def write(self, data) -> int:
+            return super().write(bytes(data))
+
+    class CopyingStore(obstore.fsspec.FsspecStore):
+        protocol = "s3"
+
+        def _open(self, path, mode="rb", **kwargs):
+            return CopyingFile(self, path, mode, **kwargs) if mode == "wb" else super()._open(path, mode, **kwargs)
+
+    return CopyingStore
+
+
+def _upload_hf_files(local: str, url: str, spec) -> None:
+    os.makedirs(local, exist_ok=True)
+    _write_hf_files(local, spec)
+    fs = _copying_store()(**_store_options())
+    for name in sorted(os.listdir(local)):
+        fs.put_file(os.path.join(local, name), f"{url}/{name}")

@@ -78,12 +78,14 @@ class TorchtitanToHub(NamesOnly):
         return plan.but(tensors=tuple(tensors)).noted(*notes)
 
     def expected_in_layout(self, plan: MergePlan, expected: ExpectedModel) -> ExpectedModel:
-        """The model's own names (the Hub layout transform then splits experts), and deepseek_v3's multi-token
-        prediction layers where config.json counts them (num_nextn_predict_layers): the Hub's checkpoints hold
-        them after the main layers, transformers builds none (it ignores them on load) and vLLM loads them."""
+        """The model's own names (the Hub layout transform then splits experts), and deepseek_v3's (and glm4_moe's,
+        which the megatron layout writes) multi-token prediction layers where config.json counts them
+        (num_nextn_predict_layers): the Hub's checkpoints hold them after the main layers, transformers builds none
+        (it ignores them on load) and vLLM loads them."""
         config = _config(plan) or {}
         layers, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
-        if config.get("model_type") != "deepseek_v3" or not isinstance(layers, int) or not isinstance(extra, int):
+        mtp_families = ("deepseek_v3", "glm4_moe")
+        if config.get("model_type") not in mtp_families or not isinstance(layers, int) or not isinstance(extra, int):
             return expected
         mtp = tuple(f"model.layers.{i}." for i in range(layers, layers + extra))
         shapes = {**expected.shapes, **{t.name: t.shape for t in plan.tensors if t.name.startswith(mtp)}}

@@ -42,7 +42,12 @@ def is_tag_folder(folder: str) -> bool:
         entries = os.listdir(folder)
     except OSError:
         return False
-    return any(_OPTIM.fullmatch(e) or _MODEL.fullmatch(e) for e in entries)
+    return holds_tag_files(entries)
+
+
+def holds_tag_files(names) -> bool:
+    """Whether a folder of these names is a tag's: DeepSpeed's model or optimizer state files among them."""
+    return any(_OPTIM.fullmatch(e) or _MODEL.fullmatch(e) for e in names)
 
 
 def tags_in(root: str) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..errors import BadInput
 from .megatron_folder import latest_iteration
 
-_ACCELERATE_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")  # accelerate's FSDP_MODEL_NAME + model index
+ACCELERATE_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")  # accelerate's FSDP_MODEL_NAME + model index
 _ACCELERATE_FILE = re.compile(r"pytorch_model_fsdp(_\d+)?_rank\d+\.bin")  # its per-rank files (LOCAL, or use_dcp=False)
 _VERL_ROLES = ("actor", "critic")
 _SHOWN = 5  # sub-folders or entries named in one line
@@ -53,7 +53,7 @@ def locate(folder: str, holds_layout: Callable[[str], bool]) -> ModelFolder:
     models = sorted(
         (int(m.group(1)), e)
         for e in entries
-        if (m := _ACCELERATE_MODEL.fullmatch(e)) and os.path.isdir(os.path.join(folder, e))
+        if (m := ACCELERATE_MODEL.fullmatch(e)) and os.path.isdir(os.path.join(folder, e))
     )
     models = [(i, e) for i, e in models if holds_layout(os.path.join(folder, e))]
     if len(models) > 1:
@@ -128,7 +128,7 @@ def _accelerate_config_dirs(path: str) -> list[str]:
     itself, then the folder that holds the model (the checkpoint), then the one above (the Trainer's
     output_dir). [] for any other folder: no config is looked for outside a checkpoint otherwise."""
     path = os.path.abspath(path)  # the folder above a relative one is the working directory's business too
-    if _ACCELERATE_MODEL.fullmatch(os.path.basename(path)):
+    if ACCELERATE_MODEL.fullmatch(os.path.basename(path)):
         checkpoint = os.path.dirname(path)
     elif os.path.isdir(path) and any(_ACCELERATE_FILE.fullmatch(e) for e in _entries(path)):
         checkpoint = path

@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist checkpoints of GPT models, written as Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / Mixtral / DeepSeek-V3 / gpt-oss models.
+Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5 / gpt-oss models.
 
 The folder is a DCP folder (read by readers.dcp) whose tensors carry Megatron's names and global
 shapes: TP, PP, virtual pipeline stages, expert parallelism (EP) and expert tensor parallelism (ETP)
@@ -77,11 +77,14 @@ _MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "deepseek_v3",
+    "glm4_moe",
     "mixtral",
     "gpt_oss",
 )  # whose Hugging Face names and layout this writes
 _QK_NORM = ("qwen3", "qwen3_moe")  # families with an RMSNorm over each head of q and k
-_MOE = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss")  # the MoE families this layout writes
+_MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "gpt_oss")  # the MoE families this layout writes
+# DeepSeek-V3's MoE (layers from first_k_dense_replace on, shared experts, the router's correction bias, MTP layers)
+_DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
 _MOE_LAYER = (*MOE_KEYS, *SHARED_KEYS, EXPERT_BIAS, *GPT_OSS_MOE_KEYS)  # tensors of the layers with experts only
 _HEAD_DIM = {"qwen3": 128}  # config.json without head_dim: transformers' default (others: hidden / heads)
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")  # a training checkpoint's other parts
@@ -112,10 +115,10 @@ def read(folder: str, config: str | None = None) -> MergePlan:
     args, args_note = read_training_args(folder)
     found = _tensor_sizes(model, layers)
     if args is not None:  # the args against the tensors first: with a config.json or without, the same checks
-        megatron_checks.refuse_what_hf_does_not_compute(folder, args)
+        megatron_checks.refuse_what_hf_does_not_compute(folder, args, gpt_oss=found.gpt_oss)
         megatron_checks.check_against_tensors(folder, args, found)
     config, config_note = _config_dir(folder, config, args is not None, args_note)
-    built, positions_note = None, None
+    built, positions_note, eps_note = None, None, None
     if config is None and found.gpt_oss:  # the args cannot build a gpt_oss config (sinks, windows, clamped GLU)
         raise BadInput(
             f"{folder}: a Megatron gpt-oss checkpoint (attention sinks, biases) with no Hugging Face config; pass "
@@ -144,6 +147,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         _check_shapes(folder, source, model, layers, sizes)
         if args is not None:  # what the shapes cannot tell: which heads, epsilon, RoPE, activation, padding
             positions_note = megatron_checks.check_against_config(folder, source, values, sizes, args, found)
+        eps_note = _latent_norms_note(values) if sizes.mla else None
     tensors = [_tensor(tensor) for tensor in model.values()]
     conversion = MegatronToHuggingFace(folder, sizes)
     plan = MergePlan(
@@ -177,6 +181,7 @@ def read(folder: str, config: str | None = None) -> MergePlan:
         args_note,
         f"config.json's sizes agree with the training args in {COMMON}" if args is not None and built is None else None,
         positions_note,
+        eps_note,
     )
     if model[EMBED].shape[0] > sizes.vocab:
         plan = plan.noted(
@@ -189,6 +194,19 @@ def read(folder: str, config: str | None = None) -> MergePlan:
             f"not merged: {len(others)} other entries ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
         )
     return plan
+
+
+def _latent_norms_note(values: dict) -> str | None:
+    """transformers' DeepseekV3 normalises the q and kv latents (q_a_layernorm, kv_a_layernorm) with eps 1e-6
+    whatever rms_norm_eps says; megatron-core's MLA with the run's epsilon. Another epsilon changes no weight,
+    but transformers' logits then differ a little from Megatron's (3e-5 on the test fixture with 1e-5)."""
+    eps = values.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or eps == 1e-6:
+        return None
+    return (
+        f"rms_norm_eps {eps} kept: transformers' DeepseekV3 computes q_a_layernorm and kv_a_layernorm with eps 1e-6 "
+        "whatever config.json says (Megatron with the run's epsilon), so its logits differ slightly from Megatron's"
+    )
 
 
 def _config_dir(folder: str, given: str | None, has_args: bool, args_note: str | None) -> tuple[str | None, str | None]:
@@ -233,22 +251,25 @@ def _sizes(values: dict, path: str) -> Sizes:
     layers = number("num_hidden_layers")
     if model_type == "deepseek_v3":
         return _deepseek_sizes(values, path, number, hidden, heads, tied)
-    experts, expert_ffn, moe_layers = 0, 0, frozenset()
-    if model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
-        experts, expert_ffn, step = (
-            number("num_experts"),
-            number("moe_intermediate_size"),
-            number("decoder_sparse_step", 1),
-        )
+    moe = {}
+    if model_type == "glm4_moe":  # grouped attention as Qwen2 / Qwen3 (q/k norms with use_qk_norm), DeepSeek-V3's MoE
+        moe = _deepseek_moe(values, path, number, layers)
+    elif model_type == "qwen3_moe":  # transformers' rule: a layer has experts unless in mlp_only_layers, every step-th
+        step = number("decoder_sparse_step", 1)
         dense = values.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise BadInput(f"{path}: mlp_only_layers is {dense!r}, not a list of layer numbers")
-        moe_layers = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        moe = dict(
+            experts=number("num_experts"),
+            expert_ffn=number("moe_intermediate_size"),
+            moe_layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        )
     elif model_type in ("mixtral", "gpt_oss"):  # every layer has experts; intermediate_size is each expert's
-        experts, expert_ffn, moe_layers = (
-            number("num_local_experts"),
-            number("intermediate_size"),
-            frozenset(range(layers)),
+        moe = dict(
+            experts=number("num_local_experts"),
+            expert_ffn=number("intermediate_size"),
+            moe_layers=frozenset(range(layers)),
+            expert_keys=("num_local_experts", "intermediate_size"),
         )
     return Sizes(
         hidden,
@@ -260,28 +281,15 @@ def _sizes(values: dict, path: str) -> Sizes:
         number("vocab_size"),
         tied is True,  # absent (or not a bool): untied, the default of Llama, Mistral and Qwen2
         isinstance(tied, bool),
-        qk_norm=model_type in _QK_NORM,
-        experts=experts,
-        expert_ffn=expert_ffn,
-        moe_layers=moe_layers,
-        expert_keys=("num_local_experts", "intermediate_size")
-        if model_type in ("mixtral", "gpt_oss")
-        else Sizes.expert_keys,
+        qk_norm=model_type in _QK_NORM or (model_type == "glm4_moe" and values.get("use_qk_norm") is True),
         gpt_oss=model_type == "gpt_oss",
+        **moe,
     )
 
 
 def _deepseek_sizes(values: dict, path: str, number, hidden: int, heads: int, tied) -> Sizes:
-    """DeepSeek-V3: MLA (no query groups; o_proj's columns are heads x v_head_dim), layers from
-    first_k_dense_replace on with routed experts, the shared ones and the router's correction bias."""
+    """DeepSeek-V3: MLA (no query groups; o_proj's columns are heads x v_head_dim) and its MoE."""
     layers, q_rank = number("num_hidden_layers"), values.get("q_lora_rank")
-    experts, expert_ffn = number("n_routed_experts"), number("moe_intermediate_size")
-    shared = values.get("n_shared_experts") or 0
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-        raise BadInput(f"{path}: n_shared_experts is {shared!r}, not a whole number")
-    dense = values.get("first_k_dense_replace") or 0
-    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
-        raise BadInput(f"{path}: first_k_dense_replace is {dense!r}, not a whole number")
     return Sizes(
         hidden,
         heads,
@@ -292,17 +300,33 @@ def _deepseek_sizes(values: dict, path: str, number, hidden: int, heads: int, ti
         number("vocab_size"),
         tied is True,
         isinstance(tied, bool),
-        experts=experts,
-        expert_ffn=expert_ffn,
-        moe_layers=frozenset(range(dense, layers)),
-        shared_ffn=shared * expert_ffn,
-        expert_bias=True,  # DeepseekV3's gate always has e_score_correction_bias
         mla=True,
         q_rank=0 if q_rank is None else number("q_lora_rank"),
         kv_rank=number("kv_lora_rank"),
         nope=number("qk_nope_head_dim"),
         rope=number("qk_rope_head_dim"),
-        mtp=values.get("num_nextn_predict_layers") or 0,
+        **_deepseek_moe(values, path, number, layers),
+    )
+
+
+def _deepseek_moe(values: dict, path: str, number, layers: int) -> dict:
+    """DeepSeek-V3's and GLM-4.5's MoE sizes: layers from first_k_dense_replace on with routed experts, the shared
+    ones and the router's correction bias; num_nextn_predict_layers MTP layers after the model."""
+    expert_ffn = number("moe_intermediate_size")
+    counts = {}
+    for key in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+        counts[key] = values.get(key) or 0
+        if not isinstance(counts[key], int) or isinstance(counts[key], bool) or counts[key] < 0:
+            raise BadInput(f"{path}: {key} is {counts[key]!r}, not a whole number")
+    return dict(
+        experts=number("n_routed_experts"),
+        expert_ffn=expert_ffn,
+        moe_layers=frozenset(range(counts["first_k_dense_replace"], layers)),
+        shared_ffn=counts["n_shared_experts"] * expert_ffn,
+        expert_bias=True,  # their gate always has e_score_correction_bias
+        mtp=counts["num_nextn_predict_layers"],
+        expert_keys=("n_routed_experts", "moe_intermediate_size"),
+        leading_dense=True,
     )
 
 
@@ -347,8 +371,9 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
     - A QKV bias is Qwen2's (q, k and v carry one, o does not); Llama's attention_bias puts one on o_proj too,
       Mistral and Qwen3 have none.
     - q_layernorm / k_layernorm are Qwen3's q_norm / k_norm (Qwen3 and Qwen3-MoE have them, the others not).
-    - Multi-latent attention is DeepSeek-V3's, and so are shared experts and the router's expert_bias.
-    - Routed experts are Qwen3-MoE's, Mixtral's or DeepSeek-V3's; those have experts."""
+    - Multi-latent attention is DeepSeek-V3's; shared experts and the router's expert_bias are DeepSeek-V3's and
+      GLM-4.5's (whose QKV bias and q/k norms are attention_bias and use_qk_norm).
+    - Routed experts are Qwen3-MoE's, Mixtral's, DeepSeek-V3's, GLM-4.5's or gpt-oss's; those have experts."""
     model_type = values["model_type"]
     how = f"pass {option('config', meta='DIR')} with"
     gpt_oss = model_type == "gpt_oss"
@@ -383,7 +408,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
             f"checkpoint's model; {how} {fits}"
         )
-    if mla:
+    if model_type in _DEEPSEEK_MOE:
         for present, wanted, what in (
             (
                 found.shared,
@@ -397,9 +422,14 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
                     f"{folder}: the checkpoint holds {'' if present else 'no '}{what.split(' (')[0]}, but {path} "
                     f"{'has none' if present else 'has ' + what}: the config is not this checkpoint's model"
                 )
-    has_flag = model_type in ("llama", *_QK_NORM)  # attention_bias: a bias on q, k, v and o
+    glm = model_type == "glm4_moe"  # its attention_bias: a bias on q, k and v (Megatron's QKV bias)
+    has_flag = model_type in ("llama", *_QK_NORM, "glm4_moe")  # attention_bias (Llama's, Qwen3's: on o_proj too)
     wants = model_type == "qwen2" or (has_flag and values.get("attention_bias") is True)
-    if not gpt_oss and ((model_type != "qwen2") if found.qkv_bias else wants):
+    if glm:
+        refused = found.qkv_bias != wants
+    else:  # a QKV bias is Qwen2's only; without one, any config that wants none
+        refused = (model_type != "qwen2") if found.qkv_bias else wants
+    if not gpt_oss and refused:
         holds = "holds linear_qkv.bias (a bias on q, k and v only)" if found.qkv_bias else "holds no linear_qkv.bias"
         given = (
             f"model_type {model_type!r}"
@@ -407,26 +437,38 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             + (", whose q, k and v carry a bias" if wants else "")
         )
         if found.qkv_bias and model_type in _QK_NORM:
-            fits = "a qwen2 config (Qwen3 has no QKV bias; the megatron layout writes none with one)"
+            fits = "a qwen2 config, or a glm4_moe one with attention_bias true (Qwen3 has no QKV bias)"
+        elif found.qkv_bias:
+            fits = "a qwen2 config, or a glm4_moe one with attention_bias true"
         else:
-            fits = "a qwen2 config" if found.qkv_bias else "a llama, mistral or qwen3 config without attention_bias"
+            fits = "a llama, mistral, qwen3 or glm4_moe config without attention_bias"
         raise BadInput(
             f"{folder}: the checkpoint {holds}, but {path} has {given}: the config is not this checkpoint's model; "
             f"{how} {fits}"
         )
-    if not mla and (found.shared or found.expert_bias):
+    if model_type not in _DEEPSEEK_MOE and (found.shared or found.expert_bias):
         what = "shared experts" if found.shared else "a router expert_bias"
         raise BadInput(
             f"{folder}: the checkpoint holds {what}, which {model_type!r} models have not; the megatron layout writes "
-            f"them as DeepSeek-V3's; {how} a deepseek_v3 config"
+            f"them as DeepSeek-V3's or GLM-4.5's; {how} a deepseek_v3 or glm4_moe config"
         )
-    if found.qk_norm != (model_type in _QK_NORM):
+    if found.qk_norm != sizes.qk_norm:
         holds = (
             "holds self_attention.q_layernorm / k_layernorm (Qwen3's q_norm / k_norm)"
             if found.qk_norm
             else "holds no self_attention.q_layernorm / k_layernorm"
         )
-        fits = "a qwen3 or qwen3_moe config" if found.qk_norm else "a config without per-head q/k norms (not qwen3)"
+        if glm:
+            given = f"model_type 'glm4_moe' with use_qk_norm {values.get('use_qk_norm')!r}"
+            raise BadInput(
+                f"{folder}: the checkpoint {holds}, but {path} has {given}: the config is not this checkpoint's "
+                f"model; {how} use_qk_norm {str(found.qk_norm).lower()}"
+            )
+        fits = (
+            "a qwen3, qwen3_moe or glm4_moe (use_qk_norm true) config"
+            if found.qk_norm
+            else "a config without per-head q/k norms (not qwen3)"
+        )
         raise BadInput(
             f"{folder}: the checkpoint {holds}, but {path} has model_type {model_type!r}: the config is not this "
             f"checkpoint's model; {how} {fits}"
@@ -438,7 +480,7 @@ def _check_family(folder: str, path: str, values: dict, found: megatron_checks.T
             else "holds no MoE layers (no decoder.layers.mlp.router.weight)"
         )
         fits = (
-            "a qwen3_moe, mixtral, deepseek_v3 or gpt_oss config (the MoE families the megatron layout writes)"
+            "a qwen3_moe, mixtral, deepseek_v3, glm4_moe or gpt_oss config (the MoE families the megatron layout writes)"
             if found.experts
             else "a dense one"
         )
@@ -489,8 +531,8 @@ def _refuse_unknown(folder: str, model: dict, layers: dict) -> None:
         found = f"{' and '.join(kinds)} ({shown})" if kinds else f"tensors it cannot map ({shown})"
         raise BadInput(
             f"{folder}: a Megatron model with {found}; the megatron layout reads GPT models with RMSNorm, "
-            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral, DeepSeek-V3 (with its MTP "
-            "layers) and gpt-oss only"
+            "SwiGLU and RoPE (Llama, Mistral, Qwen2, Qwen3), Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (with "
+            "their MTP layers) and gpt-oss only"
         )
     for needed in (EMBED, FINAL_NORM):
         if needed not in model:
@@ -556,7 +598,7 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
         SHARED_KEYS[1]: (s.hidden, s.shared_ffn),
         **(mla_shapes(s) if s.mla else {}),  # MLA's q_layernorm is over the q LoRA rank, not a head
     }
-    experts_key, ffn_key = ("n_routed_experts", "moe_intermediate_size") if s.mla else s.expert_keys
+    experts_key, ffn_key = s.expert_keys
     why = {
         QKV[0]: f"({s.heads} heads + 2 x {s.groups} key/value heads) x head dim {s.head_dim}, hidden_size {s.hidden}",
         PROJ: f"hidden_size {s.hidden}, {s.heads} heads x head dim {s.head_dim}",
@@ -629,14 +671,15 @@ def _check_shapes(folder: str, path: str, model: dict, layers: dict, sizes: Size
 
 
 def _check_mtp(folder: str, path: str, model: dict, s: Sizes, expected: dict, why: dict) -> None:
-    """DeepSeek-V3's multi-token prediction blocks against num_nextn_predict_layers: as many, each whole (its
-    norms, eh_proj, and a decoder layer with experts as the model's own), each tensor of the config's shape."""
+    """DeepSeek-V3's and GLM-4.5's multi-token prediction blocks against num_nextn_predict_layers: as many, each
+    whole (its norms, eh_proj, and a decoder layer with experts as the model's own), each tensor of the config's
+    shape."""
     blocks = mtp_tensors(model)
     if sorted(blocks) != list(range(s.mtp)):
         found = f"MTP layers {sorted(blocks)}" if blocks else "no MTP layers"
         raise BadInput(
             f"{folder}: the checkpoint holds {found}; {path} gives num_nextn_predict_layers {s.mtp} "
-            f"(a deepseek_v3 config only): the config is not this checkpoint's model; pass "
+            f"(deepseek_v3 and glm4_moe configs): the config is not this checkpoint's model; pass "
             f"{option('config', meta='DIR')} with its own"
         )
     inner_needed = (
@@ -669,7 +712,7 @@ def _layers_named(indices: set[int], listed: bool) -> str:
 
 
 def _which_layers(key: str, s: Sizes) -> str:
-    which = "first_k_dense_replace" if s.mla else "mlp_only_layers, decoder_sparse_step"
+    which = "first_k_dense_replace" if s.leading_dense else "mlp_only_layers, decoder_sparse_step"
     if key in _MOE_LAYER:
         return f"the layers with experts: {which}" if s.experts else "no MoE"
     if key in DENSE_KEYS and s.experts:

@@ -2,11 +2,13 @@
 
 Every check of the args is here, so a merge with a config.json (--config, or huggingface/ found beside
 the folder) and one whose config.json is built from the args see the same ones, in this order:
-1. what the args say no Hugging Face Llama / Mistral / Qwen2 computes (rotary_interleaved, ...);
+1. what the args say no Hugging Face Llama / Mistral / Qwen2 computes (rotary_interleaved, ...), or with
+   gpt-oss's tensors (sinks, biases) no gpt_oss;
 2. the args against the tensors (layers, hidden size, heads x head dim, ffn size, padded vocabulary,
-   tied embeddings, QKV bias, experts): a contradiction means common.pt is not these tensors' run;
+   tied embeddings, biases, experts): a contradiction means common.pt is not these tensors' run;
 3. the args against config.json, for what the tensors cannot tell (4 heads of 16 or 8 heads of 8,
-   norm epsilon, RoPE base and scaling, activation, how much of the vocabulary is padding).
+   norm epsilon, RoPE base and scaling, activation, sliding window, gpt-oss's clamp, how much of the
+   vocabulary is padding).
 config.json against the tensors is readers.megatron's shape check; it runs between 2 and 3, so the
 args against config.json only ever meet a config whose shapes fit. Each refusal is one line naming
 both values and which side to fix. An arg that is not recorded is not checked.
@@ -19,14 +21,20 @@ from dataclasses import dataclass
 from ..errors import BadInput, option
 from .megatron_args import COMMON, TrainingArgs
 
-# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says
+# Features a Hugging Face Llama / Mistral / Qwen2 does not compute, whatever its config says (RoPE on part of
+# each head, rotary_percent, is GLM-4.5's: checked against config.json, _rotary_contradiction)
 NOT_HF = (
     ("rotary_interleaved", lambda v: v is True, "interleaved rotary embeddings"),
     ("apply_layernorm_1p", lambda v: v is True, "zero-centred norm weights (apply_layernorm_1p)"),
-    ("rotary_percent", lambda v: v is not None and v != 1.0, "rotary embeddings on part of each head"),
     ("normalization", lambda v: v is not None and v != "RMSNorm", "a norm other than RMSNorm"),
     ("position_embedding_type", lambda v: v is not None and v != "rope", "position embeddings other than RoPE"),
     ("swiglu", lambda v: v is False, "an MLP other than SwiGLU"),
+)
+# gpt-oss's MLP (told by its tensors: attention sinks and biases) is not SwiGLU but Megatron-LM's quick_geglu,
+# with 1 added to the linear half (glu_linear_offset) and both halves clamped (activation_func_clamp_value)
+GPT_OSS_NOT_HF = (
+    ("quick_geglu", lambda v: v is False, "an MLP other than gpt-oss's quick GeGLU"),
+    ("glu_linear_offset", lambda v: v is not None and v != 1.0, "a GLU offset other than gpt-oss's 1"),
 )
 _SILU = ("silu", "swish")  # transformers' two names for the activation Megatron's swiglu gates with
 # Megatron-LM's own RoPE scalings and the rope_type each is in config.json: llama3 (use_rope_scaling,
@@ -55,13 +63,16 @@ class TensorSizes:
     gpt_oss: bool = False  # gpt-oss's tensors: attention sinks (core_attention.softmax_offset) and biases
 
 
-def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs) -> None:
-    """Args that say the run computed something no Llama / Mistral / Qwen2 does: one line."""
-    for arg, is_on, what in NOT_HF:
+def refuse_what_hf_does_not_compute(folder: str, args: TrainingArgs, gpt_oss: bool = False) -> None:
+    """Args that say the run computed something no Llama / Mistral / Qwen2 does (with gpt-oss's tensors:
+    that gpt-oss does not): one line."""
+    checks = [c for c in NOT_HF if c[0] != "swiglu"] + list(GPT_OSS_NOT_HF) if gpt_oss else NOT_HF
+    family = "gpt_oss" if gpt_oss else "Llama / Mistral / Qwen2"
+    for arg, is_on, what in checks:
         if arg in args.recorded and is_on(args.recorded[arg]):
             raise BadInput(
                 f"{folder}: the training args in {COMMON} have {arg} {args.recorded[arg]!r}: the model uses {what}, "
-                "which Hugging Face Llama / Mistral / Qwen2 do not compute; the megatron layout cannot write it"
+                f"which Hugging Face {family} does not compute; the megatron layout cannot write it"
             )
 
 
@@ -102,7 +113,7 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
             if not found.tied
             else "the checkpoint holds no output_layer.weight (tied embeddings)",
         ),
-        _qkv_bias(r, found.qkv_bias),
+        _biases(r, found),
         (isinstance(r.get("qk_layernorm"), bool) and r["qk_layernorm"] != found.qk_norm)
         and (
             f"qk_layernorm {r['qk_layernorm']}",
@@ -127,11 +138,16 @@ def check_against_tensors(folder: str, args: TrainingArgs, found: TensorSizes) -
             )
 
 
-def _qkv_bias(r: dict, present: bool):
-    """Megatron puts a bias on linear_qkv with add_qkv_bias, and on every linear layer with add_bias_linear."""
-    if r.get("add_bias_linear") is True:  # the other linear biases would be tensors readers.megatron refuses
+def _biases(r: dict, found: TensorSizes):
+    """Megatron puts a bias on linear_qkv with add_qkv_bias, and on every linear layer with add_bias_linear
+    (gpt-oss's; readers.megatron refuses those biases in any other family's tensors)."""
+    every = r.get("add_bias_linear")
+    if every is True and not found.gpt_oss:
         return "add_bias_linear True", "the checkpoint has no bias on linear_proj, linear_fc1 or linear_fc2"
-    if isinstance(r.get("add_qkv_bias"), bool) and r["add_qkv_bias"] != present:
+    if every is False and found.gpt_oss:
+        return "add_bias_linear False", "the checkpoint has gpt-oss's biases on linear_proj, linear_fc1 and linear_fc2"
+    present = found.qkv_bias
+    if isinstance(r.get("add_qkv_bias"), bool) and (r["add_qkv_bias"] or every is True) != present:
         return f"add_qkv_bias {r['add_qkv_bias']}", f"{'a' if present else 'no'} linear_qkv.bias is in the checkpoint"
     return None
 
@@ -142,7 +158,8 @@ def check_against_config(
     """The args against config.json (whose shapes fit the tensors): the first contradiction in one line.
 
     `sizes`: config.json's sizes as readers.megatron reads them. Returns a note for a difference that
-    changes no weight and nothing computed up to the trained length (max_position_embeddings)."""
+    changes no weight and nothing computed up to the trained length (max_position_embeddings), or a window
+    one key narrower than the run's, as megatron-bridge maps it (_window_note)."""
     r = args.recorded
     rope = _rope_scaling(values)
     theta = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
@@ -170,7 +187,9 @@ def check_against_config(
         ),
         (r.get("swiglu") is True and act not in _SILU) and ("swiglu True (SiLU)", f"hidden_act {act!r}"),
         *_rope_contradictions(r, rope),
+        _rotary_contradiction(r, values, rope),
         _window_contradiction(r, values),
+        *(_gpt_oss_contradictions(r, values) if found.gpt_oss else ()),
         _vocab_contradiction(r, sizes.vocab, found.rows),
     )
     for contradiction in contradictions:
@@ -180,6 +199,11 @@ def check_against_config(
                 f"{folder}: the training args in {COMMON} have {recorded}; {path} gives {given}: the config is not "
                 f"this checkpoint's model; pass {option('config', meta='DIR')} with the model's own config.json"
             )
+    notes = [_positions_note(r, values), _window_note(r, values)]
+    return "; ".join(note for note in notes if note) or None
+
+
+def _positions_note(r: dict, values: dict) -> str | None:
     trained, served = _whole(r.get("max_position_embeddings")), _whole(values.get("max_position_embeddings"))
     if trained and served and trained != served:
         return (
@@ -228,15 +252,102 @@ def _rope_contradictions(r: dict, rope: dict):
         yield "rotary_seq_len_interpolation_factor None", f"rope_type {_LINEAR!r}"
 
 
+def _rotary_contradiction(r: dict, values: dict, rope: dict):
+    """Megatron's rotary_percent, the part of each head RoPE turns, against GLM-4.5's partial_rotary_factor
+    (transformers reads the RoPE dict's before config.json's top-level one, and takes 0.5 when neither says); the
+    other families the megatron layout writes turn the whole head."""
+    percent = _number(r.get("rotary_percent"))
+    if percent is None:
+        return None
+    if values.get("model_type") == "glm4_moe":
+        factor = rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 0.5))
+        return _differ("rotary_percent", percent, "partial_rotary_factor", _number(factor))
+    if percent != 1.0:
+        return (
+            f"rotary_percent {percent} (RoPE on part of each head)",
+            f"model_type {values.get('model_type')!r}, which turns the whole of each head (glm4_moe turns part)",
+        )
+    return None
+
+
 def _window_contradiction(r: dict, values: dict):
-    """A run with sliding-window attention needs a config that has one (full attention computes other
-    outputs past the window); a window in the config that the run did not train with only limits
-    what the model sees of longer inputs, a serving choice, and passes."""
+    """A run with sliding-window attention needs a config with the same window on the same layers (full
+    attention, or another window, computes other outputs past it); a window in the config that the run did
+    not train with only limits what the model sees of longer inputs, a serving choice, and passes.
+
+    Megatron's window_size (left, right) lets query i attend to keys i - left ... i + right (left + 1 of them
+    in a causal model, as flash-attn counts); transformers' sliding_window counts the query itself
+    (keys j > i - sliding_window): window_size (W, 0) is sliding_window W + 1."""
     window = r.get("window_size")
     has = values.get("sliding_window") is not None and values.get("use_sliding_window", True) is not False
-    if window is None or has:
+    if window is None:
         return None
-    return f"window_size {window!r} (sliding-window attention)", "no sliding window (full attention)"
+    if not has:
+        return f"window_size {window!r} (sliding-window attention)", "no sliding window (full attention)"
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_whole(w) or w == 0 for w in window)):
+        return f"window_size {window!r}", "a sliding window (the args' window is not (left, 0))"
+    left, right = window
+    if right:
+        return f"window_size {window!r} (each token attends to {right} after it)", "a causal sliding window"
+    if values["sliding_window"] not in (left + 1, left):  # left: megatron-bridge's mapping, noted (_window_note)
+        return (
+            f"window_size {window!r} (each token attends to itself and the {left} before it)",
+            f"sliding_window {values['sliding_window']!r} (transformers counts the token itself: the run's window "
+            f"is sliding_window {left + 1})",
+        )
+    return _window_layers_contradiction(r, values)
+
+
+def _window_note(r: dict, values: dict) -> str | None:
+    """megatron-bridge maps the Hub's sliding_window W to window_size (W, 0) and back, one key wider than the
+    Hub's window in Megatron's attention: a run converted that way (gpt-oss's 128) is merged with its config's W,
+    as bridge exports it, and the one-key difference said."""
+    window = r.get("window_size")
+    if isinstance(window, (tuple, list)) and len(window) == 2 and values.get("sliding_window") == window[0]:
+        return (
+            f"config.json's sliding_window {window[0]} kept: the run's window_size {tuple(window)!r} attended to "
+            f"{window[0] + 1} keys (megatron-bridge maps sliding_window {window[0]} to it); sliding_window "
+            f"{window[0] + 1} would compute what the run computed"
+        )
+    return None
+
+
+def _window_layers_contradiction(r: dict, values: dict):
+    """Which layers have the window: Megatron's window_attn_skip_freq (none: every layer; N: all but every
+    N-th, counted from 1; a list: 1 for a windowed layer) against config.json's layer_types, where it has them."""
+    layer_types = values.get("layer_types")
+    if not isinstance(layer_types, list):
+        return None
+    skip = r.get("window_attn_skip_freq")
+    layers = range(len(layer_types))
+    if skip is None:
+        trained = [True for _ in layers]
+    elif _whole(skip):
+        trained = [(i + 1) % skip != 0 for i in layers]
+    elif isinstance(skip, (list, tuple)) and len(skip) == len(layer_types):
+        trained = [bool(s) for s in skip]
+    else:
+        return f"window_attn_skip_freq {skip!r}", f"layer_types of {len(layer_types)} layers"
+    given = [t == "sliding_attention" for t in layer_types]
+    if trained == given:
+        return None
+    windowed = [i for i, on in enumerate(trained) if on]
+    return (
+        f"window_size {r['window_size']!r} and window_attn_skip_freq {skip!r} (the window on layers {windowed})",
+        f"layer_types with sliding_attention on layers {[i for i, on in enumerate(given) if on]}",
+    )
+
+
+def _gpt_oss_contradictions(r: dict, values: dict):
+    """gpt-oss's clamp: Megatron-LM's activation_func_clamp_value is transformers' swiglu_limit (gate halves
+    clamped above, linear halves on both sides, in both)."""
+    if "activation_func_clamp_value" in r:
+        clamp, limit = (
+            _number(r["activation_func_clamp_value"]),
+            _number(values.get("swiglu_limit", 7.0)),
+        )  # GptOssConfig's default
+        if clamp != limit:
+            yield f"activation_func_clamp_value {r['activation_func_clamp_value']!r}", f"swiglu_limit {limit!r}"
 
 
 def _vocab_contradiction(r: dict, vocab: int, rows: int):

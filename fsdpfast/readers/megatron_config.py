@@ -32,6 +32,7 @@ _NEEDS_CONFIG = (
     ("use_rope_scaling", lambda v: v is True, "RoPE scaling"),
     ("rotary_seq_len_interpolation_factor", lambda v: v is not None, "RoPE sequence interpolation"),
     ("window_size", lambda v: v is not None, "sliding-window attention"),
+    ("rotary_percent", lambda v: v is not None and v != 1.0, "RoPE on part of each head, GLM-4.5's"),
 )
 
 

@@ -1,5 +1,5 @@
-"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3
-ones: a plan transform.
+"""Megatron-Core GPT names and shapes onto Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral /
+DeepSeek-V3 / GLM-4.5 / gpt-oss ones: a plan transform.
 
 readers.megatron reads the checkpoint's own tensors (Megatron's names and global shapes, layer
 tensors stacked (L, ...) or per layer), checks them against the model's sizes, and attaches this
@@ -23,7 +23,10 @@ placement, no arithmetic:
   alike; down_proj[e] (F, H) is fc2[e] transposed; self_attn.sinks is core_attention.softmax_offset; the
   attention, router and expert biases beside their weights.
 - DeepSeek-V3: multi-latent attention, the shared experts (fc1 [gate; up] as the dense one) and the
-  router's expert_bias (e_score_correction_bias) are one-to-one renames (megatron-bridge's map).
+  router's expert_bias (e_score_correction_bias) are one-to-one renames (megatron-bridge's map); MTP block k
+  is the Hub's model.layers.{L+k}.
+- GLM-4.5 (glm4_moe): grouped attention with Qwen2's QKV bias and, with use_qk_norm, Qwen3's q/k norms (its
+  partial RoPE changes no weight), and DeepSeek-V3's MoE and MTP names (megatron-bridge's GLM map).
 Embedding rows past config.json's vocab_size are Megatron's vocabulary padding and are left out.
 """
 
@@ -116,6 +119,9 @@ class Sizes:
     rope: int = 0  # qk_rope_head_dim
     mtp: int = 0  # multi-token prediction layers (num_nextn_predict_layers), written as layers L..L+mtp-1
     gpt_oss: bool = False  # gpt-oss: biases, attention sinks, experts packed transposed with gate/up interleaved
+    leading_dense: bool = (
+        False  # config.json's first_k_dense_replace says which layers are dense (DeepSeek-V3, GLM-4.5)
+    )
     expert_keys: tuple[str, str] = ("num_experts", "moe_intermediate_size")  # config.json's, for the messages
 
 

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import BadInput, FsdpfastError
-from .stores import store_for
+from ..manifest import SourceChanged
+from .stores import get_pinned, store_for
 
 WHOLE_BYTES = 4 << 20  # objects up to this size are fetched whole (configs, .metadata, common.pt, small shards)
 WHOLE_SUFFIXES = (".json", ".metadata", ".txt", ".yaml", ".yml", ".model", ".py", ".pkl", ".md")
@@ -74,7 +75,7 @@ def mirrored_metadata(url: str, windows_of=None):
                 with open(local, "wb") as handle:
                     handle.truncate(meta["size"])  # a hole: no disk used
                 etags[f"{url}/{relative}"] = meta["e_tag"]
-            list(pool.map(lambda m: _fill(store, m, root, prefix), listed))
+            list(pool.map(lambda m: _fill(store, m, root, prefix, url), listed))
             windows = windows_of(root) if windows_of is not None else {}
             by_path = {os.path.join(root, *m["path"][len(prefix) + 1 if prefix else 0 :].split("/")): m for m in listed}
             jobs = [
@@ -83,7 +84,7 @@ def mirrored_metadata(url: str, windows_of=None):
                 if path in by_path and by_path[path]["size"] > WHOLE_BYTES
                 for offset, length in found
             ]
-            list(pool.map(lambda job: _fill_window(store, root, prefix, *job), jobs))
+            list(pool.map(lambda job: _fill_window(store, root, prefix, url, *job), jobs))
         mirror = Mirrored(root, url, etags)
         try:
             yield mirror
@@ -95,11 +96,11 @@ def mirrored_metadata(url: str, windows_of=None):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _fill(store, meta: dict, root: str, prefix: str) -> None:
+def _fill(store, meta: dict, root: str, prefix: str, url: str) -> None:
     relative = meta["path"][len(prefix) + 1 if prefix else 0 :]
     local = os.path.join(root, *relative.split("/"))
     size, key, etag = meta["size"], meta["path"], meta["e_tag"]
-    fetch = _Fetcher(store, key, etag, local)
+    fetch = _Fetcher(store, key, etag, local, f"{url}/{relative}")
     if size == 0:
         return
     if size <= WHOLE_BYTES or relative.endswith(WHOLE_SUFFIXES):
@@ -113,9 +114,10 @@ def _fill(store, meta: dict, root: str, prefix: str) -> None:
         _fill_zip(fetch, size)
 
 
-def _fill_window(store, root: str, prefix: str, meta: dict, offset: int, length: int) -> None:
+def _fill_window(store, root: str, prefix: str, url: str, meta: dict, offset: int, length: int) -> None:
     relative = meta["path"][len(prefix) + 1 if prefix else 0 :]
-    fetch = _Fetcher(store, meta["path"], meta["e_tag"], os.path.join(root, *relative.split("/")), base=offset)
+    local = os.path.join(root, *relative.split("/"))
+    fetch = _Fetcher(store, meta["path"], meta["e_tag"], local, f"{url}/{relative}", base=offset)
     if length <= TAIL_BYTES:  # a small archive (a non-tensor entry, a tiny tensor): whole in one GET
         fetch.put(0, length)
     elif fetch.put(0, 4) == b"PK\x03\x04":
@@ -193,19 +195,23 @@ def _joined(ranges: list[tuple[int, int]], gap: int = 1 << 16) -> list[tuple[int
 class _Fetcher:
     """Ranged GETs of one object (pinned to its listed ETag) written into its stand-in file."""
 
-    def __init__(self, store, key: str, etag: str, local: str, base: int = 0):
-        self.store, self.key, self.etag, self.local = store, key, etag, local
+    def __init__(self, store, key: str, etag: str, local: str, url: str, base: int = 0):
+        self.store, self.key, self.etag, self.local, self.url = store, key, etag, local, url
         self.base = base  # where the bytes this fetcher addresses start in the object (a window of it)
 
     def put(self, start: int, nbytes: int) -> bytes:
-        import obstore
-
         if nbytes <= 0:
             return b""
         start += self.base
-        data = bytes(
-            obstore.get(self.store, self.key, options={"range": (start, start + nbytes), "if_match": self.etag}).bytes()
-        )
+        from obstore.exceptions import NotFoundError, PreconditionError
+
+        try:
+            data = bytes(get_pinned(self.store, self.key, start, start + nbytes, self.etag).bytes())
+        except (PreconditionError, NotFoundError, FileNotFoundError):  # obstore raises either for a 404
+            raise SourceChanged(
+                f"{self.url}: the object was replaced or deleted since it was listed; nothing was merged; "
+                "merge again once the checkpoint is complete"
+            ) from None
         with open(self.local, "r+b") as handle:
             handle.seek(start)
             handle.write(data)

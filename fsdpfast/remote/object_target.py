@@ -186,7 +186,7 @@ class ObjectFile:
         self.target, self.name, self.size = target, name, size
         self._writer = None  # opened with the first bytes streamed, once the target's upload budget is free
         self._next = 0  # the first byte not yet streamed
-        self._ahead: dict[int, bytes] = {}  # offset -> bytes written beyond a gap
+        self._ahead: dict[int, memoryview] = {}  # offset -> bytes written beyond a gap (the file's own)
         self._lock = threading.Lock()
         self._done = False
         self._aborted: bool | None = None  # None: not tried; else whether the store took the abort
@@ -194,21 +194,27 @@ class ObjectFile:
         self._released = False  # whether this file's upload gave back the target's budget
 
     def write_at(self, data, offset: int) -> None:
+        """Bytes at `offset`, copied: the caller may reuse its buffer once this returns, as with a file's pwrite
+        (obstore 0.12's writer keeps a reference to what it is given until that part is sent)."""
+        self.write_owned(bytes(memoryview(data).cast("B")), offset)
+
+    def write_owned(self, data: bytes | bytearray, offset: int) -> None:
+        """Bytes at `offset` in a buffer its caller never touches again: streamed without a copy."""
         data = memoryview(data).cast("B")
         if not data.nbytes:
             return
         with self._lock:
             self._check_failed()
             if offset != self._next:
-                self._ahead[offset] = bytes(data)  # the caller may reuse its buffer: held as a copy
+                self._ahead[offset] = data
                 return
             self._stream(data)
             while self._next in self._ahead:
                 self._stream(memoryview(self._ahead.pop(self._next)))
 
     def _stream(self, data: memoryview) -> None:
-        """Bytes at the next offset owed, into the upload a part at a time (the client copies each into its
-        part buffer; no larger copy is made)."""
+        """Bytes at the next offset owed, into the upload a part at a time (the client holds each slice, not a
+        copy, until its part is sent: write_at copied the caller's bytes, write_owned's are the file's)."""
         if self._writer is None:
             import obstore
 
@@ -320,7 +326,7 @@ class _Window:
         for offset in sorted(self.pieces):
             self._zeros_until(offset)
             buffer, _ = self.pieces.pop(offset)
-            self.file.write_at(buffer, offset)
+            self.file.write_owned(buffer, offset)
             self.next = offset + len(buffer)
         self._zeros_until(self.end)
 
@@ -330,13 +336,13 @@ class _Window:
             if offset != self.next or not _released(view):
                 return
             del self.pieces[offset]
-            self.file.write_at(buffer, offset)
+            self.file.write_owned(buffer, offset)
             self.next = offset + len(buffer)
 
     def _zeros_until(self, offset: int) -> None:
         while self.next < offset:
             gap = min(offset - self.next, PART_BYTES)
-            self.file.write_at(bytes(gap), self.next)
+            self.file.write_owned(bytes(gap), self.next)
             self.next += gap
 
 

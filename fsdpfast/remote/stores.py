@@ -50,6 +50,30 @@ def store_for(url: str):
     return store, key
 
 
+def get_pinned(store, key: str, start: int, end: int, etag: str | None):
+    """obstore's GetResult of bytes [start, end) of `key`, pinned to `etag` (None: unpinned). If-Match asks the
+    store to refuse any other version; the response's own ETag is compared as well, since not every server
+    evaluates If-Match (fake-gcs-server, a GCS emulator, serves the new object). Another version raises
+    obstore's PreconditionError, as a store's refusal does."""
+    import obstore
+    from obstore.exceptions import PreconditionError
+
+    options = {"range": (start, end)}
+    if etag is not None:
+        options["if_match"] = etag
+    got = obstore.get(store, key, options=options)
+    served = got.meta.get("e_tag")
+    if etag is not None and served is not None and _bare(served) != _bare(etag):
+        raise PreconditionError(f"{key}: ETag {served} where {etag} was pinned")
+    return got
+
+
+def _bare(etag: str) -> str:
+    """An ETag without its quotes (and weak mark): listings and GET headers of one object differ so on some
+    servers (Azure, fake-gcs-server list it bare, the GET header quotes it)."""
+    return etag.removeprefix("W/").strip('"')
+
+
 def _config(bucket: str) -> dict:
     config = {}
     if bucket.startswith("s3://"):

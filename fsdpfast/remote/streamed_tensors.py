@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import FsdpfastError
-from .stores import store_for
+from .stores import get_pinned, store_for
 
 
 class OutputChanged(FsdpfastError):
@@ -71,15 +71,11 @@ class _StreamedView:
             self._ahead = None
 
     def _get(self, start: int, end: int) -> bytes:
-        import obstore
         from obstore.exceptions import NotFoundError, PreconditionError
 
         store, key = store_for(self.url)
-        options = {"range": (self.offset + start, self.offset + end)}
-        if self.etag is not None:
-            options["if_match"] = self.etag
         try:
-            return bytes(obstore.get(store, key, options=options).bytes())
+            return bytes(get_pinned(store, key, self.offset + start, self.offset + end, self.etag).bytes())
         except (PreconditionError, NotFoundError, FileNotFoundError):
             raise OutputChanged(
                 f"{self.url}: the object was replaced or deleted while it was verified; verify again"

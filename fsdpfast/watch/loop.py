@@ -58,8 +58,8 @@ def watch(settings: WatchSettings, events: Events) -> int:
     previous = _on_sigterm()
     events(
         "watching",
-        run_dir=os.path.abspath(settings.run_dir),
-        out_root=settings.out_root if is_remote(settings.out_root) else os.path.abspath(settings.out_root),
+        run_dir=_shown(settings.run_dir),
+        out_root=_shown(settings.out_root),
         once=settings.once,
         interval=settings.interval,
         notified=wakeups.notified,
@@ -96,7 +96,7 @@ class _Watcher:
         if self.settings.keep_last is not None:  # older ones would be removed again at once
             complete = complete[-self.settings.keep_last :]
         for checkpoint in complete:
-            signature = _signature(checkpoint.path)
+            signature = checkpoint.signature()
             name = checkpoint.name
             if self.done.get(name) == signature or self.tried.get(name) == signature:
                 continue
@@ -192,18 +192,9 @@ def _output(out_root: str, name: str) -> str:
     return f"{out_root.rstrip('/')}/{name}" if is_remote(out_root) else os.path.join(out_root, name)
 
 
-def _signature(folder: str) -> tuple:
-    """Every file below `folder`, with its size and modification time: what says it changed."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue
-            found.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_mtime_ns))
-    return tuple(found)
+def _shown(path: str) -> str:
+    """A folder as the events say it: absolute, or the object store's URL as given."""
+    return path if is_remote(path) else os.path.abspath(path)
 
 
 def _on_sigterm():

@@ -1,6 +1,6 @@
 """Waiting between two passes of the watcher: the poll interval, cut short by inotify where it works.
 
-Polling is what works everywhere (network filesystems, FUSE mounts of object stores). On Linux a
+Polling is what works everywhere (network filesystems, object stores and FUSE mounts of them). On Linux a
 local run folder also tells the watcher at once when something is created, moved in or finished
 writing in it or in its direct sub-folders (a step folder, its marker file): inotify, through the
 C library (no package needed), each pass's folders watched anew. Where inotify cannot be had (not
@@ -17,6 +17,8 @@ import os
 import select
 import time
 
+from ..remote.urls import is_remote
+
 _IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x08, 0x80, 0x100
 _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
 _EVENTS = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
@@ -27,7 +29,7 @@ class Wakeups:
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
-        self._libc = _libc()
+        self._libc = None if is_remote(run_dir) else _libc()  # a store sends nothing: polled
         self._fd = -1
         if self._libc is not None:
             self._fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)

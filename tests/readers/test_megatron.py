@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist checkpoints merge bit for bit into Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE /
-Mixtral / DeepSeek-V3 / gpt-oss folders.
+Mixtral / DeepSeek-V3 / GLM-4.5 / gpt-oss folders.
 
 The fixtures in tests/data/megatron/ were written by real megatron-core (versions.json) with
 tests/fixtures/make_megatron_checkpoints.py, run by hand: CI never installs Megatron. Each holds
@@ -40,6 +40,12 @@ MOE += ["tp2_pp2_ep2_qwen3_moe", "tp2_ep2_qwen3_moe_bf16"]
 MOE += ["tp1_pp1_gpt_oss"]
 # the dense0 Qwen3-MoE and DeepSeek-V3 saved with megatron-core's TransformerEngine spec (test_megatron_te_spec.py)
 MOE += ["tp2_ep2_qwen3_moe_dense0_te_spec", "tp2_ep2_deepseek_v3_te_spec"]
+# GLM-4.5-like (megatron-bridge's GLM settings): QKV bias, q/k layernorms, RoPE on half of each head, layer 0 dense,
+# layer 1 with 4 routed experts over EP2 (sigmoid routing, expert_bias, scaling 2.5) and a shared one, one MTP layer
+GLM = "tp2_ep2_glm4_moe"
+MOE += [GLM]
+# and over TP2 (heads and sinks split) with its experts over EP2, Megatron-LM's gpt-oss args in common.pt
+MOE += ["tp2_ep2_gpt_oss"]
 MERGED = [
     "tp2_pp1",
     "tp2_pp2",
@@ -91,13 +97,9 @@ def test_tp2_pp2_equals_megatron_bridges_export(tmp_path):
 
 @pytest.mark.parametrize("name", MERGED)
 def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, name):
-    import transformers
 
     fsdpfast.merge(DATA / name / "run" / ITERATION, tmp_path / "out", config=DATA / name / "hf")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out"), dtype="auto", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model = _loaded_every_weight(tmp_path / "out")
     reference = _packed(load_file(str(DATA / name / "reference.safetensors")))
     for key, value in model.state_dict().items():  # tied lm_head included: it is the embedding
         wanted = reference.get(key, reference["model.embed_tokens.weight"] if key == "lm_head.weight" else None)
@@ -108,6 +110,47 @@ def test_transformers_loads_every_weight_and_matches_megatrons_logits(tmp_path, 
         with torch.no_grad():
             logits = model(probe["input_ids"]).logits
         torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _loaded_every_weight(folder: Path):
+    """The merged model as transformers loads it: no weight missing, mismatched or unexpected, but the MTP layers
+    (model.layers.{L + k}: transformers builds none, and ignores them by name at the Hub's sizes only)."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
+    config = json.loads((folder / "config.json").read_text())
+    mtp = tuple(
+        f"model.layers.{config['num_hidden_layers'] + k}." for k in range(config.get("num_nextn_predict_layers") or 0)
+    )
+    unexpected = [key for key in info["unexpected_keys"] if not key.startswith(mtp)] if mtp else info["unexpected_keys"]
+    assert not info["missing_keys"] and not unexpected and not info["mismatched_keys"], info
+    return model
+
+
+def test_megatrons_logits_are_stored_for_every_fixture_megatron_ran_forward():
+    # the logits checks above and below skip a fixture without the file: every float32 fixture in one pipeline
+    # stage has it (Megatron's forward on CPU ran for each; MLA and gpt-oss included)
+    fixtures = json.loads((DATA / "versions.json").read_text())["fixtures"]
+    ran = [f["name"] for f in fixtures if f["name"] in MERGED and f["pp"] == 1 and f["dtype"] == "float32"]
+    assert {"tp2_ep2_deepseek_v3", "tp1_pp1_gpt_oss"} <= set(ran)
+    assert [name for name in ran if not (DATA / name / "megatron_logits.safetensors").is_file()] == []
+
+
+def test_a_gpt_oss_window_one_token_short_computes_other_logits_than_megatron(tmp_path):
+    # Megatron's window_size (4, 0) is the token and the 4 before it; transformers' sliding_window counts the token
+    # itself: 5 is the same window (the fixture's config, which meets Megatron's logits above), 4 one key fewer
+    import transformers
+
+    name = "tp1_pp1_gpt_oss"
+    assert json.loads((DATA / name / "hf" / "config.json").read_text())["sliding_window"] == 5
+    fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=_config(tmp_path, name, sliding_window=4))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype="auto")
+    probe = load_file(str(DATA / name / "megatron_logits.safetensors"))
+    with torch.no_grad():
+        logits = model(probe["input_ids"]).logits
+    gap = (logits - probe["logits"]).abs()
+    assert gap[:, :4].max() < 1e-5  # tokens 0-3: both windows reach back to token 0
+    assert gap[:, 4:].max() > 1e-3  # token 4 on: transformers leaves out the key 4 before
 
 
 def _packed(reference: dict) -> dict:
@@ -379,6 +422,26 @@ def test_args_that_contradict_the_config_are_refused(tmp_path, changes, mentions
     cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=mentions)
 
 
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(quick_geglu=False), ("quick_geglu False", "quick GeGLU", "gpt_oss")),
+        (dict(glu_linear_offset=0.0), ("glu_linear_offset 0.0", "gpt_oss")),
+        (dict(rotary_interleaved=True), ("rotary_interleaved True", "gpt_oss")),
+    ],
+)
+def test_gpt_oss_args_that_gpt_oss_does_not_compute_are_refused(tmp_path, changes, mentions):
+    # its MLP is quick GeGLU (swiglu False), clamped, with 1 added to the linear half: what transformers' gpt_oss computes
+    run = _with_args(tmp_path, name="tp2_ep2_gpt_oss", **changes)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_ep2_gpt_oss" / "hf", mentions=mentions)
+
+
+def test_gpt_oss_args_that_agree_with_the_config_merge_bit_exact(tmp_path):
+    name = "tp2_ep2_gpt_oss"
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert any("agree with the training args" in note for note in report.notes), report.notes
+
+
 # --- the args against the tensors: refused whether a config.json is given or built from them -------
 
 # (fixture, the args changed, what the line names): each contradicts what the fixture's tensors show
@@ -403,6 +466,7 @@ AGAINST_THE_TENSORS = [
         ("untie_embeddings_and_output_weights True", "no output_layer.weight"),
     ),
     ("tp2_pp2_vpp2_qwen2_tied_bf16", dict(add_qkv_bias=False), ("add_qkv_bias False", "a linear_qkv.bias")),
+    ("tp2_ep2_gpt_oss", dict(add_bias_linear=False), ("add_bias_linear False", "gpt-oss's biases on linear_proj")),
 ]
 
 
@@ -443,6 +507,10 @@ def _config_beside(tmp_path: Path, run: Path, name: str = "tp2_pp2", **changes) 
     return hf
 
 
+def _mistral_window(sliding_window: int) -> dict:
+    return dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=sliding_window)
+
+
 # (fixture, the args changed, config.json changed, what the line names)
 AGAINST_THE_CONFIG = [
     ("tp2_pp2", {}, dict(rms_norm_eps=1e-6), ("norm_epsilon 1e-05", "rms_norm_eps 1e-06")),
@@ -468,6 +536,36 @@ AGAINST_THE_CONFIG = [
         ("rotary_seq_len_interpolation_factor 2.0", "'linear'"),
     ),
     ("tp2_pp2", dict(window_size=(31, 0)), {}, ("window_size (31, 0)", "no sliding window")),
+    # Megatron's (31, 0) is the token and the 31 before it: transformers' sliding_window 32 (the token counted);
+    # 31 is megatron-bridge's mapping (merged with a note); another width is another model
+    (
+        "tp2_pp2",
+        dict(window_size=(31, 0)),
+        _mistral_window(30),
+        ("window_size (31, 0)", "the 31 before it", "sliding_window 30", "sliding_window 32"),
+    ),
+    ("tp2_pp2", dict(window_size=(31, 2)), _mistral_window(32), ("window_size (31, 2)", "2 after it", "causal")),
+    (
+        "tp2_pp2",
+        dict(window_size=(31, 0), window_attn_skip_freq=2),
+        dict(_mistral_window(32), layer_types=["sliding_attention"] * 4),
+        ("window_attn_skip_freq 2", "on layers [0, 2]", "sliding_attention on layers [0, 1, 2, 3]"),
+    ),
+    # gpt-oss's args (common.pt as Megatron-LM writes it): its window, the layers it is on, the clamp
+    ("tp2_ep2_gpt_oss", {}, dict(sliding_window=6), ("window_size (4, 0)", "sliding_window 6", "sliding_window 5")),
+    (
+        "tp2_ep2_gpt_oss",
+        {},
+        dict(layer_types=["full_attention", "sliding_attention"]),
+        ("window_attn_skip_freq 2", "on layers [0]", "sliding_attention on layers [1]"),
+    ),
+    ("tp2_ep2_gpt_oss", {}, dict(swiglu_limit=10.0), ("activation_func_clamp_value 7.0", "swiglu_limit 10.0")),
+    (
+        "tp2_ep2_gpt_oss",
+        dict(activation_func_clamp_value=None),
+        {},
+        ("activation_func_clamp_value None", "swiglu_limit 7.0"),
+    ),
     # Megatron-LM pads to a multiple of 3 x TP 2 = 6: 102 rows hold a vocabulary of 97..102, not 96
     ("tp2_pp2", dict(make_vocab_size_divisible_by=3), dict(vocab_size=96), ("vocab_size 96", "fewer than 6 rows")),
     ("tp2_pp2", dict(num_attention_heads=8, num_query_groups=4, kv_channels=8), {}, ("num_attention_heads 8",)),
@@ -493,9 +591,10 @@ def test_args_that_contradict_the_config_json_are_refused(tmp_path, name, args, 
         (dict(make_vocab_size_divisible_by=3), dict(vocab_size=100)),
         (dict(use_rope_scaling=True, rope_scaling_factor=8.0), _LLAMA3_CONFIG),
         (dict(rotary_seq_len_interpolation_factor=2.0), dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
-        (
-            dict(window_size=(31, 0)),
-            dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32),
+        (dict(window_size=(31, 0)), _mistral_window(32)),
+        (  # the window on layers 0 and 2 (every 2nd layer, counted from 1, without it)
+            dict(window_size=(31, 0), window_attn_skip_freq=2),
+            dict(_mistral_window(32), layer_types=["sliding_attention", "full_attention"] * 2),
         ),
         ({}, dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
         ({}, dict(hidden_act="swish")),
@@ -510,6 +609,18 @@ def test_args_and_a_config_that_agree_merge_bit_exact(tmp_path, args, changes):
         reference[name] = reference[name][:vocab]
     assert_bit_exact(merged, reference)
     assert any("agree with the training args" in note for note in report.notes), report.notes
+
+
+@pytest.mark.parametrize("name, args, window", [("tp2_pp2", dict(window_size=(31, 0)), 31), ("tp2_ep2_gpt_oss", {}, 4)])
+def test_the_window_megatron_bridge_maps_merges_with_a_note(tmp_path, name, args, window):
+    # megatron-bridge maps the Hub's sliding_window W to window_size (W, 0) and exports it back as W: a run
+    # converted that way merges with the Hub's config, the one key Megatron's attention saw more said
+    changes = _mistral_window(window) if name == "tp2_pp2" else dict(sliding_window=window)
+    run = _with_args(tmp_path, name=name, **args)
+    report = fsdpfast.merge(run, tmp_path / "out", config=_config(tmp_path, name, **changes))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == window
+    note = f"sliding_window {window} kept: the run's window_size ({window}, 0) attended to {window + 1} keys"
+    assert any(note in line for line in report.notes), report.notes
 
 
 def test_a_longer_max_position_embeddings_merges_with_a_note(tmp_path):
@@ -568,17 +679,13 @@ def test_qwen3_norms_are_q_norm_and_k_norm_and_the_experts_one_tensor_each(tmp_p
 
 @pytest.mark.parametrize("name", MOE)
 def test_qwen3_moe_packed_experts_are_the_reference_stacked(tmp_path, name):
-    import transformers
 
     fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf", expert_layout="packed")
     merged = read_merged(str(tmp_path / "out"))
     assert_bit_exact(merged, _packed(load_file(str(DATA / name / "reference.safetensors"))))
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out"), dtype="auto", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model = _loaded_every_weight(tmp_path / "out")
     megatron = DATA / name / "megatron_logits.safetensors"
-    if megatron.exists():  # not for MLA: the fixture's patched core attention cannot run it
+    if megatron.exists():  # every float32 fixture in one stage (test_megatrons_logits_are_stored_for_...)
         probe = load_file(str(megatron))
         with torch.no_grad():
             torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5)
@@ -793,6 +900,17 @@ def test_a_deepseek_v3_config_that_disagrees_with_the_tensors_is_refused(tmp_pat
     )
 
 
+def test_an_mla_norm_epsilon_other_than_transformers_latent_norms_one_is_noted(tmp_path):
+    # transformers' DeepseekV3 hard-codes eps 1e-6 in q_a_layernorm / kv_a_layernorm (the fixture's 1e-6 meets Megatron's
+    # logits to 1e-5; with 1e-5 in Megatron and the config they were 3.2e-5 apart, 7.5e-7 with those two norms at 1e-5)
+    name = "tp2_ep2_deepseek_v3"
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out", config=DATA / name / "hf")
+    assert not any("q_a_layernorm" in note for note in report.notes), report.notes
+    config = _config(tmp_path, name, rms_norm_eps=1e-5)
+    report = fsdpfast.merge(DATA / name / "run", tmp_path / "out2", config=config)
+    assert any("rms_norm_eps 1e-05" in note and "kv_a_layernorm" in note for note in report.notes), report.notes
+
+
 def test_without_config_an_mla_checkpoint_is_refused_naming_the_option(tmp_path):
     cli_refuses(DATA / "tp2_ep2_deepseek_v3" / "run", tmp_path / "out", mentions=("--config",))
 
@@ -820,3 +938,83 @@ def test_mtp_layers_the_config_does_not_count_are_refused(tmp_path, layers):
 
 def test_mtp_layers_without_a_config_are_refused(tmp_path):
     cli_refuses(DATA / "tp1_pp1_deepseek_v3_mtp" / "run", tmp_path / "out", mentions=("--config",))
+
+
+# --- GLM-4.5: grouped attention with a QKV bias and q/k norms, DeepSeek-V3's MoE and MTP layers -----------
+
+
+def test_glm4_moe_equals_megatron_bridges_export_mtp_layer_and_routed_experts_included(tmp_path):
+    # megatron-bridge 0.3.1 loaded the checkpoint at TP1/EP1 with TEGroupedMLP experts (the ones its GLM map names)
+    # and exported every tensor: the routed experts and the MTP layer (model.layers.2) included
+    report = fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=DATA / GLM / "hf")
+    assert any("1 MTP layer" in note for note in report.notes), report.notes
+    merged, bridge = read_merged(str(tmp_path / "out")), load_file(str(DATA / GLM / "bridge_export.safetensors"))
+    routed = {
+        f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+        for layer in (1, 2)
+        for e in range(4)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert routed | {"model.layers.2.eh_proj.weight", "model.layers.2.self_attn.q_proj.bias"} <= set(bridge)
+    assert_bit_exact(merged, bridge)
+
+
+def test_glm4_moe_names_and_shapes(tmp_path):
+    fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=DATA / GLM / "hf")
+    merged = read_merged(str(tmp_path / "out"))
+    shapes = {
+        "self_attn.q_proj.bias": (4 * 16,),  # a bias on q, k and v (attention_bias), none on o
+        "self_attn.k_proj.bias": (2 * 16,),
+        "self_attn.q_norm.weight": (16,),  # use_qk_norm: over each head
+        "mlp.gate.weight": (4, 64),
+        "mlp.gate.e_score_correction_bias": (4,),
+        "mlp.shared_experts.up_proj.weight": (32, 64),
+        "mlp.experts.3.down_proj.weight": (64, 32),
+    }
+    for layer in ("model.layers.1.", "model.layers.2."):  # the MoE layer, and the MTP layer's
+        assert {key: tuple(merged[layer + key].shape) for key in shapes} == shapes
+    assert "model.layers.0.mlp.gate_proj.weight" in merged and "model.layers.0.self_attn.o_proj.bias" not in merged
+    assert merged["model.layers.2.eh_proj.weight"].shape == (64, 128)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        (dict(attention_bias=False), ("holds linear_qkv.bias", "attention_bias False")),
+        (dict(use_qk_norm=False), ("q_layernorm", "use_qk_norm False")),
+        (dict(n_shared_experts=0), ("holds shared experts", "has none")),
+        (dict(first_k_dense_replace=0), ("linear_fc1.weight holds layers [0]", "first_k_dense_replace")),
+        (dict(n_routed_experts=8), ("router.weight", "n_routed_experts 8")),
+        (dict(num_nextn_predict_layers=0), ("MTP layers [0]", "num_nextn_predict_layers 0")),
+        (dict(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[0]), ("holds linear_qkv.bias", "glm4_moe")),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+            ("rotary_percent 0.5", "partial_rotary_factor 1.0"),
+        ),
+    ],
+)
+def test_a_glm4_moe_config_that_disagrees_with_the_checkpoint_is_refused(tmp_path, changes, mentions):
+    config = _config(tmp_path, GLM, **changes)
+    cli_refuses(DATA / GLM / "run", tmp_path / "out", "--config", config, mentions=(*mentions, "this checkpoint's"))
+
+
+@pytest.mark.parametrize("top", [{"partial_rotary_factor": 0.5}, {}], ids=["top-level", "absent"])
+def test_a_glm4_moe_partial_rotary_factor_at_the_top_or_absent_merges(tmp_path, top):
+    # the Hub's GLM-4.5 config.json gives it at the top (transformers moves it into rope_parameters); absent: 0.5
+    values = json.loads((DATA / GLM / "hf" / "config.json").read_text())
+    del values["rope_parameters"]["partial_rotary_factor"]
+    values.pop("partial_rotary_factor", None)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps({**values, **top}))
+    fsdpfast.merge(DATA / GLM / "run", tmp_path / "out", config=tmp_path / "config")
+    assert_bit_exact(read_merged(str(tmp_path / "out")), load_file(str(DATA / GLM / "reference.safetensors")))
+
+
+def test_without_config_a_glm4_moe_checkpoint_is_refused_naming_the_option(tmp_path):
+    cli_refuses(DATA / GLM / "run", tmp_path / "out", mentions=("MoE layers", "--config"))
+
+
+def test_rope_on_part_of_each_head_is_refused_for_the_other_families(tmp_path):
+    run = _with_args(tmp_path, rotary_percent=0.5)
+    cli_refuses(run, tmp_path / "out", "--config", DATA / "tp2_pp2" / "hf", mentions=("rotary_percent 0.5", "llama"))
+    cli_refuses(run, tmp_path / "built", mentions=("rotary_percent 0.5", "--config"))

@@ -55,7 +55,7 @@ def test_a_failing_part_leaves_nothing(checkpoints, s3_server, bucket, capsys, m
     _, folder = checkpoints.get(NAME)
     client = s3_server.client()
     calls = []
-    original = ObjectFile.write_at
+    original = ObjectFile.write_owned
 
     def failing(self, data, offset):
         calls.append(offset)
@@ -63,7 +63,7 @@ def test_a_failing_part_leaves_nothing(checkpoints, s3_server, bucket, capsys, m
             raise OSError(5, "Input/output error")
         return original(self, data, offset)
 
-    monkeypatch.setattr(ObjectFile, "write_at", failing)
+    monkeypatch.setattr(ObjectFile, "write_owned", failing)  # every byte streamed passes here
     assert main(["merge", folder, "--out", f"s3://{bucket}/out"]) != 0
     assert "nothing was published" in _error_line(capsys)
     assert objects(client, bucket, "out") == {}
@@ -146,7 +146,7 @@ def proxied(monkeypatch):
 def _stop_after_parts(monkeypatch, proxy, outage=None, parts: int = 3) -> None:
     """The server stops answering once `parts` parts of the first weights file have been streamed: for good
     (`outage` None), or until the request holding `outage` has been refused (TcpProxy.outage)."""
-    original = ObjectFile.write_at
+    original = ObjectFile.write_owned
     stopped = []
 
     def writing(self, data, offset):
@@ -155,7 +155,7 @@ def _stop_after_parts(monkeypatch, proxy, outage=None, parts: int = 3) -> None:
             stopped.append(offset)
             proxy.stop() if outage is None else proxy.outage(outage)
 
-    monkeypatch.setattr(ObjectFile, "write_at", writing)
+    monkeypatch.setattr(ObjectFile, "write_owned", writing)
 
 
 def test_a_dropped_part_upload_is_retried(checkpoints, tmp_path, proxied):

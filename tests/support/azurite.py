@@ -9,10 +9,9 @@ import email.utils
 import hashlib
 import hmac
 import shutil
-import socket
-import subprocess
-import time
 import urllib.request
+
+from local_server import LocalServer
 
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # Azurite's documented dev key
@@ -22,33 +21,15 @@ def azurite_program() -> str | None:
     return shutil.which("azurite-blob")
 
 
-class Azurite:
+class Azurite(LocalServer):
+    name = "azurite"
+
     def __init__(self):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        super().__init__()
         self.endpoint = f"http://127.0.0.1:{self.port}/{ACCOUNT}"
-        self.process = None
 
-    def start(self) -> Azurite:
-        self.process = subprocess.Popen(
-            [azurite_program(), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(200):
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("azurite did not start")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
+    def command(self) -> list[str]:
+        return [azurite_program(), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence"]
 
     def create_container(self, name: str) -> None:
         date = email.utils.formatdate(usegmt=True)

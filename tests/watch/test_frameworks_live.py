@@ -1,7 +1,8 @@
 """Each framework's own checkpoint manager saves several steps while `fsdpfast watch` runs in
 another process (polling every 20 ms, inotify too): accelerate's `save_state`, a real
-`Trainer.train()` under FSDP2 (save_steps=1), torchtitan's `CheckpointManager`, DeepSpeed's `engine.save_checkpoint` (the
-frameworks are in fsdpfast._testing.framework_runs). Every step is published once, in step order,
+`Trainer.train()` under FSDP2 (save_steps=1), torchtitan's `CheckpointManager`, DeepSpeed's
+`engine.save_checkpoint`, and verl's own `FSDPCheckpointManager.save_checkpoint` with its trainer's
+tracker write where verl is importable (the frameworks are in fsdpfast._testing.framework_runs). Every step is published once, in step order,
 bit for bit what `merge` writes from the finished checkpoint afterwards and the live model's
 weights; nothing refused or failed. Beside the watcher, this process asks watch.discover which
 checkpoints are complete as fast as it can while the job writes, and records the files the merge
@@ -24,9 +25,10 @@ from framework_checkpoints import HAVE_ACCELERATE, HAVE_TORCHTITAN
 from helpers import assert_bit_exact, load_reference, read_merged
 
 import fsdpfast
+from fsdpfast import readers
 from fsdpfast._testing.framework_runs import checkpoint_name, run_folder, write_framework_run
 from fsdpfast.readers.framework_folders import locate
-from fsdpfast.watch.discover import _holds_layout, complete_checkpoints
+from fsdpfast.watch.discover import complete_checkpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STEPS = 3
@@ -37,7 +39,21 @@ _NEEDS = {
     "trainer": HAVE_ACCELERATE,
     "torchtitan": HAVE_TORCHTITAN,
     "deepspeed": HAVE_DEEPSPEED,
+    "verl": __import__("importlib.util").util.find_spec("verl") is not None,
 }
+
+
+def _not_importable(framework: str) -> str | None:
+    """Why the framework's saving code cannot run here (None: it can). verl is installed by hand, not
+    by the test extra: `pip install --no-deps verl==0.9.1` with omegaconf, tensordict, ray, codetiming
+    (its requirements pin transformers < 5.11 and pull in ray's and vLLM's worlds)."""
+    if framework != "verl":
+        return None
+    try:
+        import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
+    except ImportError as exc:
+        return f"verl is installed but its FSDPCheckpointManager cannot be imported: {exc}"
+    return None
 
 
 class Observer(threading.Thread):
@@ -65,6 +81,10 @@ class Observer(threading.Thread):
             time.sleep(0.002)
 
 
+def _holds_layout(folder: str) -> bool:
+    return any(reader.sniff(folder) for reader in readers.READERS.values())
+
+
 def _files(folder: str) -> tuple:
     found = []
     for base, _, names in os.walk(folder):
@@ -83,6 +103,8 @@ def watched_run(request, tmp_path_factory):
     framework = request.param
     if not _NEEDS[framework]:
         pytest.skip(f"{framework} is not installed")
+    if _not_importable(framework):
+        pytest.skip(_not_importable(framework))
     root = tmp_path_factory.mktemp(framework)
     run_dir, out, log = run_folder(str(root), framework), root / "out", root / "events.jsonl"
     os.makedirs(run_dir, exist_ok=True)

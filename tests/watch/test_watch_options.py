@@ -30,6 +30,17 @@ def test_the_run_folder_must_be_a_folder_and_not_the_output(tmp_path):
     assert same.returncode == 2 and "the run folder itself" in same.stderr
 
 
+def test_a_run_in_an_object_store_is_refused_as_its_own_output_or_with_several_merge_processes(tmp_path):
+    """Refused before the store is reached (no server here)."""
+    same = run_cli_here("watch", "s3://ckpt/run/", "--out", "s3://ckpt/run")
+    assert same.returncode == 2 and "the run folder itself" in same.stderr, same.stderr
+    for options in (("--nproc-per-merge", "2"), ("--nnodes", "2", "--rdzv-endpoint", "localhost:1")):
+        several = run_cli_here("watch", "s3://ckpt/run", "--out", tmp_path / "out", *options)
+        lines = several.stderr.strip().splitlines()
+        assert several.returncode == 2 and len(lines) == 1 and "s3://ckpt/run" in lines[0], several.stderr
+        assert "--nproc-per-merge" in lines[0] and not (tmp_path / "out").exists()
+
+
 def test_once_on_a_run_with_nothing_complete_publishes_nothing(tmp_path):
     (tmp_path / "run" / "global_step_5" / "actor").mkdir(parents=True)  # no tracker file names it yet
     result = run_cli_here("watch", tmp_path / "run", "--out", tmp_path / "out", "--once")
