@@ -225,8 +225,8 @@ def _outputs(model: dict, layers: dict, s: Sizes):
 def _layer(layers: dict, i: int, s: Sizes, moe: bool):
     """Layer i's Hugging Face tensors from its Megatron ones (layer key -> {index or None: tensor})."""
     prefix = f"model.layers.{i}."
-    for key, hf in NORMS.items():
-        if key in layers:
+    for key, hf in NORMS.items():  # per layer: a TE-spec dense layer fuses its pre-MLP norm, an MoE layer does not
+        if key in layers and i in _held(layers[key]):
             yield prefix + hf, (s.hidden,), _layer_window(layers[key], i, ((0, s.hidden),))
     for key in QKV:
         if key in layers:
