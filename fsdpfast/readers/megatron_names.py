@@ -19,7 +19,7 @@ placement, no arithmetic:
   writes them one tensor per expert, as save_pretrained does (or keeps them packed).
 - gpt-oss (megatron-bridge's map): the Hub keeps its experts packed and transposed, gate and up
   interleaved: gate_up_proj[e] (H, 2F) is the (2F, H) matrix whose row 2j is fc1[e]'s gate row j and row
-  2j+1 its up row j (a window per row), written transposed (plan.model.Transposed); its bias interleaved
+  2j+1 its up row j (two windows landing every second row: plan.windows.Window.step), written transposed (plan.model.Transposed); its bias interleaved
   alike; down_proj[e] (F, H) is fc2[e] transposed; self_attn.sinks is core_attention.softmax_offset; the
   attention, router and expert biases beside their weights.
 - DeepSeek-V3: multi-latent attention, the shared experts (fc1 [gate; up] as the dense one) and the
