@@ -78,21 +78,27 @@ def test_a_run_is_at_most_two_boxes_a_dimension_less_one_and_exactly_its_element
             assert len(boxes) <= 2 * len(shape) - 1
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_random_windows_place_what_torch_slicing_takes(seed):
+def _random_tensor(seed: int, most_dims: int, most_size: int):
+    """A random draw, and tensor "t" of random shape held in random chunks or flat runs: (randint, its values, corpus)."""
     rng = torch.Generator().manual_seed(seed)
 
     def randint(low, high):  # low..high inclusive
         return int(torch.randint(low, high + 1, (1,), generator=rng))
 
-    ndim = randint(1, 4)
-    shape = tuple(randint(1, 6) for _ in range(ndim))
+    shape = tuple(randint(1, most_size) for _ in range(randint(1, most_dims)))
     whole = _values(shape)
     corpus = Corpus()
     if randint(0, 1):
         corpus.chunked("t", whole, [sorted({0, n, *(randint(1, n) for _ in range(randint(0, 2)))}) for n in shape])
     else:
         corpus.flat("t", whole, sorted({0, whole.numel(), *(randint(1, whole.numel()) for _ in range(randint(0, 4)))}))
+    return randint, whole, corpus
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_windows_place_what_torch_slicing_takes(seed):
+    randint, whole, corpus = _random_tensor(seed, 4, 6)
+    shape, ndim = tuple(whole.shape), whole.dim()
     dropped = randint(0, ndim - 1)  # leading dimensions of size one the new tensor does not have
     starts = [randint(0, n - 1) for n in shape]
     sizes = [1 if d < dropped else randint(1, shape[d] - starts[d]) for d in range(ndim)]
@@ -110,19 +116,8 @@ def test_random_windows_place_what_torch_slicing_takes(seed):
 @pytest.mark.parametrize("seed", range(200))
 def test_random_stepped_windows_place_what_strided_slicing_takes(seed):
     # a window landing every step-th slot of the new tensor (gpt-oss's gate rows at 0, 2, 4, ...)
-    rng = torch.Generator().manual_seed(seed)
-
-    def randint(low, high):  # low..high inclusive
-        return int(torch.randint(low, high + 1, (1,), generator=rng))
-
-    ndim = randint(1, 3)
-    shape = tuple(randint(1, 5) for _ in range(ndim))
-    whole = _values(shape)
-    corpus = Corpus()
-    if randint(0, 1):
-        corpus.chunked("t", whole, [sorted({0, n, *(randint(1, n) for _ in range(randint(0, 2)))}) for n in shape])
-    else:
-        corpus.flat("t", whole, sorted({0, whole.numel(), *(randint(1, whole.numel()) for _ in range(randint(0, 4)))}))
+    randint, whole, corpus = _random_tensor(seed, 3, 5)
+    shape, ndim = tuple(whole.shape), whole.dim()
     starts = [randint(0, n - 1) for n in shape]
     sizes = [randint(1, n - s) for n, s in zip(shape, starts)]
     step = [randint(1, 3) for _ in range(ndim)]
