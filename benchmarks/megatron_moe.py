@@ -132,8 +132,11 @@ def commands(name: str, run: str, hf: str, inputs: list[str], out: str, out_byte
     }
     merge = ["-m", "fsdpfast", "merge", run, "--out", out, "--config", hf, "--overwrite"]
     cmds["fsdpfast"] = [sys.executable, *merge]
-    if args.baseline_python:  # another checkout's fsdpfast, its tree left as it is (no bytecode written into it)
-        cmds["fsdpfast, baseline"] = ["env", "PYTHONDONTWRITEBYTECODE=1", args.baseline_python, *merge]
+    if args.baseline_python:  # another checkout's fsdpfast, its tree left as it is (no bytecode written into it);
+        # PYTHONSAFEPATH: `-m` would put the working directory (this checkout, when run from its root) first on
+        # sys.path, and the baseline would time this checkout's code
+        env = ["env", "PYTHONDONTWRITEBYTECODE=1", "PYTHONSAFEPATH=1"]
+        cmds["fsdpfast, baseline"] = [*env, args.baseline_python, *merge]
     if name in BRIDGED:
         cmds["megatron-bridge"] = [args.megatron_python, WRITER, "bridge", name, os.path.dirname(run), out, template]
     return cmds

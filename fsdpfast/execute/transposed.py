@@ -59,8 +59,8 @@ def _matrix_bytes(tensor: TensorPlan) -> int:
 def _pieces(tensor: TensorPlan) -> list[TensorPlan]:
     """Each matrix of the tensor untransposed (rows x cols) as a flat tensor of its own (execute.parts.slice_tensor),
     every extent visited once: an extent inside one matrix is shifted to it, one across matrices clipped to each.
-    (Slicing the whole extent list per matrix costs matrices x extents: gpt-oss's gate_up_proj from Megatron
-    has an extent per fc1 row and expert, 92,160 of them in a 16-expert layer.)"""
+    (Slicing the whole extent list per matrix costs matrices x extents, and a plan may hold many: gpt-oss's
+    gate_up_proj from Megatron had an extent per fc1 row and expert before its windows took a step.)"""
     n, count = tensor.compute.rows * tensor.compute.cols, _matrices(tensor)
     extents: list[list[Extent]] = [[] for _ in range(count)]
     for e in tensor.extents:

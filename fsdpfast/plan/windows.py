@@ -8,6 +8,9 @@ of a whole tensor). Leading dimensions of size one line up with nothing: layer i
 (L, r, c) tensor is the window (i, 0, 0) + (1, r, c), placed at (0, 0) of an (r, c) tensor.
 A window is looked up among the extents that may meet it (a bisection), not among all of a
 tensor's: a stacked tensor has a piece per layer and TP rank, and a layer's window meets a few.
+A window may land every `step`-th slot of a dimension of the new tensor (gpt-oss's gate rows at 0, 2,
+4, ... of its packed gate_up_proj): its rows then become the runs of one strided extent per piece it
+meets, so the plan's size does not grow with the number of rows.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ from .model import Extent, TensorPlan, Transposed
 
 @dataclass(frozen=True)
 class Window:
-    """The box (offsets, sizes) of tensor `tensor`, placed at `at` of the new tensor."""
+    """The box (offsets, sizes) of tensor `tensor`, placed at `at` of the new tensor, element k of the box's
+    dimension d at `at[d] + k * step[d]` there (step None: every slot, 1 in each dimension)."""
 
     tensor: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     at: tuple[int, ...]
+    step: tuple[int, ...] | None = None
+
+    def steps(self) -> tuple[int, ...]:
+        return self.step if self.step is not None else (1,) * len(self.sizes)
+
+    def span(self) -> tuple[int, ...]:
+        """The slots of each dimension of the new tensor from the window's first element to its last."""
+        return tuple((n - 1) * k + 1 if n else 0 for n, k in zip(self.sizes, self.steps()))
 
 
 class Windows:
@@ -94,10 +106,11 @@ class Windows:
             raise BadInput(f"{name}: a window of {w.tensor}, which the plan does not hold")
         if source.compute is not None:
             raise BadInput(f"{name}: a window of {w.tensor}, a computed tensor (its extents are not its bytes)")
-        fits = len(w.offsets) == len(w.sizes) == len(source.shape) and all(
+        fits = len(w.offsets) == len(w.sizes) == len(source.shape) == len(w.steps()) and all(
             0 <= o and s >= 0 and o + s <= n for o, s, n in zip(w.offsets, w.sizes, source.shape)
         )
-        region, out, at = _aligned(w.sizes, shape, w.at)
+        fits = fits and all(k >= 1 for k in w.steps())
+        region, out, at = _aligned(w.span(), shape, w.at)
         if not fits or len(w.at) != len(shape) or not all(0 <= a and a + s <= n for a, s, n in zip(at, region, out)):
             raise BadInput(
                 f"{name}: the window {list(w.offsets)} + {list(w.sizes)} of {w.tensor} {list(source.shape)} "
@@ -115,7 +128,7 @@ class Windows:
         out_strides = row_major_strides(out_shape)
         lead = len(out_shape) - len(source_shape)  # the new tensor's dimension of the window's first one
         base = sum(a * s for a, s in zip(at, out_strides))
-        dst_strides = tuple(out_strides[d + lead] for d in range(len(source_shape)))
+        dst_strides = tuple(out_strides[d + lead] * k for d, k in zip(range(len(source_shape)), w.steps()))
         found = []
         for extent in self._meeting(w.tensor, low, high):
             for offsets, sizes, src, src_strides in extent_boxes(extent, source_shape, low, high):

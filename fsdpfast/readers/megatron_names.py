@@ -19,7 +19,7 @@ placement, no arithmetic:
   writes them one tensor per expert, as save_pretrained does (or keeps them packed).
 - gpt-oss (megatron-bridge's map): the Hub keeps its experts packed and transposed, gate and up
   interleaved: gate_up_proj[e] (H, 2F) is the (2F, H) matrix whose row 2j is fc1[e]'s gate row j and row
-  2j+1 its up row j (a window per row), written transposed (plan.model.Transposed); its bias interleaved
+  2j+1 its up row j (two windows landing every second row: plan.windows.Window.step), written transposed (plan.model.Transposed); its bias interleaved
   alike; down_proj[e] (F, H) is fc2[e] transposed; self_attn.sinks is core_attention.softmax_offset; the
   attention, router and expert biases beside their weights.
 - DeepSeek-V3: multi-latent attention, the shared experts (fc1 [gate; up] as the dense one) and the
@@ -277,10 +277,15 @@ def _gpt_oss_moe(layers: dict, i: int, s: Sizes, prefix: str):
     yield prefix + "mlp.router.weight", (e, h), _layer_window(layers[ROUTER], i, ((0, e), (0, h)))
     yield prefix + "mlp.router.bias", (e,), _layer_window(layers[ROUTER_BIAS], i, ((0, e),))
     fc1, fc1_bias = layers[EXPERT_FC1], layers[EXPERT_FC1_BIAS]
-    rows = [(j, 2 * j) for j in range(f)] + [(f + j, 2 * j + 1) for j in range(f)]  # (fc1 row, interleaved row)
-    weight = [w for row, at in rows for w in _layer_window(fc1, i, ((0, e), (row, 1), (0, h)), at=(0, at, 0))]
+    # gate (fc1 rows 0..F) to every second row from 0, up (rows F..2F) from 1: two windows, whatever F is
+    halves = ((0, 0), (f, 1))  # (fc1 row, first interleaved row)
+    weight = [
+        w
+        for row, at in halves
+        for w in _layer_window(fc1, i, ((0, e), (row, f), (0, h)), at=(0, at, 0), step=(1, 2, 1))
+    ]
     yield prefix + "mlp.experts.gate_up_proj", (e, h, 2 * f), Swapped((e, 2 * f, h), weight)
-    bias = [w for row, at in rows for w in _layer_window(fc1_bias, i, ((0, e), (row, 1)), at=(0, at))]
+    bias = [w for row, at in halves for w in _layer_window(fc1_bias, i, ((0, e), (row, f)), at=(0, at), step=(1, 2))]
     yield prefix + "mlp.experts.gate_up_proj_bias", (e, 2 * f), bias
     down = _layer_window(layers[EXPERT_FC2], i, ((0, e), (0, h), (0, f)))
     yield prefix + "mlp.experts.down_proj", (e, f, h), Swapped((e, h, f), down)
@@ -293,14 +298,16 @@ def _held(found: dict) -> set[int]:
     return set(range(found[None].shape[0])) if None in found else set(found)
 
 
-def _layer_window(found: dict, i: int, box, at_row: int = 0, at: tuple[int, ...] | None = None) -> list[Window]:
+def _layer_window(
+    found: dict, i: int, box, at_row: int = 0, at: tuple[int, ...] | None = None, step: tuple[int, ...] | None = None
+) -> list[Window]:
     """Layer i's box ((start, size) per dimension) of a stacked or per-layer tensor, placed at row `at_row`
-    (or at `at`)."""
+    (or at `at`), every `step`-th slot per dimension (plan.windows.Window)."""
     offsets, sizes = tuple(start for start, _ in box), tuple(size for _, size in box)
     at = at if at is not None else (at_row,) + (0,) * (len(box) - 1)
     if None in found:
-        return [Window(found[None].name, (i, *offsets), (1, *sizes), at)]
-    return [Window(found[i].name, offsets, sizes, at)]
+        return [Window(found[None].name, (i, *offsets), (1, *sizes), at, None if step is None else (1, *step))]
+    return [Window(found[i].name, offsets, sizes, at, step)]
 
 
 def _qkv(found: dict, i: int, s: Sizes, prefix: str, kind: str):

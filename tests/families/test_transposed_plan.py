@@ -99,15 +99,23 @@ def test_what_cannot_be_transposed_is_refused(tmp_path):
 @pytest.mark.skipif(not _ops.native_cpu(), reason="the native module is not built")
 @pytest.mark.parametrize("source,target", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize(
-    "groups,files",
-    [(2, 2), (2, 1), (3, 1), (0, 2)],
-    ids=["gate-up-two-chunks", "gate-up-one-chunk", "three-groups", "rows-reversed"],
+    "groups,files,stepped",
+    [(2, 2, True), (2, 2, False), (2, 1, True), (3, 1, True), (3, 1, False), (0, 2, False)],
+    ids=[
+        "gate-up-two-chunks",
+        "gate-up-two-chunks-by-row",
+        "gate-up-one-chunk",
+        "three-groups",
+        "three-groups-by-row",
+        "rows-reversed",
+    ],
 )
-def test_rows_dealt_from_blocks_written_transposed(tmp_path, source, target, groups, files):
+def test_rows_dealt_from_blocks_written_transposed(tmp_path, source, target, groups, files, stepped):
     """gpt-oss's gate_up_proj from Megatron's fc1: the rows of each expert's blocks (gate, up: chunks of their
     own in megatron-core's files, here files=2) dealt out in turn (gate row j at 2j, up row j at 2j + 1), then
     transposed: the native way (a transpose per block, then one across them) equals torch's, and rows in
-    another order (reversed: gathered first) too."""
+    another order (reversed: gathered first) too; the blocks as windows of every groups-th row (stepped, as
+    readers.megatron_names makes them) or a window per row."""
     experts, rows, cols = 3, 12, 7
     value = torch.randn((experts, rows, cols), generator=torch.Generator().manual_seed(9)).to(source)
     name, half = str(source).removeprefix("torch."), rows // files * cols
@@ -122,9 +130,16 @@ def test_rows_dealt_from_blocks_written_transposed(tmp_path, source, target, gro
     fc1 = TensorPlan("fc1", value.shape, name, name, extents)
     order = [(i % groups) * (rows // groups) + i // groups for i in range(rows)] if groups else list(range(rows))[::-1]
     windows = [Window("fc1", (0, r, 0), (experts, 1, cols), (0, i, 0)) for i, r in enumerate(order)]
+    if stepped:
+        per = rows // groups
+        windows = [
+            Window("fc1", (0, k * per, 0), (experts, per, cols), (0, k, 0), (1, groups, 1)) for k in range(groups)
+        ]
     made = as_written(Windows([fc1]).transposed_of("gate_up", (experts, rows, cols), windows), target)
     second = slice_tensor(made, rows * cols, 2 * rows * cols)
     assert (interleaved_block(second, rows, cols) is not None) == bool(groups)
+    if stepped:  # a strided extent a block's chunk and expert at most (one a row by row: experts * rows)
+        assert len(made.extents) <= experts * max(groups, files)
     want = value[:, order].transpose(-2, -1).contiguous().to(target).view(-1).view(torch.uint8).numpy().tobytes()
     with SourceFiles(buffers) as sources:
         memory = bytearray(len(want))

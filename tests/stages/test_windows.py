@@ -78,21 +78,27 @@ def test_a_run_is_at_most_two_boxes_a_dimension_less_one_and_exactly_its_element
             assert len(boxes) <= 2 * len(shape) - 1
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_random_windows_place_what_torch_slicing_takes(seed):
+def _random_tensor(seed: int, most_dims: int, most_size: int):
+    """A random draw, and tensor "t" of random shape held in random chunks or flat runs: (randint, its values, corpus)."""
     rng = torch.Generator().manual_seed(seed)
 
     def randint(low, high):  # low..high inclusive
         return int(torch.randint(low, high + 1, (1,), generator=rng))
 
-    ndim = randint(1, 4)
-    shape = tuple(randint(1, 6) for _ in range(ndim))
+    shape = tuple(randint(1, most_size) for _ in range(randint(1, most_dims)))
     whole = _values(shape)
     corpus = Corpus()
     if randint(0, 1):
         corpus.chunked("t", whole, [sorted({0, n, *(randint(1, n) for _ in range(randint(0, 2)))}) for n in shape])
     else:
         corpus.flat("t", whole, sorted({0, whole.numel(), *(randint(1, whole.numel()) for _ in range(randint(0, 4)))}))
+    return randint, whole, corpus
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_windows_place_what_torch_slicing_takes(seed):
+    randint, whole, corpus = _random_tensor(seed, 4, 6)
+    shape, ndim = tuple(whole.shape), whole.dim()
     dropped = randint(0, ndim - 1)  # leading dimensions of size one the new tensor does not have
     starts = [randint(0, n - 1) for n in shape]
     sizes = [1 if d < dropped else randint(1, shape[d] - starts[d]) for d in range(ndim)]
@@ -105,6 +111,42 @@ def test_random_windows_place_what_torch_slicing_takes(seed):
     expected[tuple(slice(a, a + n) for a, n in zip(out_at, sizes[dropped:]))] = window
     assert torch.equal(_executed(made, corpus.source()), expected), (seed, shape, starts, sizes, out_shape, out_at)
     assert sum(e.numel for e in made.extents) == window.numel()
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_stepped_windows_place_what_strided_slicing_takes(seed):
+    # a window landing every step-th slot of the new tensor (gpt-oss's gate rows at 0, 2, 4, ...)
+    randint, whole, corpus = _random_tensor(seed, 3, 5)
+    shape, ndim = tuple(whole.shape), whole.dim()
+    starts = [randint(0, n - 1) for n in shape]
+    sizes = [randint(1, n - s) for n, s in zip(shape, starts)]
+    step = [randint(1, 3) for _ in range(ndim)]
+    out_at = [randint(0, 2) for _ in range(ndim)]
+    out_shape = tuple(a + (n - 1) * k + 1 + randint(0, 1) for a, n, k in zip(out_at, sizes, step))
+    window = Window("t", tuple(starts), tuple(sizes), tuple(out_at), tuple(step))
+    made = Windows(corpus.plans).tensor("new", out_shape, [window])
+    expected = torch.full(out_shape, -1.0, dtype=torch.float64)
+    taken = whole[tuple(slice(s, s + n) for s, n in zip(starts, sizes))]
+    expected[tuple(slice(a, a + (n - 1) * k + 1, k) for a, n, k in zip(out_at, sizes, step))] = taken
+    assert torch.equal(_executed(made, corpus.source()), expected), (seed, shape, starts, sizes, step, out_at)
+    assert sum(e.numel for e in made.extents) == taken.numel()
+
+
+def test_two_stepped_windows_interleave_rows_in_one_extent_a_piece():
+    # fc1 (E, 2F, H) as [gate; up] chunks per expert, into rows gate 0, up 0, gate 1, ...: a strided extent per
+    # chunk whatever F is (one window per row made an extent per row)
+    experts, hidden = 3, 4
+    counts = []
+    for ffn in (2, 16):
+        whole = _values((experts, 2 * ffn, hidden))
+        corpus = Corpus()
+        corpus.chunked("fc1", whole, [list(range(experts + 1)), [0, ffn, 2 * ffn], [0, hidden]])
+        halves = [Window("fc1", (0, k * ffn, 0), (experts, ffn, hidden), (0, k, 0), (1, 2, 1)) for k in (0, 1)]
+        made = Windows(corpus.plans).tensor("gate_up", whole.shape, halves)
+        expected = torch.stack([whole[:, :ffn], whole[:, ffn:]], dim=2).reshape(whole.shape)
+        assert torch.equal(_executed(made, corpus.source()), expected)
+        counts.append(len(made.extents))
+    assert counts == [2 * experts, 2 * experts]
 
 
 def test_a_stacked_tensor_gives_each_layer_its_own_pieces_only():
@@ -209,6 +251,9 @@ def test_a_part_no_piece_fills_is_left_empty():
         (Window("t", (0, 0), (2, 2), (0,)), (2, 2), "does not fit"),  # `at` of another rank
         (Window("t", (0,), (2,), (0,)), (2,), "does not fit"),  # offsets of another rank
         (Window("t", (0, 0), (2, 2), (0,)), (4,), "does not fit"),  # two rows into a tensor of one
+        (Window("t", (0, 0), (3, 2), (0, 0), (2, 1)), (4, 2), "does not fit"),  # row 2 at 4, past its rows
+        (Window("t", (0, 0), (2, 2), (0, 0), (0, 1)), (2, 2), "does not fit"),  # a step of 0: rows on top
+        (Window("t", (0, 0), (2, 2), (0, 0), (2,)), (4, 2), "does not fit"),  # a step of another rank
         (Window("missing", (0,), (1,), (0,)), (1,), "does not hold"),
     ],
 )
