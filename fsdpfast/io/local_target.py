@@ -57,6 +57,7 @@ class LocalTarget:
         self.warnings: list[str] = []  # what was kept from an earlier OUT_DIR because fsdpfast did not write it
         self._old: str | None = None  # where --overwrite moves the previous OUT_DIR (as `previous`)
         self._made_parents = make_parents(parent)
+        self.path: str | None = None  # the staging folder, once made
         try:
             self.lock = OutputLock(self.out_dir)  # a second merge into OUT_DIR stops here
         except BaseException:
@@ -67,7 +68,6 @@ class LocalTarget:
                 log.warning("%s", kept)
                 self.warnings.append(kept)
             self._check_out_dir(out_dir, overwrite)  # a killed --overwrite may have put OUT_DIR back
-            self.path = None
             self.path = _make_staging(parent, os.path.basename(self.out_dir))
             write_marker(self.path, STAGING_MARKER, self.out_dir)
         except BaseException:  # SIGTERM or Ctrl-C included: nothing of this merge is left
